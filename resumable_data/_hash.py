@@ -1,0 +1,40 @@
+"""Counter-based 64-bit hashing: the one source of randomness behind orders and per-sample RNGs.
+
+SplitMix64's finalizer is a bijective mixer with full avalanche; chaining it over the inputs gives
+keys that are pure functions of their arguments, stable across numpy/torch releases and platforms.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+_MASK64 = (1 << 64) - 1
+_GOLDEN = 0x9E3779B97F4A7C15
+_M1 = 0xBF58476D1CE4E5B9
+_M2 = 0x94D049BB133111EB
+
+
+def mix64(x: int) -> int:
+    """SplitMix64 finalizer on a Python int (bijective on 64-bit values)."""
+    x &= _MASK64
+    x = ((x ^ (x >> 30)) * _M1) & _MASK64
+    x = ((x ^ (x >> 27)) * _M2) & _MASK64
+    return x ^ (x >> 31)
+
+
+def hash_ints(*values: int) -> int:
+    """A 64-bit key that is a pure function of a sequence of (possibly negative) ints."""
+    h = 0x6A09E667F3BCC909
+    for v in values:
+        h = mix64(h ^ ((v + _GOLDEN) & _MASK64))
+    return h
+
+
+def mix64_array(x: np.ndarray) -> np.ndarray:
+    """SplitMix64 finalizer over a uint64 array (wrap-around arithmetic, no copies kept)."""
+    x = x ^ (x >> np.uint64(30))
+    x *= np.uint64(_M1)
+    x ^= x >> np.uint64(27)
+    x *= np.uint64(_M2)
+    x ^= x >> np.uint64(31)
+    return x

@@ -1,0 +1,88 @@
+"""State conventions shared by every resumable object: the protocol, the error type, the keys.
+
+Every state dict the library produces is plain data (ints, floats, bools, strings, lists, dicts;
+tensors only where they must be) so it round-trips through ``json.dumps`` and
+``torch.load(..., weights_only=True)``. Every top-level state carries a ``"version"`` that
+``load_state_dict`` checks before touching anything.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, Protocol, runtime_checkable
+
+__all__ = ["ResumeError", "Stateful"]
+
+# Keys of the sampler / loader state, declared once.
+VERSION = "version"
+EPOCH = "epoch"
+POSITION = "position"
+DATASET_LENGTH = "dataset_length"
+SEED = "seed"
+SHUFFLE = "shuffle"
+WORLD_SIZE = "world_size"
+DROP_LAST = "drop_last"
+BATCH_SIZE = "batch_size"
+
+
+class ResumeError(ValueError):
+    """A state cannot be loaded (or an object cannot be built) so that a resume would be exact.
+
+    The message names the field, both values and the remedy. Raised before any mutation: the
+    object that refused a state is unchanged.
+    """
+
+
+@runtime_checkable
+class Stateful(Protocol):
+    """Anything with PyTorch-style ``state_dict()`` / ``load_state_dict()``."""
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None: ...
+
+
+def require_mapping(state: Any, what: str) -> Mapping[str, Any]:
+    """Return ``state`` if it is a mapping, else raise a ResumeError naming ``what``."""
+    if not isinstance(state, Mapping):
+        raise ResumeError(f"{what} state must be a dict, but got {type(state).__name__}")
+    return state
+
+
+def require_int(state: Mapping[str, Any], key: str, what: str, *, minimum: int | None = None) -> int:
+    """Read ``state[key]`` as an int (bools refused), optionally at least ``minimum``."""
+    if key not in state:
+        raise ResumeError(f"{what} state is missing the key {key!r}; got keys {sorted(state)}")
+    value = state[key]
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ResumeError(f"{what} state field {key!r} must be an int, but got {value!r}")
+    if minimum is not None and value < minimum:
+        raise ResumeError(f"{what} state field {key!r} must be >= {minimum}, but got {value}")
+    return value
+
+
+def require_bool(state: Mapping[str, Any], key: str, what: str) -> bool:
+    """Read ``state[key]`` as a bool."""
+    if key not in state:
+        raise ResumeError(f"{what} state is missing the key {key!r}; got keys {sorted(state)}")
+    value = state[key]
+    if not isinstance(value, bool):
+        raise ResumeError(f"{what} state field {key!r} must be a bool, but got {value!r}")
+    return value
+
+
+def check_version(state: Mapping[str, Any], expected: int, what: str) -> None:
+    """Refuse a state written by an incompatible version of ``what``."""
+    version = require_int(state, VERSION, what)
+    if version != expected:
+        raise ResumeError(
+            f"{what} state has version {version}, but this resumable_data reads version {expected}; "
+            f"load the checkpoint with the resumable_data release that wrote it"
+        )
+
+
+def check_int_arg(name: str, value: Any, *, minimum: int) -> int:
+    """Validate a constructor argument the way PyTorch's samplers word it, as a ResumeError."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ResumeError(f"{name} should be an integer >= {minimum}, but got {name}={value!r}")
+    return value
