@@ -4,6 +4,10 @@ The public surface is re-exported here; each name lives in a small module with o
 """
 
 from ._state import ResumeError, Stateful
+from .checkpoint import CheckpointLockedError, CheckpointManager
+from .dataloader import ResumableDataLoader, wrap
+from .permutation import Permutation
+from .sampler import ResumableSampler
 from .rng import (
     RandomMap,
     SampleKey,
@@ -17,7 +21,12 @@ from .rng import (
 __version__ = "0.1.0"
 
 __all__ = [
+    "CheckpointLockedError",
+    "CheckpointManager",
+    "Permutation",
     "RandomMap",
+    "ResumableDataLoader",
+    "ResumableSampler",
     "ResumeError",
     "SampleKey",
     "Stateful",
@@ -27,4 +36,5 @@ __all__ = [
     "sample_generator",
     "sample_numpy_rng",
     "sample_seed",
+    "wrap",
 ]
