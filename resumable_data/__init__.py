@@ -17,21 +17,39 @@ from .rng import (
     sample_numpy_rng,
     sample_seed,
 )
+from .streams import (
+    IterableSource,
+    ReplayWarning,
+    ShardedIterable,
+    Stream,
+    StreamLoader,
+    TextLineReader,
+    TokenShardReader,
+    mix,
+)
 
 __version__ = "0.1.0"
 
 __all__ = [
     "CheckpointLockedError",
     "CheckpointManager",
+    "IterableSource",
     "Permutation",
     "RandomMap",
     "ResumableDataLoader",
     "ResumableSampler",
+    "ReplayWarning",
     "ResumeError",
     "SampleKey",
+    "ShardedIterable",
     "Stateful",
+    "Stream",
+    "StreamLoader",
+    "TextLineReader",
+    "TokenShardReader",
     "__version__",
     "capture_rng_state",
+    "mix",
     "restore_rng_state",
     "sample_generator",
     "sample_numpy_rng",

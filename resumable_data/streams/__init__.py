@@ -1,0 +1,43 @@
+"""Resumable stream pipelines: sharded sources, readers, wrappers and a worker/rank-aware loader.
+
+Build a pipeline from a source and the fluent wrappers of :class:`Stream`, then iterate it
+directly or through :class:`StreamLoader`::
+
+    stream = ShardedIterable(paths, read_shard=TokenShardReader(1025), seed=0)
+    stream = stream.shuffle_buffer(1000, seed=0).map(augment, seed=0)
+    loader = StreamLoader(stream, batch_size=32, num_workers=2)
+
+Every stage's state nests its source's; see :mod:`resumable_data.streams.base` for record keys
+and :mod:`resumable_data.streams.loader` for workers, ranks and layout changes.
+"""
+
+from .base import Stream
+from .batch import Batch
+from .filter import Filter
+from .foreign import IterableSource, ReplayWarning
+from .loader import StreamLoader
+from .map import Map
+from .mix import Mix, mix
+from .readers import TextLineReader, TokenShardReader
+from .repeat import Repeat
+from .sharded import ShardedIterable
+from .shuffle import ShuffleBuffer
+from .take import Take
+
+__all__ = [
+    "Batch",
+    "Filter",
+    "IterableSource",
+    "Map",
+    "Mix",
+    "Repeat",
+    "ReplayWarning",
+    "ShardedIterable",
+    "ShuffleBuffer",
+    "Stream",
+    "StreamLoader",
+    "Take",
+    "TextLineReader",
+    "TokenShardReader",
+    "mix",
+]

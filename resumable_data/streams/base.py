@@ -1,0 +1,246 @@
+"""The base of every stream stage: keyed iteration, epochs, nested state, re-reading, rebalancing.
+
+A stream pipeline is a chain of small stages (a source, then ``map``, ``filter``,
+``shuffle_buffer``, ``batch``, ...). Each stage is iterable and :class:`~resumable_data.Stateful`;
+a parent nests its source's state under ``"source"`` (``"sources"`` for :func:`mix`).
+
+Record identity. Internally every stage yields ``(key, value)`` pairs. A record's *key* is a tuple
+of ints fixed by where the record lives, not by when or by which worker it was read:
+``(epoch, shard index, offset)`` from a :class:`ShardedIterable`, with the source index inserted
+after the epoch by :func:`mix`. Keys are what make the rest exact and small:
+
+* ``map(fn, seed=...)`` draws each record's randomness from its key, so augmentation does not
+  depend on the order, the worker or the number of resumes;
+* ``shuffle_buffer`` saves the keys of its buffered records, never their payloads, and re-reads
+  them through :meth:`Stream._fetch` on restore;
+* a different worker/rank layout puts buffered records back into the sources as *pending* keys
+  (:meth:`Stream._rebalance`), so every record is still consumed exactly once.
+
+Epochs. ``set_epoch(e)`` starts epoch ``e`` from its beginning unless ``e`` is already the current
+epoch (so calling it right after ``load_state_dict`` keeps the restored position). A stage holds
+all of its iteration state on itself, not in the generator: iterating again after a ``break``
+continues where the last yielded item left off. One active iterator per stage object.
+
+Loading is validate-then-mutate: :meth:`Stream._check` validates a whole nested state and returns
+a thunk that applies it, so a failed ``load_state_dict`` leaves the pipeline unchanged.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any
+
+from .._state import VERSION, ResumeError, check_int_arg, check_version, require_int, require_mapping
+
+__all__ = ["Key", "Slot", "Stream"]
+
+Key = tuple[int, ...]
+"""A record's identity: ``(epoch, *where)``; see the module docstring."""
+
+Slot = tuple[int, int]
+"""``(slot, num_slots)``: which of the global (rank, worker) slots a pipeline copy serves."""
+
+STREAM_STATE_VERSION = 1
+SOURCE = "source"
+SOURCES = "sources"
+EPOCH = "epoch"
+SEED = "seed"
+
+
+class Stream:
+    """Base class of stream stages; users compose them with the fluent methods below.
+
+    Example:
+        >>> stream = ShardedIterable(paths, read_shard=TokenShardReader(1025))
+        >>> stream = stream.shuffle_buffer(1000, seed=0).map(augment, seed=0).batch(32)
+        >>> stream.load_state_dict(checkpoint["data"])  # when resuming
+        >>> for batch in stream:
+        ...     train_step(batch)
+        ...     checkpoint["data"] = stream.state_dict()
+    """
+
+    #: Whether items carry a record key (batches do not).
+    keyed: bool = True
+    #: Whether a record can be re-read from its key alone (needed by shuffle_buffer).
+    fetchable: bool = True
+
+    def __init__(self) -> None:
+        self._epoch = 0
+
+    # -- what each stage implements ---------------------------------------------------------
+    def _keyed(self) -> Iterator[tuple[Key | None, Any]]:
+        """Yield ``(key, value)`` from the current position, updating the state before each yield."""
+        raise NotImplementedError
+
+    def _reset(self, epoch: int, slot: Slot | None) -> None:
+        """Start ``epoch`` from its beginning (for ``slot`` when given, else the current one)."""
+        raise NotImplementedError
+
+    def state_dict(self) -> dict[str, Any]:
+        """The position after the last item this stage yielded, as plain nested data."""
+        raise NotImplementedError
+
+    def _check(self, state: Any) -> Callable[[], None]:
+        """Validate ``state`` (recursively) and return a thunk that applies it."""
+        raise NotImplementedError
+
+    def _fetch(self, key: Key) -> Any:
+        """Re-read the record with ``key`` (what this stage would yield for it)."""
+        raise TypeError(f"{type(self).__name__} cannot re-read a record from its key")
+
+    def _rebalance(self, states: Sequence[Mapping[str, Any]], num_slots: int, pending: list[Key]) -> list[dict[str, Any]]:
+        """Turn the (validated) states of every old slot into states for ``num_slots`` new slots.
+
+        ``pending`` are keys of records this stage's consumer had read but not handed out (a
+        shuffle buffer's contents): the new slots must yield them again.
+        """
+        raise ResumeError(
+            f"{type(self).__name__} keeps a per-stream count that cannot be split over a different "
+            "number of workers or ranks; resume with the checkpoint's num_workers and world_size"
+        )
+
+    # -- public behaviour shared by all stages -------------------------------------------------
+    @property
+    def epoch(self) -> int:
+        """The current epoch."""
+        return self._epoch
+
+    def set_epoch(self, epoch: int) -> None:
+        """Start ``epoch``; a no-op when it is already the current (e.g. restored) epoch."""
+        check_int_arg("epoch", epoch, minimum=0)
+        if epoch != self._epoch:
+            self._reset(epoch, None)
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """Continue from ``state_dict`` (from :meth:`state_dict` of an identical pipeline).
+
+        Raises:
+            ResumeError: malformed state, or one that does not fit this pipeline; the pipeline is
+                unchanged.
+        """
+        self._check(state_dict)()
+
+    def __iter__(self) -> Iterator[Any]:
+        for _, value in self._keyed():
+            yield value
+
+    # -- fluent composition (the wrappers subclass Stream, hence the local imports) -------------
+    def map(self, fn: Callable[..., Any], *, seed: int | None = None) -> Stream:
+        """``fn(record)``, or ``fn(record, generator)`` with a per-record generator when ``seed`` is set."""
+        from .map import Map
+
+        return Map(self, fn, seed=seed)
+
+    def filter(self, predicate: Callable[[Any], bool]) -> Stream:
+        """Keep the records for which ``predicate`` is true."""
+        from .filter import Filter
+
+        return Filter(self, predicate)
+
+    def batch(self, batch_size: int, *, drop_last: bool = False, collate_fn: Callable[[list[Any]], Any] | None = None) -> Stream:
+        """Group consecutive records into batches (``default_collate`` unless ``collate_fn``)."""
+        from .batch import Batch
+
+        return Batch(self, batch_size, drop_last=drop_last, collate_fn=collate_fn)
+
+    def shuffle_buffer(self, size: int, *, seed: int = 0) -> Stream:
+        """Shuffle through a buffer of ``size`` records."""
+        from .shuffle import ShuffleBuffer
+
+        return ShuffleBuffer(self, size, seed=seed)
+
+    def take(self, n: int) -> Stream:
+        """At most ``n`` records per epoch."""
+        from .take import Take
+
+        return Take(self, n)
+
+    def repeat(self, times: int | None = None) -> Stream:
+        """Iterate the source ``times`` times (forever when None), one source epoch per round."""
+        from .repeat import Repeat
+
+        return Repeat(self, times)
+
+
+class Wrapper(Stream):
+    """A stage with one source whose state is its own fields plus the source's under ``"source"``.
+
+    Subclasses list their own state fields through :meth:`_own_state` / :meth:`_check_own`.
+    """
+
+    def __init__(self, source: Stream) -> None:
+        super().__init__()
+        if not isinstance(source, Stream):
+            raise TypeError(f"{type(self).__name__} wraps a Stream, got {type(source).__name__}")
+        self.source = source
+        self._epoch = source.epoch
+        self.keyed = source.keyed
+        self.fetchable = source.fetchable
+
+    def _what(self) -> str:
+        return type(self).__name__
+
+    def _own_state(self) -> dict[str, Any]:
+        return {}
+
+    def _check_own(self, state: Mapping[str, Any]) -> Callable[[], None]:
+        """Validate this stage's own fields; return the thunk that applies them."""
+        return lambda: None
+
+    def _reset_own(self) -> None:
+        """Clear this stage's per-epoch fields."""
+
+    def _reset(self, epoch: int, slot: Slot | None) -> None:
+        self._epoch = epoch
+        self._reset_own()
+        self.source._reset(epoch, slot)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {VERSION: STREAM_STATE_VERSION, EPOCH: self._epoch, **self._own_state(), SOURCE: self.source.state_dict()}
+
+    def _check(self, state: Any) -> Callable[[], None]:
+        state = require_mapping(state, self._what())
+        check_version(state, STREAM_STATE_VERSION, self._what())
+        epoch = require_epoch(state, self._what())
+        if SOURCE not in state:
+            raise ResumeError(f"{self._what()} state is missing the key {SOURCE!r}; got keys {sorted(state)}")
+        apply_own = self._check_own(state)
+        apply_source = self.source._check(state[SOURCE])
+
+        def apply() -> None:
+            self._epoch = epoch
+            apply_own()
+            apply_source()
+
+        return apply
+
+    def _fetch(self, key: Key) -> Any:
+        return self.source._fetch(key)
+
+    def _rebalance(self, states: Sequence[Mapping[str, Any]], num_slots: int, pending: list[Key]) -> list[dict[str, Any]]:
+        sources = self.source._rebalance([s[SOURCE] for s in states], num_slots, pending)
+        return [{VERSION: STREAM_STATE_VERSION, EPOCH: states[0][EPOCH], **self._own_state_fresh(), SOURCE: s} for s in sources]
+
+    def _own_state_fresh(self) -> dict[str, Any]:
+        """This stage's own fields at the start of an epoch (used after a rebalance)."""
+        return {}
+
+
+def require_epoch(state: Mapping[str, Any], what: str) -> int:
+    """Read the ``"epoch"`` field."""
+    return require_int(state, EPOCH, what, minimum=0)
+
+
+def check_same(what: str, field: str, saved: Any, current: Any, remedy: str) -> None:
+    """Refuse a state whose ``field`` differs from this pipeline's, naming both values."""
+    if saved != current:
+        raise ResumeError(f"{what} {field} changed: checkpoint has {saved!r}, pipeline has {current!r}; {remedy}")
+
+
+def require_key(value: Any, what: str) -> Key:
+    """Read a record key saved as a list of ints."""
+    if not isinstance(value, (list, tuple)) or len(value) < 2 or not all(
+        isinstance(v, int) and not isinstance(v, bool) for v in value
+    ):
+        raise ResumeError(f"{what}: a record key must be a list of at least 2 ints, but got {value!r}")
+    return tuple(value)

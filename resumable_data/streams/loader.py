@@ -1,0 +1,303 @@
+"""StreamLoader: a stream pipeline behind a DataLoader, split over ranks and workers, resumable.
+
+Slots. With ``world_size`` ranks of ``max(1, num_workers)`` workers each there are ``S`` global
+slots; worker ``w`` of rank ``r`` serves slot ``r * max(1, num_workers) + w`` and reads every
+``S``-th shard of the epoch's shard order (see :class:`ShardedIterable`), through its own copy of
+the pipeline.
+
+Exact position with prefetching, no extra messages. Each worker yields every batch together with
+its pipeline's state *after* that batch. The loader strips the state off and keeps the latest one
+per slot, so its state describes exactly the batches handed to the caller; batches still sitting
+in a prefetch queue are not counted. The state::
+
+    {"version": 1, "epoch": 2, "epoch_done": False, "world_size": 2, "num_workers": 2,
+     "next_worker": {"0": 1}, "slots": {"0": {...pipeline state...}, "1": {...}}}
+
+Bitwise resume. With ``in_order=True`` a DataLoader takes batches from its workers round-robin
+starting at worker 0, skipping a worker for good once it is exhausted. ``next_worker`` records
+where that round-robin stands; a restored loader rotates which slot each worker serves, so the
+round-robin continues where it stopped and the stream is bitwise identical.
+
+Different layout on resume. Each rank's state holds only that rank's slots. Merge all ranks'
+states with :meth:`StreamLoader.merge_states` (e.g. after ``torch.distributed.all_gather_object``)
+and load the merged state on every rank: with the same layout each rank picks its slots; with a
+different ``world_size`` or ``num_workers`` the unfinished shards with their cursors, and the
+records held in shuffle buffers (as pending records), are dealt to the new slots. Every record of
+the epoch is then consumed exactly once, in a different order than the old layout would have used.
+A pipeline with ``take``/``repeat``/``IterableSource`` refuses a layout change.
+
+Epochs follow :class:`~resumable_data.ResumableDataLoader`: iterating continues the current epoch;
+once it is exhausted, the next ``iter()`` starts the next epoch unless ``set_epoch`` chose one. A
+restored epoch remainder that turns out empty (checkpoint taken right after the epoch's last batch)
+goes straight on with the next epoch instead of yielding an empty one. Ranks may get different
+numbers of batches per epoch (shards differ in size).
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader, IterableDataset, get_worker_info
+
+from .._hash import hash_ints
+from .._state import VERSION, ResumeError, check_int_arg, check_version, require_bool, require_int, require_mapping
+from ..dataloader import _distributed_defaults
+from .base import EPOCH, Stream
+from .batch import Batch
+
+__all__ = ["StreamLoader"]
+
+_WHAT = "StreamLoader"
+LOADER_STATE_VERSION = 1
+EPOCH_DONE = "epoch_done"
+WORLD_SIZE = "world_size"
+NUM_WORKERS = "num_workers"
+NEXT_WORKER = "next_worker"
+SLOTS = "slots"
+# DataLoader arguments the loader decides itself.
+_OWNED = ("batch_size", "shuffle", "sampler", "batch_sampler", "generator", "collate_fn")
+
+
+class StreamLoader:
+    """Batches of a stream pipeline from worker processes, with an exact and elastic state.
+
+    Args:
+        pipeline: a :class:`Stream` of records (or of batches, with ``batch_size=None``).
+        batch_size: records per batch, batched inside each worker; None when the pipeline batches.
+        drop_last: drop each slot's last partial batch.
+        collate_fn: how a list of records becomes a batch (``default_collate`` when None).
+        num_workers: worker processes per rank.
+        rank: this rank; defaults to ``torch.distributed``'s when initialized, else 0.
+        world_size: number of ranks; defaults to ``torch.distributed``'s when initialized, else 1.
+        **dataloader_kwargs: other ``DataLoader`` keywords (``pin_memory``, ``prefetch_factor``,
+            ``worker_init_fn``, ``multiprocessing_context``, ...).
+
+    Example:
+        >>> stream = ShardedIterable(paths, read_shard=TokenShardReader(1025)).shuffle_buffer(1000)
+        >>> loader = StreamLoader(stream, batch_size=32, num_workers=2)
+        >>> if checkpoint: loader.load_state_dict(checkpoint["dataloader"])
+        >>> for batch in loader:
+        ...     train_step(batch)
+        ...     save({"dataloader": loader.state_dict(), ...})
+    """
+
+    def __init__(
+        self,
+        pipeline: Stream,
+        *,
+        batch_size: int | None = None,
+        drop_last: bool = False,
+        collate_fn: Callable[[list[Any]], Any] | None = None,
+        num_workers: int = 0,
+        rank: int | None = None,
+        world_size: int | None = None,
+        **dataloader_kwargs: Any,
+    ) -> None:
+        if not isinstance(pipeline, Stream):
+            raise TypeError(f"StreamLoader takes a Stream pipeline, got {type(pipeline).__name__}")
+        for name in _OWNED:
+            if name in dataloader_kwargs:
+                raise ResumeError(f"StreamLoader decides {name!r} itself; remove {name}=... (batch with batch_size=)")
+        if dataloader_kwargs.get("persistent_workers"):
+            raise ResumeError(
+                "persistent_workers=True keeps each worker's pipeline copy from the first epoch, so "
+                "the loader could not hand it the restored or next epoch's cursors; leave it False"
+            )
+        if dataloader_kwargs.get("in_order", True) is False:
+            raise ResumeError("in_order=False hands out batches in completion order, which cannot resume exactly")
+        default_rank, default_world = _distributed_defaults()
+        self.world_size = check_int_arg("world_size", default_world if world_size is None else world_size, minimum=1)
+        self.rank = check_int_arg("rank", default_rank if rank is None else rank, minimum=0)
+        if self.rank >= self.world_size:
+            raise ResumeError(f"rank should be < world_size, but got rank={self.rank}, world_size={self.world_size}")
+        self.num_workers = check_int_arg("num_workers", num_workers, minimum=0)
+        self._stream = pipeline if batch_size is None else Batch(pipeline, batch_size, drop_last=drop_last, collate_fn=collate_fn)
+        self._dataloader_kwargs = dataloader_kwargs
+        self._local = max(1, self.num_workers)
+        self._epoch = 0
+        self._epoch_done = False
+        self._pinned = False  # set_epoch() chose the epoch: the next iter() must not advance it
+        self._fresh = True  # the slot states are an epoch's start, not a position inside it
+        self._next_worker = 0
+        self._states: list[dict[str, Any]] = []
+        self._start_epoch(0)
+
+    @property
+    def epoch(self) -> int:
+        """The current epoch."""
+        return self._epoch
+
+    @property
+    def num_slots(self) -> int:
+        """Global (rank, worker) slots."""
+        return self.world_size * self._local
+
+    def _start_epoch(self, epoch: int) -> None:
+        states = []
+        for local in range(self._local):
+            self._stream._reset(epoch, (self.rank * self._local + local, self.num_slots))
+            states.append(self._stream.state_dict())
+        self._epoch, self._states, self._next_worker = epoch, states, 0
+        self._epoch_done, self._fresh = False, True
+
+    def set_epoch(self, epoch: int) -> None:
+        """Select ``epoch``; keeps the position if it is already the current (e.g. restored) epoch."""
+        check_int_arg("epoch", epoch, minimum=0)
+        if epoch != self._epoch:
+            self._start_epoch(epoch)
+        self._pinned = True
+
+    def __iter__(self) -> Iterator[Any]:
+        if self._epoch_done and not self._pinned:
+            self._start_epoch(self._epoch + 1)
+        pinned, fresh, self._pinned = self._pinned, self._fresh, False
+        yielded = False
+        for local, state, batch in self._dataloader():
+            self._states[local] = state
+            self._next_worker = (local + 1) % self._local
+            self._fresh, yielded = False, True
+            yield batch
+        self._epoch_done = True
+        if not yielded and not fresh and not pinned:
+            # Restored right after the epoch's last batch: go on with the next epoch rather than
+            # hand the caller an empty one.
+            yield from self
+
+    def _dataloader(self) -> DataLoader:
+        dataset = _SlotDataset(self._stream, list(self._states), self._next_worker)
+        # A private generator: torch draws the workers' base seed from it, which would otherwise
+        # consume the global RNG (and change model randomness after a resume).
+        generator = torch.Generator()
+        generator.manual_seed(hash_ints(self._epoch, self.rank) >> 1)
+        return DataLoader(
+            dataset,
+            batch_size=None,
+            num_workers=self.num_workers,
+            collate_fn=_unchanged,
+            generator=generator,
+            **self._dataloader_kwargs,
+        )
+
+    # -- state ---------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """This rank's slots, each as the pipeline state after its last batch handed out."""
+        return {
+            VERSION: LOADER_STATE_VERSION,
+            EPOCH: self._epoch,
+            EPOCH_DONE: self._epoch_done,
+            WORLD_SIZE: self.world_size,
+            NUM_WORKERS: self.num_workers,
+            NEXT_WORKER: {str(self.rank): self._next_worker},
+            SLOTS: {str(self.rank * self._local + local): copy.deepcopy(s) for local, s in enumerate(self._states)},
+        }
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """Continue from this rank's state, or from :meth:`merge_states` of every rank's.
+
+        With the checkpoint's world size and number of workers the stream is bitwise identical;
+        with others, the unfinished shards are redistributed (see the module docstring).
+
+        Raises:
+            ResumeError: malformed state, a slot missing, or a pipeline that does not fit; the
+                loader is unchanged.
+        """
+        state = require_mapping(state_dict, _WHAT)
+        check_version(state, LOADER_STATE_VERSION, _WHAT)
+        epoch = require_int(state, EPOCH, _WHAT, minimum=0)
+        epoch_done = require_bool(state, EPOCH_DONE, _WHAT)
+        old_world = require_int(state, WORLD_SIZE, _WHAT, minimum=1)
+        old_local = max(1, require_int(state, NUM_WORKERS, _WHAT, minimum=0))
+        slots = _slots_of(state, old_world * old_local)
+        mine = range(self.rank * self._local, (self.rank + 1) * self._local)
+        if (old_world, old_local) == (self.world_size, self._local):
+            missing = [g for g in mine if g not in slots]
+            if missing:
+                raise ResumeError(
+                    f"{_WHAT} state has no slots {missing} for rank {self.rank} (it holds slots "
+                    f"{sorted(slots)}); load this rank's own state or StreamLoader.merge_states of all ranks'"
+                )
+            states = [slots[g] for g in mine]
+            next_worker = require_mapping(state.get(NEXT_WORKER), f"{_WHAT} {NEXT_WORKER!r}").get(str(self.rank))
+            if not isinstance(next_worker, int) or not 0 <= next_worker < self._local:
+                raise ResumeError(f"{_WHAT} state field {NEXT_WORKER!r} has {next_worker!r} for rank {self.rank}")
+        else:
+            missing = sorted(set(range(old_world * old_local)) - set(slots))
+            if missing:
+                raise ResumeError(
+                    f"resuming with world_size={self.world_size}, num_workers={self.num_workers} from a checkpoint "
+                    f"with world_size={old_world}, num_workers={state[NUM_WORKERS]} redistributes the unfinished "
+                    f"shards of every old slot, but the state lacks slots {missing}; load "
+                    "StreamLoader.merge_states([state of each rank]) instead"
+                )
+            for g in sorted(slots):
+                self._stream._check(slots[g])
+            every = self._stream._rebalance([slots[g] for g in sorted(slots)], self.num_slots, [])
+            states = [every[g] for g in mine]
+            next_worker = 0
+        for s in states:
+            self._stream._check(s)
+        self._epoch, self._epoch_done, self._states, self._next_worker = epoch, epoch_done, states, next_worker
+        self._pinned, self._fresh = False, False
+
+    @staticmethod
+    def merge_states(states: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+        """One state holding the slots of every rank's state (all saved at the same step).
+
+        Example:
+            >>> gathered = [None] * world_size
+            >>> torch.distributed.all_gather_object(gathered, loader.state_dict())
+            >>> checkpoint["dataloader"] = StreamLoader.merge_states(gathered)
+        """
+        if not states:
+            raise ResumeError("merge_states needs at least one state")
+        first = require_mapping(states[0], _WHAT)
+        merged: dict[str, Any] = {**first, EPOCH_DONE: True, NEXT_WORKER: {}, SLOTS: {}}
+        for state in states:
+            state = require_mapping(state, _WHAT)
+            check_version(state, LOADER_STATE_VERSION, _WHAT)
+            for key in (EPOCH, WORLD_SIZE, NUM_WORKERS):
+                if state.get(key) != first.get(key):
+                    raise ResumeError(f"cannot merge states with different {key!r}: {first.get(key)!r} and {state.get(key)!r}")
+            overlap = set(merged[SLOTS]) & set(require_mapping(state.get(SLOTS), f"{_WHAT} {SLOTS!r}"))
+            if overlap:
+                raise ResumeError(f"cannot merge states that both hold slots {sorted(overlap)}")
+            merged[SLOTS].update(state[SLOTS])
+            merged[NEXT_WORKER].update(require_mapping(state.get(NEXT_WORKER), f"{_WHAT} {NEXT_WORKER!r}"))
+            merged[EPOCH_DONE] = merged[EPOCH_DONE] and require_bool(state, EPOCH_DONE, _WHAT)
+        return merged
+
+
+def _slots_of(state: Mapping[str, Any], num_slots: int) -> dict[int, Any]:
+    slots = require_mapping(state.get(SLOTS), f"{_WHAT} {SLOTS!r}")
+    parsed = {}
+    for key, value in slots.items():
+        if not (isinstance(key, str) and key.isdigit() and int(key) < num_slots):
+            raise ResumeError(f"{_WHAT} state: slot {key!r} is not a slot number below {num_slots}")
+        parsed[int(key)] = value
+    return parsed
+
+
+def _unchanged(item: Any) -> Any:
+    """The DataLoader's collate_fn: workers already batched, and the state must pass untouched."""
+    return item
+
+
+class _SlotDataset(IterableDataset):
+    """What each worker iterates: its slot's pipeline from the slot's state, batch by batch."""
+
+    def __init__(self, stream: Stream, states: list[dict[str, Any]], next_worker: int) -> None:
+        self.stream = stream
+        self.states = states
+        self.next_worker = next_worker
+
+    def __iter__(self) -> Iterator[tuple[int, dict[str, Any], Any]]:
+        info = get_worker_info()
+        # Rotate slots over workers so that the DataLoader's round-robin, which always starts at
+        # worker 0, starts at the slot that was next when the state was saved.
+        local = 0 if info is None else (info.id + self.next_worker) % len(self.states)
+        self.stream.load_state_dict(self.states[local])
+        for item in self.stream:
+            yield local, self.stream.state_dict(), item

@@ -1,0 +1,149 @@
+"""mix: draw records from several streams at random with given weights, deterministically.
+
+Draw ``d`` of epoch ``e`` picks a source with ``u = hash_ints(seed, e, d) / 2**64`` against the
+cumulative weights of the sources not yet exhausted. An exhausted source drops out (the others'
+weights are renormalized); the mix ends when every source has ended. Pairing it with
+``repeat()`` gives an endless mixture at fixed proportions.
+
+State: ``{"epoch", "seed", "weights", "draws", "exhausted": [bool, ...], "sources": [state, ...]}``:
+the per-source positions plus two small counters. A record's key gets its source index inserted
+after the epoch, ``(epoch, source, *where)``, so records of different sources never share a key.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any
+
+from .._hash import hash_ints
+from .._state import VERSION, ResumeError, check_int_arg, check_version, require_int, require_mapping
+from .base import EPOCH, SEED, SOURCES, STREAM_STATE_VERSION, Key, Slot, Stream, check_same, require_epoch
+
+__all__ = ["Mix", "mix"]
+
+_WHAT = "mix"
+WEIGHTS = "weights"
+DRAWS = "draws"
+EXHAUSTED = "exhausted"
+
+
+class Mix(Stream):
+    """Records from ``streams`` chosen at random in proportion to ``weights``.
+
+    Args:
+        streams: the streams to mix (at least one).
+        weights: one positive weight per stream; equal weights when None.
+        seed: seed of the choices; only ``(seed, epoch, draw number)`` decide each one.
+
+    Example:
+        >>> data = mix([code, prose], weights=[1, 3], seed=0).batch(32)
+        >>> data.load_state_dict(saved)  # each source continues at its own cursor
+    """
+
+    def __init__(self, streams: Sequence[Stream], weights: Sequence[float] | None = None, *, seed: int = 0) -> None:
+        super().__init__()
+        self.streams = list(streams)
+        if not self.streams or not all(isinstance(s, Stream) for s in self.streams):
+            raise TypeError(f"mix takes a non-empty list of Streams, got {streams!r}")
+        if not all(s.keyed for s in self.streams):
+            raise TypeError("mix takes record streams; batch after mixing, not before")
+        weights = [1.0] * len(self.streams) if weights is None else [float(w) for w in weights]
+        if len(weights) != len(self.streams) or not all(math.isfinite(w) and w > 0 for w in weights):
+            raise ResumeError(f"weights must be {len(self.streams)} positive finite numbers, but got weights={weights!r}")
+        self.weights = weights
+        self.seed = check_int_arg("seed", seed, minimum=-(2**63))
+        self.fetchable = all(s.fetchable for s in self.streams)
+        self._draws = 0
+        self._exhausted = [False] * len(self.streams)
+        self._epoch = self.streams[0].epoch
+
+    def _choose(self) -> int:
+        active = [i for i, done in enumerate(self._exhausted) if not done]
+        u = hash_ints(self.seed, self._epoch, self._draws) / 2.0**64 * sum(self.weights[i] for i in active)
+        self._draws += 1
+        for i in active:
+            u -= self.weights[i]
+            if u < 0:
+                return i
+        return active[-1]  # float rounding at the very top of the range
+
+    def _keyed(self) -> Iterator[tuple[Key | None, Any]]:
+        iterators: dict[int, Iterator[tuple[Key, Any]]] = {}
+        while not all(self._exhausted):
+            i = self._choose()
+            if i not in iterators:
+                iterators[i] = self.streams[i]._keyed()
+            item = next(iterators[i], None)
+            if item is None:
+                self._exhausted[i] = True
+                continue
+            key, value = item
+            yield (key[0], i, *key[1:]), value
+
+    def _fetch(self, key: Key) -> Any:
+        return self.streams[key[1]]._fetch((key[0], *key[2:]))
+
+    def _reset(self, epoch: int, slot: Slot | None) -> None:
+        self._epoch, self._draws, self._exhausted = epoch, 0, [False] * len(self.streams)
+        for stream in self.streams:
+            stream._reset(epoch, slot)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            VERSION: STREAM_STATE_VERSION,
+            EPOCH: self._epoch,
+            SEED: self.seed,
+            WEIGHTS: list(self.weights),
+            DRAWS: self._draws,
+            EXHAUSTED: list(self._exhausted),
+            SOURCES: [s.state_dict() for s in self.streams],
+        }
+
+    def _sources_of(self, state: Mapping[str, Any]) -> list[Any]:
+        sources = state.get(SOURCES)
+        if not isinstance(sources, list) or len(sources) != len(self.streams):
+            raise ResumeError(f"mix state field {SOURCES!r} must list {len(self.streams)} source states, got {sources!r}")
+        return sources
+
+    def _check(self, state: Any) -> Callable[[], None]:
+        state = require_mapping(state, _WHAT)
+        check_version(state, STREAM_STATE_VERSION, _WHAT)
+        epoch = require_epoch(state, _WHAT)
+        check_same(_WHAT, "seed", state.get(SEED), self.seed, "build the mix with the checkpoint's seed")
+        check_same(_WHAT, "weights", state.get(WEIGHTS), self.weights, "build the mix with the checkpoint's weights")
+        draws = require_int(state, DRAWS, _WHAT, minimum=0)
+        exhausted = state.get(EXHAUSTED)
+        if not isinstance(exhausted, list) or len(exhausted) != len(self.streams) or not all(isinstance(e, bool) for e in exhausted):
+            raise ResumeError(f"mix state field {EXHAUSTED!r} must be {len(self.streams)} bools, got {exhausted!r}")
+        applies = [s._check(sub) for s, sub in zip(self.streams, self._sources_of(state))]
+
+        def apply() -> None:
+            self._epoch, self._draws, self._exhausted = epoch, draws, list(exhausted)
+            for apply_source in applies:
+                apply_source()
+
+        return apply
+
+    def _rebalance(self, states: Sequence[Mapping[str, Any]], num_slots: int, pending: list[Key]) -> list[dict[str, Any]]:
+        per_source = []
+        for i, stream in enumerate(self.streams):
+            routed = [(key[0], *key[2:]) for key in pending if key[1] == i]
+            per_source.append(stream._rebalance([self._sources_of(s)[i] for s in states], num_slots, routed))
+        return [
+            {
+                VERSION: STREAM_STATE_VERSION,
+                EPOCH: states[0][EPOCH],
+                SEED: self.seed,
+                WEIGHTS: list(self.weights),
+                DRAWS: 0,
+                EXHAUSTED: [False] * len(self.streams),
+                SOURCES: [rebalanced[s] for rebalanced in per_source],
+            }
+            for s in range(num_slots)
+        ]
+
+
+def mix(streams: Sequence[Stream], weights: Sequence[float] | None = None, *, seed: int = 0) -> Mix:
+    """Mix ``streams`` with ``weights``; see :class:`Mix`."""
+    return Mix(streams, weights, seed=seed)

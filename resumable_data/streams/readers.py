@@ -1,0 +1,138 @@
+"""Ready-made shard readers that seek in O(1): token windows from memmapped arrays, text lines.
+
+Both raise :class:`~resumable_data.ResumeError` naming the shard and the offset when a shard is
+missing, or shorter than a saved cursor (truncated or replaced since the checkpoint), before
+yielding anything.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import numpy as np
+import torch
+
+from .._state import ResumeError, check_int_arg
+
+__all__ = ["TextLineReader", "TokenShardReader"]
+
+
+class TokenShardReader:
+    """Fixed-length token windows from a ``.npy`` file or a raw ``.bin`` token file, via memmap.
+
+    Record ``i`` of a shard is ``tokens[i * stride : i * stride + window]`` as an int64 tensor; a
+    tail shorter than ``window`` is not a record. Seeking to record ``i`` is a slice of the memmap:
+    O(1), and only the pages of the records actually read are touched.
+
+    Args:
+        window: tokens per record (e.g. ``block_size + 1`` for next-token targets).
+        stride: tokens between record starts (default ``window``: non-overlapping windows).
+        dtype: element type of raw ``.bin`` files (``.npy`` files carry their own).
+
+    Example:
+        >>> reader = TokenShardReader(1025)   # 1024 inputs + 1 shifted target
+        >>> stream = ShardedIterable(sorted(glob("tokens/*.bin")), read_shard=reader)
+        >>> window = next(iter(stream))       # torch.int64 tensor of 1025 tokens
+    """
+
+    def __init__(self, window: int, *, stride: int | None = None, dtype: Any = np.uint16) -> None:
+        self.window = check_int_arg("window", window, minimum=1)
+        self.stride = window if stride is None else check_int_arg("stride", stride, minimum=1)
+        self.dtype = np.dtype(dtype)
+
+    def tokens(self, shard: Any) -> np.ndarray:
+        """The shard's tokens as a read-only memmap (an empty array for an empty file)."""
+        path = os.fspath(shard)
+        try:
+            if path.endswith(".npy"):
+                return np.load(path, mmap_mode="r")
+            size = os.path.getsize(path)
+            if size % self.dtype.itemsize:
+                raise ResumeError(
+                    f"token shard {path!r} holds {size} bytes, not a multiple of {self.dtype.itemsize} "
+                    f"({self.dtype}): it is truncated or written with another dtype"
+                )
+            if size == 0:  # numpy refuses to memmap an empty file
+                return np.empty(0, dtype=self.dtype)
+            return np.memmap(path, dtype=self.dtype, mode="r")
+        except FileNotFoundError as exc:
+            raise ResumeError(f"token shard {path!r} is missing: {exc}") from exc
+        except ValueError as exc:  # np.load on a .npy whose data is shorter than its header says
+            raise ResumeError(f"token shard {path!r} is unreadable or truncated: {exc}") from exc
+
+    def num_records(self, shard: Any) -> int:
+        """Windows in the shard."""
+        return self._count(len(self.tokens(shard)))
+
+    def _count(self, n_tokens: int) -> int:
+        return 0 if n_tokens < self.window else (n_tokens - self.window) // self.stride + 1
+
+    def __call__(self, shard: Any, start: int) -> Iterator[torch.Tensor]:
+        """Windows from record offset ``start``."""
+        tokens = self.tokens(shard)
+        n = self._count(len(tokens))
+        if start > n:
+            raise ResumeError(
+                f"token shard {os.fspath(shard)!r} has {n} windows but the cursor is at offset {start}: "
+                "the shard is shorter than when the checkpoint was written (truncated or replaced?)"
+            )
+        return self._windows(tokens, start, n)
+
+    def _windows(self, tokens: np.ndarray, start: int, n: int) -> Iterator[torch.Tensor]:
+        for i in range(start, n):
+            begin = i * self.stride
+            yield torch.from_numpy(tokens[begin : begin + self.window].astype(np.int64))
+
+
+class TextLineReader:
+    """Lines of a text or JSONL file; the cursor is a byte offset, so a restore seeks, not replays.
+
+    Each line (without its newline) is decoded and passed to ``parse`` (e.g. ``json.loads``).
+    Offsets are bytes: a restore checks that the saved offset is at a line start of the file and
+    ``seek``\\ s there.
+
+    Args:
+        parse: applied to each decoded line; the line string itself when None.
+        encoding: text encoding of the file.
+
+    Example:
+        >>> stream = ShardedIterable(["a.jsonl", "b.jsonl"], read_shard=TextLineReader(json.loads))
+        >>> stream.state_dict()["remaining"]  # [[shard index, name, byte offset], ...]
+    """
+
+    def __init__(self, parse: Callable[[str], Any] | None = None, *, encoding: str = "utf-8") -> None:
+        self.parse = parse
+        self.encoding = encoding
+
+    def read_from(self, shard: Any, start: int) -> Iterator[tuple[int, Any]]:
+        """``(byte offset after the line, parsed line)`` from byte offset ``start``."""
+        path = os.fspath(shard)
+        try:
+            file = open(path, "rb")
+        except FileNotFoundError as exc:
+            raise ResumeError(f"text shard {path!r} is missing (cursor at byte {start}): {exc}") from exc
+        with file:
+            size = os.fstat(file.fileno()).st_size
+            if start > size:
+                raise ResumeError(
+                    f"text shard {path!r} has {size} bytes but the cursor is at byte {start}: "
+                    "it is shorter than when the checkpoint was written (truncated or replaced?)"
+                )
+            if start > 0:
+                file.seek(start - 1)
+                if file.read(1) != b"\n":
+                    raise ResumeError(
+                        f"text shard {path!r}: byte offset {start} is not at the start of a line, so "
+                        "the file changed since the checkpoint was written"
+                    )
+            offset = start
+            for line in file:
+                offset += len(line)
+                text = line.decode(self.encoding).rstrip("\r\n")
+                yield offset, text if self.parse is None else self.parse(text)
+
+    def __call__(self, shard: Any, start: int) -> Iterator[Any]:
+        """Parsed lines from byte offset ``start``."""
+        return (record for _, record in self.read_from(shard, start))

@@ -1,0 +1,65 @@
+"""Repeat: iterate the source several times (or forever), each round a new source epoch."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+from .._state import ResumeError, check_int_arg, require_int
+from .base import Key, Slot, Stream, Wrapper, check_same
+
+__all__ = ["Repeat"]
+
+TIMES = "times"
+ROUND = "round"
+
+
+class Repeat(Wrapper):
+    """Rounds of the source; round ``r`` of epoch ``e`` reads source epoch ``e * times + r``
+    (just ``r`` when ``times`` is None: an endless stream has a single epoch).
+
+    Each round reshuffles (a new source epoch), and records of different rounds have different
+    keys, so ``map(seed=...)`` augments them differently. Resumes only with the same worker and
+    rank layout.
+
+    Example:
+        >>> mixed = mix([web.repeat(), books.repeat()], weights=[0.7, 0.3], seed=0)
+    """
+
+    def __init__(self, source: Stream, times: int | None = None) -> None:
+        super().__init__(source)
+        self.times = None if times is None else check_int_arg("times", times, minimum=1)
+        self._round = 0
+        self._epoch = 0
+        self.source._reset(self._source_epoch(), None)
+
+    def _source_epoch(self) -> int:
+        return self._round if self.times is None else self._epoch * self.times + self._round
+
+    def _keyed(self) -> Iterator[tuple[Key | None, Any]]:
+        while True:
+            yield from self.source._keyed()
+            if self.times is not None and self._round + 1 >= self.times:
+                return
+            self._round += 1
+            self.source._reset(self._source_epoch(), None)
+
+    def _reset(self, epoch: int, slot: Slot | None) -> None:
+        self._epoch, self._round = epoch, 0
+        self.source._reset(self._source_epoch(), slot)
+
+    def _own_state(self) -> dict[str, Any]:
+        return {TIMES: self.times, ROUND: self._round}
+
+    def _check_own(self, state: Mapping[str, Any]) -> Callable[[], None]:
+        check_same("repeat", "times", state.get(TIMES), self.times, "build it with the checkpoint's times")
+        round_ = require_int(state, ROUND, "repeat", minimum=0)
+        if self.times is not None and round_ >= self.times:
+            raise ResumeError(f"repeat state is in round {round_} but times is {self.times}")
+
+        def apply() -> None:
+            self._round = round_
+
+        return apply
+
+    _rebalance = Stream._rebalance

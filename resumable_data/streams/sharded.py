@@ -1,0 +1,228 @@
+"""ShardedIterable: the seekable source of a stream pipeline, as a set of per-shard cursors.
+
+The state is which shards of the epoch are unfinished and where each one stands::
+
+    {"version": 1, "epoch": 3, "seed": 0, "shuffle": True, "num_shards": 100,
+     "shards_digest": "9f0c...", "slot": 0, "num_slots": 1,
+     "remaining": [[17, "tok_017.bin", 48213], [4, "tok_004.bin", 0], ...],
+     "pending": []}
+
+``remaining`` lists this slot's unfinished shards in the order they will be read, each as
+``[shard index, shard name, cursor]``; the cursor is the reader's offset of the next record (a
+record index for token windows, a byte offset for text). A restore opens the first shard *at* its
+cursor: nothing before it is read. ``pending`` holds ``[shard index, offset]`` of single records to
+read before the shards: records that a shuffle buffer held when the worker/rank layout changed.
+The state grows with the number of shards, never with the number of records read.
+
+Order. The shards of epoch ``e`` are read in the order of ``Permutation(num_shards, seed, e)``
+(or in list order with ``shuffle=False``). Split over ``S`` (rank, worker) slots, slot ``s`` reads
+the ``s``-th, ``s+S``-th, ... shard of that order.
+
+Layout change. :meth:`ShardedIterable._rebalance` pools the unfinished shards of every old slot
+with their cursors, sorts them back into the epoch order and deals them round-robin to the new
+slots (pending records likewise). Every record of the epoch is still read exactly once, but the
+order of the rest of the epoch differs from an uninterrupted run with the old layout.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from .._state import VERSION, ResumeError, check_int_arg, check_version, require_bool, require_int, require_mapping
+from ..permutation import Permutation
+from .base import EPOCH, SEED, STREAM_STATE_VERSION, Key, Slot, Stream, check_same, require_epoch
+
+__all__ = ["ShardedIterable"]
+
+_WHAT = "ShardedIterable"
+SHUFFLE = "shuffle"
+NUM_SHARDS = "num_shards"
+SHARDS_DIGEST = "shards_digest"
+SLOT = "slot"
+NUM_SLOTS = "num_slots"
+REMAINING = "remaining"
+PENDING = "pending"
+
+
+class ShardedIterable(Stream):
+    """Records of many shards, shard order shuffled per epoch, restorable in O(1) per shard.
+
+    Args:
+        shards: paths or any keys, one per shard; ``str(shard)`` names it in the state and in
+            errors. The list (and its order) must be the same when resuming.
+        read_shard: ``read_shard(shard, start)`` returns an iterator over the shard's records from
+            record offset ``start``. A reader with a ``read_from(shard, start)`` method yielding
+            ``(next offset, record)`` pairs keeps its own offsets instead (byte offsets for
+            :class:`TextLineReader`).
+        shuffle: shuffle the shard order each epoch.
+        seed: seed of the shard order; only ``(seed, epoch)`` decide it.
+
+    Example:
+        >>> stream = ShardedIterable(sorted(glob("data/*.bin")), read_shard=TokenShardReader(1025))
+        >>> for window in stream:
+        ...     ...
+        >>> state = stream.state_dict()   # per-shard cursors, a few bytes per shard
+        >>> fresh = ShardedIterable(sorted(glob("data/*.bin")), read_shard=TokenShardReader(1025))
+        >>> fresh.load_state_dict(state)  # the next record is read directly at its cursor
+    """
+
+    def __init__(self, shards: Iterable[Any], *, read_shard: Callable[[Any, int], Iterator[Any]], shuffle: bool = True, seed: int = 0) -> None:
+        super().__init__()
+        self.shards = list(shards)
+        if not self.shards:
+            raise ResumeError("ShardedIterable needs at least one shard, but got an empty shard list")
+        if not callable(read_shard) and not hasattr(read_shard, "read_from"):
+            raise TypeError(f"read_shard must be callable, got {type(read_shard).__name__}")
+        self.read_shard = read_shard
+        self.shuffle = bool(shuffle)
+        self.seed = check_int_arg("seed", seed, minimum=-(2**63))
+        self._names = [str(s) for s in self.shards]
+        self._digest = hashlib.sha256("\n".join(self._names).encode()).hexdigest()[:16]
+        self._slot: Slot = (0, 1)
+        self._remaining: list[list[int]] = []  # [shard index, cursor], the first one being read
+        self._pending: list[list[int]] = []
+        self._reset(0, None)
+
+    # -- order and reading ---------------------------------------------------------------------
+    def shard_order(self, epoch: int) -> list[int]:
+        """Shard indices in the order epoch ``epoch`` reads them (all slots together)."""
+        n = len(self.shards)
+        if not self.shuffle:
+            return list(range(n))
+        return Permutation(n, self.seed, epoch)(np.arange(n, dtype=np.int64)).tolist()
+
+    def _records(self, index: int, start: int) -> Iterator[tuple[int, Any]]:
+        """``(next offset, record)`` of shard ``index`` from ``start``; OSError becomes ResumeError."""
+        shard = self.shards[index]
+        try:
+            if hasattr(self.read_shard, "read_from"):
+                yield from self.read_shard.read_from(shard, start)
+            else:
+                for i, record in enumerate(self.read_shard(shard, start), start=start + 1):
+                    yield i, record
+        except OSError as exc:
+            raise ResumeError(f"cannot read shard {index} {self._names[index]!r} at offset {start}: {exc}") from exc
+
+    def _fetch(self, key: Key) -> Any:
+        _, index, offset = key
+        for _, record in self._records(index, offset):
+            return record
+        raise ResumeError(
+            f"shard {index} {self._names[index]!r} has no record at offset {offset}: it is shorter "
+            "than when the checkpoint was written (truncated or replaced?)"
+        )
+
+    def _keyed(self) -> Iterator[tuple[Key, Any]]:
+        epoch = self._epoch
+        while self._pending:
+            index, offset = self._pending[0]
+            record = self._fetch((epoch, index, offset))
+            del self._pending[0]
+            yield (epoch, index, offset), record
+        while self._remaining:
+            entry = self._remaining[0]
+            for next_offset, record in self._records(entry[0], entry[1]):
+                key = (epoch, entry[0], entry[1])
+                entry[1] = next_offset
+                yield key, record
+            del self._remaining[0]
+
+    # -- epochs and state ------------------------------------------------------------------------
+    def _reset(self, epoch: int, slot: Slot | None) -> None:
+        if slot is not None:
+            self._slot = slot
+        self._epoch = epoch
+        s, num_slots = self._slot
+        self._remaining = [[index, 0] for index in self.shard_order(epoch)[s::num_slots]]
+        self._pending = []
+
+    def _state(self, epoch: int, slot: Slot, remaining: Sequence[Sequence[int]], pending: Sequence[Sequence[int]]) -> dict[str, Any]:
+        return {
+            VERSION: STREAM_STATE_VERSION,
+            EPOCH: epoch,
+            SEED: self.seed,
+            SHUFFLE: self.shuffle,
+            NUM_SHARDS: len(self.shards),
+            SHARDS_DIGEST: self._digest,
+            SLOT: slot[0],
+            NUM_SLOTS: slot[1],
+            REMAINING: [[i, self._names[i], c] for i, c in remaining],
+            PENDING: [[i, o] for i, o in pending],
+        }
+
+    def state_dict(self) -> dict[str, Any]:
+        return self._state(self._epoch, self._slot, self._remaining, self._pending)
+
+    def _parse(self, state: Any) -> tuple[int, Slot, list[list[int]], list[list[int]]]:
+        """Validate a state against this shard list: (epoch, slot, remaining, pending)."""
+        state = require_mapping(state, _WHAT)
+        check_version(state, STREAM_STATE_VERSION, _WHAT)
+        epoch = require_epoch(state, _WHAT)
+        check_same(_WHAT, "seed", state.get(SEED), self.seed, "build the pipeline with the checkpoint's seed")
+        check_same(_WHAT, "shuffle", require_bool(state, SHUFFLE, _WHAT), self.shuffle, "build it with the checkpoint's shuffle")
+        n = len(self.shards)
+        remaining_raw = state.get(REMAINING)
+        pending_raw = state.get(PENDING)
+        if not isinstance(remaining_raw, list) or not isinstance(pending_raw, list):
+            raise ResumeError(f"{_WHAT} state fields {REMAINING!r} and {PENDING!r} must be lists")
+        remaining: list[list[int]] = []
+        for entry in remaining_raw:
+            if not (isinstance(entry, (list, tuple)) and len(entry) == 3 and _is_int(entry[0]) and _is_int(entry[2])):
+                raise ResumeError(f"{_WHAT} state: a remaining shard must be [index, name, cursor], got {entry!r}")
+            index, name, cursor = entry
+            if not 0 <= index < n or self._names[index] != name:
+                current = repr(self._names[index]) if 0 <= index < n else "no such shard"
+                raise ResumeError(
+                    f"shard list differs from the checkpoint's: checkpoint's shard {index} {name!r} (cursor "
+                    f"{cursor}) is {current} in this pipeline; pass the checkpoint's shard list, in its order"
+                )
+            if cursor < 0:
+                raise ResumeError(f"shard {index} {name!r} has a negative cursor {cursor} in the checkpoint")
+            remaining.append([index, cursor])
+        check_same(_WHAT, "number of shards", require_int(state, NUM_SHARDS, _WHAT), n, "pass the checkpoint's shard list")
+        check_same(_WHAT, "shard list (digest of the names)", state.get(SHARDS_DIGEST), self._digest, "pass the checkpoint's shard list, in its order")
+        if len({i for i, _ in remaining}) != len(remaining):
+            raise ResumeError(f"{_WHAT} state lists a shard twice in {REMAINING!r}: {remaining_raw!r}")
+        pending: list[list[int]] = []
+        for entry in pending_raw:
+            if not (isinstance(entry, (list, tuple)) and len(entry) == 2 and all(_is_int(v) for v in entry) and 0 <= entry[0] < n):
+                raise ResumeError(f"{_WHAT} state: a pending record must be [shard index < {n}, offset], got {entry!r}")
+            pending.append([entry[0], entry[1]])
+        num_slots = require_int(state, NUM_SLOTS, _WHAT, minimum=1)
+        slot = require_int(state, SLOT, _WHAT, minimum=0)
+        if slot >= num_slots:
+            raise ResumeError(f"{_WHAT} state has slot {slot} but only {num_slots} slots")
+        return epoch, (slot, num_slots), remaining, pending
+
+    def _check(self, state: Any) -> Callable[[], None]:
+        epoch, slot, remaining, pending = self._parse(state)
+
+        def apply() -> None:
+            self._epoch, self._slot, self._remaining, self._pending = epoch, slot, remaining, pending
+
+        return apply
+
+    def _rebalance(self, states: Sequence[Mapping[str, Any]], num_slots: int, pending: list[Key]) -> list[dict[str, Any]]:
+        parsed = [self._parse(s) for s in states]
+        epoch = parsed[0][0]
+        if any(p[0] != epoch for p in parsed):
+            raise ResumeError(f"{_WHAT}: the slots' states are from different epochs {sorted({p[0] for p in parsed})}")
+        remaining = [entry for p in parsed for entry in p[2]]
+        if len({i for i, _ in remaining}) != len(remaining):
+            raise ResumeError(f"{_WHAT}: a shard is unfinished in two slots' states; were they saved at different times?")
+        rank = {index: position for position, index in enumerate(self.shard_order(epoch))}
+        remaining.sort(key=lambda entry: rank[entry[0]])
+        records = [entry for p in parsed for entry in p[3]]
+        for key in pending:
+            if key[0] != epoch or len(key) != 3:
+                raise ResumeError(f"{_WHAT}: pending record {list(key)} is not a record of epoch {epoch}")
+            records.append([key[1], key[2]])
+        return [self._state(epoch, (s, num_slots), remaining[s::num_slots], records[s::num_slots]) for s in range(num_slots)]
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)

@@ -1,0 +1,112 @@
+"""ShuffleBuffer: a shuffle buffer whose state holds the *keys* of its records, never their payloads.
+
+The classic algorithm: fill a buffer of ``size`` records, then for each new record hand out a
+buffered one chosen at random and put the new one in its place; drain the buffer at the end.
+Choice number ``d`` of epoch ``e`` is ``hash_ints(seed, e, d) % len(buffer)``: a pure function of
+the state, so no RNG state needs saving.
+
+State: ``{"epoch", "seed", "size", "draws", "buffer": [[key...], ...], "source": {...}}``. On restore
+the buffered records are re-read by key (at most ``size`` single-record reads, lazily on the first
+``next()``), in the same buffer slots, so the stream continues bitwise identically.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any
+
+from .._hash import hash_ints
+from .._state import ResumeError, check_int_arg, require_int
+from .base import SEED, Key, Stream, Wrapper, check_same, require_key
+
+__all__ = ["ShuffleBuffer"]
+
+SIZE = "size"
+DRAWS = "draws"
+BUFFER = "buffer"
+
+
+class ShuffleBuffer(Wrapper):
+    """Shuffle records through a buffer of ``size``; restore re-reads at most ``size`` records.
+
+    Needs a source whose records can be re-read from their key (a :class:`ShardedIterable`,
+    possibly behind ``map``/``filter``/``mix``).
+
+    Example:
+        >>> shuffled = stream.shuffle_buffer(10_000, seed=0)
+        >>> state = shuffled.state_dict()   # 10_000 keys, not 10_000 samples
+        >>> shuffled.load_state_dict(state)
+    """
+
+    def __init__(self, source: Stream, size: int, *, seed: int = 0) -> None:
+        super().__init__(source)
+        if not source.fetchable:
+            raise TypeError(
+                "shuffle_buffer needs a source that can re-read a record from its key (ShardedIterable, "
+                f"map, filter, mix), so that its state holds keys rather than payloads; got {type(source).__name__}"
+            )
+        self.size = check_int_arg("size", size, minimum=1)
+        self.seed = check_int_arg("seed", seed, minimum=-(2**63))
+        self._buffer: list[tuple[Key, Any]] = []
+        self._unread: list[Key] = []  # restored keys whose records are not re-read yet
+        self._draws = 0
+
+    def _draw(self) -> int:
+        choice = hash_ints(self.seed, self._epoch, self._draws) % len(self._buffer)
+        self._draws += 1
+        return choice
+
+    def _keyed(self) -> Iterator[tuple[Key | None, Any]]:
+        while self._unread:
+            key = self._unread[0]
+            self._buffer.append((key, self.source._fetch(key)))
+            del self._unread[0]
+        for item in self.source._keyed():
+            if len(self._buffer) < self.size:
+                self._buffer.append(item)
+                continue
+            choice = self._draw()
+            out, self._buffer[choice] = self._buffer[choice], item
+            yield out
+        while self._buffer:
+            choice = self._draw()
+            out = self._buffer[choice]
+            self._buffer[choice] = self._buffer[-1]
+            self._buffer.pop()
+            yield out
+
+    def _reset_own(self) -> None:
+        self._buffer, self._unread, self._draws = [], [], 0
+
+    def _own_state(self) -> dict[str, Any]:
+        keys = [list(key) for key, _ in self._buffer] + [list(key) for key in self._unread]
+        return {SEED: self.seed, SIZE: self.size, DRAWS: self._draws, BUFFER: keys}
+
+    def _own_state_fresh(self) -> dict[str, Any]:
+        return {SEED: self.seed, SIZE: self.size, DRAWS: 0, BUFFER: []}
+
+    def _check_own(self, state: Mapping[str, Any]) -> Callable[[], None]:
+        what = "shuffle_buffer"
+        check_same(what, "seed", state.get(SEED), self.seed, "build it with the checkpoint's seed")
+        check_same(what, "size", state.get(SIZE), self.size, "build it with the checkpoint's size")
+        draws = require_int(state, DRAWS, what, minimum=0)
+        keys = self._buffered_keys(state)
+        if len(keys) > self.size:
+            raise ResumeError(f"{what} state holds {len(keys)} records but the buffer size is {self.size}")
+
+        def apply() -> None:
+            self._buffer, self._unread, self._draws = [], keys, draws
+
+        return apply
+
+    @staticmethod
+    def _buffered_keys(state: Mapping[str, Any]) -> list[Key]:
+        raw = state.get(BUFFER)
+        if not isinstance(raw, list):
+            raise ResumeError(f"shuffle_buffer state field {BUFFER!r} must be a list of keys, got {raw!r}")
+        return [require_key(key, "shuffle_buffer state") for key in raw]
+
+    def _rebalance(self, states: Sequence[Mapping[str, Any]], num_slots: int, pending: list[Key]) -> list[dict[str, Any]]:
+        # Buffered records go back to the sources as pending records, to be read again exactly once.
+        held = [key for state in states for key in self._buffered_keys(state)]
+        return super()._rebalance(states, num_slots, pending + held)
