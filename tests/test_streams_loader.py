@@ -20,7 +20,7 @@ from streams_harness import MemoryShards, ids, write_token_shards
 
 from harness import assert_resumes_identically, checkpoint_roundtrip
 from resumable_data import ResumeError
-from resumable_data.streams import ShardedIterable, Stream, StreamLoader, TokenShardReader
+from resumable_data.streams import ShardedIterable, Stream, StreamLoader, TokenShardReader, mix
 
 WINDOW = 9  # 8 inputs + 1 target
 
@@ -137,6 +137,18 @@ def test_num_workers_change_consumes_every_record_exactly_once(old, new) -> None
         return ShardedIterable(shards.names, read_shard=shards, seed=5).shuffle_buffer(4, seed=6)
 
     assert_exactly_once_across_layout_change(make, shards.all_records(), old, new, [5, 3])
+
+
+def test_mixed_sources_change_world_size_exactly_once() -> None:
+    web, books = MemoryShards([6, 9, 4]), MemoryShards([5, 8])
+    books.records = {name: [r + 500 for r in records] for name, records in books.records.items()}
+
+    def make() -> Stream:
+        sources = [ShardedIterable(s.names, read_shard=s, seed=i) for i, s in enumerate((web, books))]
+        return mix(sources, weights=[2, 1], seed=3).shuffle_buffer(4, seed=4)
+
+    every = web.all_records() + books.all_records()
+    assert_exactly_once_across_layout_change(make, every, (2, 0), (3, 0), [2, 4])
 
 
 def test_layout_change_needs_every_ranks_state() -> None:

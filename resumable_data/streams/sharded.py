@@ -53,7 +53,8 @@ class ShardedIterable(Stream):
 
     Args:
         shards: paths or any keys, one per shard; ``str(shard)`` names it in the state and in
-            errors. The list (and its order) must be the same when resuming.
+            errors. The list (and its order) must be the same when resuming, so if the data may
+            move to another mount point, pass paths relative to a root that ``read_shard`` joins.
         read_shard: ``read_shard(shard, start)`` returns an iterator over the shard's records from
             record offset ``start``. A reader with a ``read_from(shard, start)`` method yielding
             ``(next offset, record)`` pairs keeps its own offsets instead (byte offsets for
