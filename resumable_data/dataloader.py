@@ -134,7 +134,10 @@ class ResumableDataLoader(DataLoader):
             **dataloader_kwargs,
         )
         self._resumable = sampler
-        self._active_iterator: _ResumableIterator | None = None
+        # Only the newest iterator moves the position. A counter, not a reference: a reference
+        # would form a cycle (loader <-> iterator) that keeps abandoned worker processes alive
+        # until the garbage collector happens to run.
+        self._generation = 0
 
     # -- read-only views ---------------------------------------------------------------------
     @property
@@ -170,9 +173,8 @@ class ResumableDataLoader(DataLoader):
     def __iter__(self) -> Iterator[Any]:
         epoch, start = self._resumable._begin()
         self._seed_generator.manual_seed(hash_ints(self._resumable.seed, epoch, start) >> 1)
-        iterator = _ResumableIterator(self, super().__iter__(), start, self._batches_from(start))
-        self._active_iterator = iterator
-        return iterator
+        self._generation += 1
+        return _ResumableIterator(self, super().__iter__(), start, self._batches_from(start))
 
     # -- state ---------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -195,7 +197,7 @@ class ResumableDataLoader(DataLoader):
         self._resumable._epoch = epoch
         self._resumable._position = position
         self._resumable._pinned = False
-        self._active_iterator = None  # an iterator from before the load no longer moves the position
+        self._generation += 1  # an iterator from before the load no longer moves the position
 
 
 class _ResumableIterator(Iterator[Any]):
@@ -207,6 +209,7 @@ class _ResumableIterator(Iterator[Any]):
         self._start = start
         self._n_batches = n_batches
         self._yielded = 0
+        self._generation = loader._generation
 
     def __iter__(self) -> _ResumableIterator:
         return self
@@ -219,11 +222,11 @@ class _ResumableIterator(Iterator[Any]):
         try:
             batch = next(self._inner)
         except StopIteration:
-            if self._loader._active_iterator is self:
+            if self._loader._generation == self._generation:
                 sampler._position = sampler.end_position(self._start)
             raise
         self._yielded += 1
-        if self._loader._active_iterator is self:
+        if self._loader._generation == self._generation:
             taken = self._yielded * self._loader.batch_size
             if self._yielded >= self._n_batches:
                 sampler._position = sampler.end_position(self._start)
