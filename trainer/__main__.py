@@ -1,0 +1,159 @@
+"""``python -m trainer``: train (the default), verify-resume, plot, gpu-smoke.
+
+    python -m trainer                              # train the default model; Ctrl-C saves; rerun continues
+    python -m trainer train --max-steps 1000 --data notes.txt
+    python -m trainer verify-resume                # killed + resumed == uninterrupted, bitwise
+    python -m trainer plot runs/default            # runs/default/metrics.png
+    python -m trainer gpu-smoke                    # on a CUDA machine: default run, step time, verify-resume
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+import typing
+from collections.abc import Sequence
+from dataclasses import fields, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from resumable_data import ResumeError
+
+from .model import ModelConfig
+from .train import TrainConfig, read_metrics, train
+
+# verify-resume's defaults: small enough for a few minutes on 2 CPU cores, with dropout on so the
+# RNG restore matters, and checkpoints that do not fall on the kill step so steps get replayed.
+VERIFY_DEFAULTS = {
+    "run_dir": "runs/verify-resume",
+    "max_steps": 60,
+    "block_size": 64,
+    "n_layer": 2,
+    "n_head": 2,
+    "n_embd": 64,
+    "dropout": 0.1,
+    "batch_size": 8,
+    "warmup_steps": 10,
+    "eval_every": 20,
+    "eval_batches": 4,
+    "checkpoint_every": 10,
+}
+VERIFY_KILL_AT = 37
+GPU_SMOKE_STEPS = 200
+
+
+def _add_train_flags(parser: argparse.ArgumentParser) -> None:
+    """One ``--flag`` per TrainConfig field, typed and documented from the dataclass."""
+    hints = typing.get_type_hints(TrainConfig)
+    for f in fields(TrainConfig):
+        flag = "--" + f.name.replace("_", "-")
+        kind = hints[f.name]
+        if kind is bool:
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=f.metadata["help"])
+            continue
+        # "int | None" -> int: None is the default, never typed on the command line.
+        value_type = next(t for t in typing.get_args(kind) if t is not type(None)) if typing.get_args(kind) else kind
+        parser.add_argument(flag, type=value_type, default=f.default, help=f.metadata["help"])
+
+
+def _config(args: argparse.Namespace) -> TrainConfig:
+    return TrainConfig(**{f.name: getattr(args, f.name) for f in fields(TrainConfig)})
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m trainer", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    train_cmd = commands.add_parser("train", help="train (resumes from RUN_DIR's newest checkpoint by default)")
+    _add_train_flags(train_cmd)
+
+    verify = commands.add_parser("verify-resume", help="check that a SIGKILLed and resumed run equals an uninterrupted one")
+    _add_train_flags(verify)
+    verify.set_defaults(**VERIFY_DEFAULTS)
+    verify.add_argument("--kill-at-step", type=int, default=VERIFY_KILL_AT, help="the step during which to SIGKILL the run")
+
+    plot = commands.add_parser("plot", help="write a PNG of loss and lr over steps, marking resume points")
+    plot.add_argument("run_dir", help="a run folder (holds metrics.jsonl)")
+    plot.add_argument("--out", default=None, help="PNG path (default RUN_DIR/metrics.png)")
+
+    smoke = commands.add_parser("gpu-smoke", help="on CUDA: the default run's step time, then verify-resume with deterministic algorithms")
+    smoke.add_argument("--steps", type=int, default=GPU_SMOKE_STEPS, help="steps of the default run to time")
+    smoke.add_argument("--run-dir", default="runs/gpu-smoke", help="parent folder of the smoke runs")
+    return parser
+
+
+def _gpu_smoke(steps: int, run_dir: str) -> bool:
+    """The checks a CUDA machine owes the issue, in one go; prints the figures and a JSON summary.
+
+    Returns:
+        True when verify-resume passed.
+
+    Raises:
+        ValueError: no CUDA device.
+    """
+    from .verify import verify_resume
+
+    if not torch.cuda.is_available():
+        raise ValueError("gpu-smoke needs a CUDA device; torch.cuda.is_available() is False here")
+    base = Path(run_dir)
+    default_run = TrainConfig(run_dir=str(base / "default"), resume="never", max_steps=steps, device="cuda", progress=False)
+    started = time.perf_counter()
+    result = train(default_run)
+    wall = time.perf_counter() - started
+    step_times = [e["step_time"] for e in read_metrics(default_run.run_dir) if e["event"] == "step"]
+    # The first steps include CUDA start-up and kernel selection; time the steady state.
+    steady = statistics.median(step_times[len(step_times) // 4 :])
+    tokens_per_step = default_run.batch_size * default_run.grad_accum * ModelConfig().block_size
+    verify_config = TrainConfig(**{**{f.name: f.default for f in fields(TrainConfig)}, **VERIFY_DEFAULTS})
+    verified = verify_resume(
+        replace(verify_config, run_dir=str(base / "verify"), device="cuda", deterministic=True), VERIFY_KILL_AT
+    )
+    summary = {
+        "device": torch.cuda.get_device_name(0),
+        "torch": torch.__version__,
+        "default_run_steps": steps,
+        "default_run_wall_s": round(wall, 1),
+        "median_step_time_ms": round(steady * 1000, 2),
+        "tokens_per_s": round(tokens_per_step / steady),
+        "val_loss_first": result.val_losses[min(result.val_losses)],
+        "val_loss_last": result.val_losses[max(result.val_losses)],
+        "verify_resume_deterministic": "PASS" if verified else "FAIL",
+    }
+    print(json.dumps(summary, indent=2))
+    (base / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    return verified
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run a subcommand; ``train`` when none is given. Returns the exit code."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0].startswith("-") and argv[0] not in ("-h", "--help"):
+        argv.insert(0, "train")
+    args = _parser().parse_args(argv)
+    try:
+        if args.command == "train":
+            train(_config(args))
+            return 0
+        if args.command == "verify-resume":
+            from .verify import verify_resume
+
+            return 0 if verify_resume(_config(args), args.kill_at_step) else 1
+        if args.command == "plot":
+            from .plot import plot_run
+
+            print(f"wrote {plot_run(args.run_dir, args.out)}")
+            return 0
+        return 0 if _gpu_smoke(args.steps, args.run_dir) else 1
+    except (ResumeError, ValueError, FileNotFoundError) as e:
+        # ResumeError covers a locked run folder (CheckpointLockedError) and corrupt checkpoints.
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,200 @@
+"""Token data: a corpus of bytes in two memmapped files (train, val), and fixed-size windows over it.
+
+The default corpus needs no download: it is the Python standard library's own source, which
+every machine running this trainer has. Files are taken in sorted order and capped, so the corpus
+is the same on every run on a machine. Tokens are bytes, written once to ``train.bin`` and
+``val.bin`` under a cache folder named by a hash of the inputs; later runs only memmap them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import sysconfig
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+__all__ = ["TokenData", "TokenWindows", "default_cache_dir", "prepare_data"]
+
+# Byte-level tokens: one byte each, so uint8 holds the whole vocabulary (256).
+TOKEN_DTYPE = np.uint8
+# The default corpus is capped so building it and one epoch over it stay small on a laptop.
+DEFAULT_CORPUS_BYTES = 4 * 2**20
+VAL_FRACTION = 0.1
+# Bumped when the way the files are turned into tokens changes, so old caches are not reused.
+CACHE_FORMAT = 1
+_SEPARATOR = b"\n"
+
+
+@dataclass(frozen=True)
+class TokenData:
+    """Where a prepared corpus lives and what it was built from."""
+
+    train: Path
+    val: Path
+    source: str
+    n_files: int
+
+    def describe(self) -> str:
+        """One line for the log: the source and the split sizes."""
+        return (
+            f"{self.source}: {self.n_files} files, {self.train.stat().st_size:,} train bytes, "
+            f"{self.val.stat().st_size:,} val bytes"
+        )
+
+
+def default_cache_dir() -> Path:
+    """``$XDG_CACHE_HOME/resumable_data/trainer`` (``~/.cache/...`` when unset)."""
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "resumable_data" / "trainer"
+
+
+def _stdlib_files() -> list[Path]:
+    """The standard library's top-level ``*.py`` files, sorted by name."""
+    return sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py"))
+
+
+def _user_files(path: Path) -> list[Path]:
+    """A text file, or every non-hidden file under a folder, sorted by relative path.
+
+    Raises:
+        ValueError: the path does not exist or holds no files.
+    """
+    if path.is_file():
+        return [path]
+    if not path.is_dir():
+        raise ValueError(f"--data {path}: no such file or folder")
+    files = sorted(
+        p
+        for p in path.rglob("*")
+        if p.is_file() and not any(part.startswith(".") for part in p.relative_to(path).parts)
+    )
+    if not files:
+        raise ValueError(f"--data {path}: the folder holds no files")
+    return files
+
+
+def prepare_data(data: str | os.PathLike[str] | None, cache_dir: Path) -> TokenData:
+    """Build (once) and return the train/val token files for ``data``.
+
+    Args:
+        data: a text file or a folder of them; None for the default standard-library corpus.
+        cache_dir: where prepared corpora are kept, one sub-folder per distinct input.
+
+    Returns:
+        The token files; the last ``VAL_FRACTION`` of the bytes is the validation split.
+
+    Raises:
+        ValueError: the path is missing or empty, or the corpus is too small to split.
+    """
+    if data is None:
+        files, cap, source = _stdlib_files(), DEFAULT_CORPUS_BYTES, "Python standard library source"
+    else:
+        files, cap, source = _user_files(Path(data)), None, str(data)
+    if not files:
+        raise ValueError(f"no files found for the corpus ({source})")
+    # The key covers everything the tokens depend on; mtime catches edits that keep the size.
+    listing = [(str(f.resolve()), f.stat().st_size, f.stat().st_mtime_ns) for f in files]
+    key = hashlib.sha256(json.dumps([CACHE_FORMAT, cap, VAL_FRACTION, listing]).encode()).hexdigest()[:16]
+    folder = cache_dir / key
+    prepared = TokenData(folder / "train.bin", folder / "val.bin", source, len(files))
+    if not (folder / "meta.json").is_file():
+        _build(files, cap, folder, {"source": source, "files": len(files)})
+    return prepared
+
+
+def _build(files: list[Path], cap: int | None, folder: Path, meta: dict[str, Any]) -> None:
+    """Write train.bin, val.bin and meta.json into a scratch folder, then rename it into place.
+
+    The rename makes the cache entry appear complete or not at all, so an interrupted build or two
+    runs building at once never leave a half-written corpus behind.
+    """
+    total = sum(f.stat().st_size + len(_SEPARATOR) for f in files)
+    total = total if cap is None else min(total, cap)
+    split = total - int(total * VAL_FRACTION)
+    if split < 2 or total - split < 2:
+        raise ValueError(
+            f"the corpus has {total} bytes, too few to split into train and validation; "
+            "give --data more text"
+        )
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    scratch = folder.parent / f".tmp-{folder.name}-{uuid.uuid4().hex[:8]}"
+    scratch.mkdir()
+    try:
+        written = 0
+        with open(scratch / "train.bin", "wb") as train, open(scratch / "val.bin", "wb") as val:
+            for path in files:
+                # Files are read one at a time, so a large folder never has to fit in memory.
+                chunk = (path.read_bytes() + _SEPARATOR)[: total - written]
+                cut = max(0, min(len(chunk), split - written))
+                train.write(chunk[:cut])
+                val.write(chunk[cut:])
+                written += len(chunk)
+                if written >= total:
+                    break
+        (scratch / "meta.json").write_text(json.dumps({**meta, "bytes": written, "split": split}))
+    except BaseException:
+        shutil.rmtree(scratch, ignore_errors=True)
+        raise
+    try:
+        os.rename(scratch, folder)
+    except OSError:
+        shutil.rmtree(scratch, ignore_errors=True)
+        if not (folder / "meta.json").is_file():  # another run finished the same build first
+            raise
+
+
+class TokenWindows(torch.utils.data.Dataset):
+    """Non-overlapping windows of a token file: item ``i`` is ``(x, y)`` with ``y`` = ``x`` shifted by one.
+
+    Fixed windows make a map-style dataset whose length and items never change, which is what
+    lets the loader's state be just a position in a keyed permutation of the windows.
+
+    Args:
+        path: a file of ``TOKEN_DTYPE`` tokens.
+        block_size: tokens per window.
+
+    Raises:
+        ValueError: the file is shorter than one window plus one token.
+
+    Example:
+        >>> train = TokenWindows(prepare_data(None, default_cache_dir()).train, block_size=128)
+        >>> x, y = train[0]  # two int64 tensors of 128 tokens
+    """
+
+    def __init__(self, path: Path, block_size: int) -> None:
+        self.path = Path(path)
+        self.block_size = block_size
+        n_tokens = self.path.stat().st_size // np.dtype(TOKEN_DTYPE).itemsize
+        # The last target needs one token beyond the window.
+        self.n_windows = (n_tokens - 1) // block_size
+        if self.n_windows < 1:
+            raise ValueError(
+                f"{self.path} has {n_tokens} tokens, fewer than one window of block_size={block_size} "
+                "plus one; use a smaller --block-size or more data"
+            )
+        self._tokens: np.memmap | None = None
+
+    def __len__(self) -> int:
+        return self.n_windows
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if not 0 <= index < self.n_windows:
+            raise IndexError(f"window {index} out of range for {self.n_windows} windows")
+        if self._tokens is None:
+            # Opened lazily in each process (the main one or a DataLoader worker).
+            self._tokens = np.memmap(self.path, dtype=TOKEN_DTYPE, mode="r")
+        start = index * self.block_size
+        window = torch.from_numpy(self._tokens[start : start + self.block_size + 1].astype(np.int64))
+        return window[:-1], window[1:]
+
+    def __getstate__(self) -> dict[str, Any]:
+        # Workers started with "spawn" get the path, not a pickled copy of the mapped file.
+        return {**self.__dict__, "_tokens": None}

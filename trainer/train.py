@@ -1,0 +1,599 @@
+"""The training loop, and the checkpoint that lets it stop anywhere and continue exactly.
+
+Read top to bottom: the configuration, the checkpoint layout, then :func:`train`, which builds
+everything, restores a checkpoint if there is one, checks the restore (the resume audit) and runs
+the loop. A resumed run is bitwise identical to one that was never interrupted (on CPU; on CUDA
+with ``--deterministic``) because everything that decides the next step is in the checkpoint:
+weights, AdamW's moments, the scheduler's step, the data loader's position, every RNG and the
+step counter.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import math
+import os
+import random
+import signal
+import threading
+import time
+from collections.abc import Iterator, Mapping
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from types import FrameType
+from typing import Any, TextIO
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+import resumable_data
+from resumable_data import CheckpointManager, ResumableDataLoader, ResumeError
+
+from .data import TokenWindows, default_cache_dir, prepare_data
+from .model import GPT, ModelConfig
+
+__all__ = ["TrainConfig", "TrainResult", "read_metrics", "train"]
+
+# Checkpoint keys, declared once: every checkpoint this trainer writes has exactly these.
+MODEL = "model"
+OPTIMIZER = "optimizer"
+LR_SCHEDULER = "lr_scheduler"
+DATALOADER = "dataloader"
+RNG = "rng"
+TRAIN_STATE = "train_state"
+MODEL_CONFIG = "model_config"
+LIBRARY_VERSION = "library_version"
+AUDIT = "audit"
+CHECKPOINT_KEYS = (MODEL, OPTIMIZER, LR_SCHEDULER, DATALOADER, RNG, TRAIN_STATE, MODEL_CONFIG, LIBRARY_VERSION, AUDIT)
+
+# Keys inside "train_state" and "audit".
+TRAIN_STATE_VERSION = 1
+VERSION = "version"
+STEP = "step"
+TOKENS_SEEN = "tokens_seen"
+BEST_VAL_LOSS = "best_val_loss"
+NEXT_BATCH = "next_batch"
+NEXT_LR = "next_lr"
+
+# The model's shape comes from the checkpoint on resume; these TrainConfig fields may only repeat it.
+ARCHITECTURE_FIELDS = ("block_size", "n_layer", "n_head", "n_embd", "dropout")
+
+CHECKPOINT_FOLDER = "checkpoints"
+METRICS_FILE = "metrics.jsonl"
+ADAM_BETAS = (0.9, 0.95)
+
+
+def _option(default: Any, help: str) -> Any:
+    """A config field with the ``--flag`` help text the command line is generated from."""
+    return field(default=default, metadata={"help": help})
+
+
+@dataclass
+class TrainConfig:
+    """Everything a run needs. Each field is also a ``python -m trainer`` flag (``--max-steps``...).
+
+    The defaults are the README's main run: a 0.8M-parameter model on the standard library's
+    source that shows a clearly falling loss within a few minutes on 2 CPU cores.
+    """
+
+    run_dir: str = _option("runs/default", "folder for checkpoints and metrics")
+    data: str | None = _option(None, "text file or folder (default: Python's stdlib source)")
+    cache_dir: str | None = _option(None, "where tokenized corpora are cached")
+    resume: str = _option("auto", "'auto' (newest valid checkpoint, if any), 'never', or a checkpoint path")
+    # Architecture: None means "from the checkpoint on resume, else ModelConfig's default".
+    block_size: int | None = _option(None, "context length in bytes (default 128)")
+    n_layer: int | None = _option(None, "transformer blocks (default 4)")
+    n_head: int | None = _option(None, "attention heads (default 4)")
+    n_embd: int | None = _option(None, "embedding width (default 128)")
+    dropout: float | None = _option(None, "dropout probability (default 0.0)")
+    # Optimization.
+    batch_size: int = _option(32, "sequences per micro-batch")
+    grad_accum: int = _option(1, "micro-batches per optimizer step")
+    max_steps: int = _option(1000, "optimizer steps; the LR schedule spans them")
+    lr: float = _option(3e-3, "peak learning rate")
+    min_lr: float = _option(3e-4, "learning rate at the end of the cosine decay")
+    warmup_steps: int = _option(50, "linear warmup steps")
+    weight_decay: float = _option(0.1, "AdamW weight decay (linear weights only)")
+    grad_clip: float = _option(1.0, "clip the gradient norm to this (0: off)")
+    # Evaluation and checkpoints.
+    eval_every: int = _option(100, "evaluate (and checkpoint) every N steps")
+    eval_batches: int = _option(8, "validation batches per evaluation")
+    checkpoint_every: int = _option(100, "checkpoint every N steps")
+    keep_last: int = _option(2, "newest checkpoints to keep (>= 2; the best is kept too)")
+    stop_at: int | None = _option(None, "save and exit after this step, as if preempted")
+    crash_at_step: int | None = _option(None, "testing: kill -9 this process during this step")
+    # System.
+    seed: int = _option(1337, "seed for initialization, data order and dropout")
+    device: str = _option("auto", "'auto' (CUDA when available), 'cpu', 'cuda', 'cuda:1'...")
+    num_workers: int = _option(0, "DataLoader worker processes")
+    compile: bool = _option(False, "torch.compile the model")
+    deterministic: bool = _option(False, "torch.use_deterministic_algorithms (exact resume on CUDA)")
+    progress: bool = _option(True, "show a progress bar")
+
+    def validate(self) -> None:
+        """Check the values a user typed, before anything is built.
+
+        Raises:
+            ValueError: naming the flag and the value.
+        """
+        at_least = {
+            "batch_size": 1, "grad_accum": 1, "max_steps": 1, "warmup_steps": 0, "eval_every": 1,
+            "eval_batches": 1, "checkpoint_every": 1, "keep_last": 2, "num_workers": 0,
+        }
+        for name, minimum in at_least.items():
+            value = getattr(self, name)
+            if value < minimum:
+                raise ValueError(f"--{_flag(name)} should be >= {minimum}, but got {value}")
+        for name in ("lr", "min_lr", "weight_decay", "grad_clip"):
+            value = getattr(self, name)
+            if not math.isfinite(value) or value < 0 or (name == "lr" and value == 0):
+                raise ValueError(f"--{_flag(name)} should be a finite number >= 0 (lr > 0), but got {value}")
+        if self.min_lr > self.lr:
+            raise ValueError(f"--min-lr {self.min_lr} is above --lr {self.lr}")
+        for name in ("stop_at", "crash_at_step"):
+            value = getattr(self, name)
+            if value is not None and not 1 <= value <= self.max_steps:
+                raise ValueError(f"--{_flag(name)} should be between 1 and --max-steps {self.max_steps}, but got {value}")
+
+
+@dataclass
+class TrainResult:
+    """What one call to :func:`train` did (this process only; a resumed run has its own)."""
+
+    run_dir: Path
+    step: int
+    losses: dict[int, float]
+    val_losses: dict[int, float]
+    best_val_loss: float
+    resumed_from: Path | None
+    stopped_by: str | None
+
+
+def _flag(name: str) -> str:
+    return name.replace("_", "-")
+
+
+def lr_multiplier(step: int, warmup_steps: int, max_steps: int, min_ratio: float) -> float:
+    """The learning rate of 0-based optimizer step ``step``, as a fraction of the peak.
+
+    Linear warmup (the first steps' Adam moments are too noisy for the full rate), then cosine
+    decay from 1 to ``min_ratio`` at ``max_steps``.
+    """
+    if step < warmup_steps:
+        return (step + 1) / warmup_steps
+    progress = min(1.0, (step - warmup_steps) / max(1, max_steps - warmup_steps))
+    return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def _schedule(config: TrainConfig, step: int) -> float:
+    return lr_multiplier(step, config.warmup_steps, config.max_steps, config.min_lr / config.lr)
+
+
+def batch_fingerprint(indices: list[list[int]]) -> str:
+    """A short hash of the dataset indices of the next optimizer step's micro-batches."""
+    return hashlib.sha256(json.dumps(indices).encode()).hexdigest()[:16]
+
+
+def read_metrics(run_dir: str | os.PathLike[str]) -> list[dict[str, Any]]:
+    """The events of a run's metrics log, oldest first (a line cut off by a kill is skipped)."""
+    path = Path(run_dir) / METRICS_FILE
+    if not path.is_file():
+        raise FileNotFoundError(f"no metrics log at {path}; is {run_dir} a run folder?")
+    events = []
+    for line in path.read_text().splitlines():
+        with contextlib.suppress(json.JSONDecodeError):
+            events.append(json.loads(line))
+    return events
+
+
+class _Metrics:
+    """Appends one JSON line per event; line-buffered, so a kill -9 loses at most a partial line."""
+
+    def __init__(self, path: Path) -> None:
+        self._file: TextIO = open(path, "a", buffering=1)
+
+    def log(self, event: str, **fields: Any) -> None:
+        self._file.write(json.dumps({"event": event, "time": time.time(), **fields}) + "\n")
+
+    def close(self) -> None:
+        self._file.close()
+
+
+class _GracefulStop:
+    """SIGTERM and SIGINT set a flag; the loop finishes its step, saves and exits.
+
+    A preempted job (SIGTERM) or a Ctrl-C thus always leaves a checkpoint of its last step. A
+    second Ctrl-C raises KeyboardInterrupt at once, for when saving itself hangs.
+    """
+
+    def __init__(self) -> None:
+        self.reason: str | None = None
+        self._previous: dict[int, Any] = {}
+
+    def __enter__(self) -> _GracefulStop:
+        # Handlers can only be installed from the main thread (a notebook or test may call
+        # train() from another one; it then simply cannot be stopped by a signal).
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
+        if self.reason is not None and signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        self.reason = signal.Signals(signum).name
+        tqdm.write(f"received {self.reason}: finishing this step, then saving (Ctrl-C again aborts without saving)")
+
+
+def _resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"--device {name}: CUDA is not available on this machine")
+    return device
+
+
+def _model_config(config: TrainConfig, saved: Mapping[str, Any] | None) -> ModelConfig:
+    """The architecture: the checkpoint's on resume (flags may only repeat it), else the flags'.
+
+    Raises:
+        ResumeError: a flag conflicts with the checkpoint, or the checkpoint's config is invalid.
+    """
+    requested = {name: getattr(config, name) for name in ARCHITECTURE_FIELDS if getattr(config, name) is not None}
+    if saved is None:
+        return ModelConfig(**requested)
+    try:
+        restored = ModelConfig(**saved)
+    except (TypeError, ValueError) as e:
+        raise ResumeError(f"the checkpoint's model_config {dict(saved)} is not valid: {e}") from e
+    conflicts = [
+        f"--{_flag(name)} {value} (checkpoint: {getattr(restored, name)})"
+        for name, value in requested.items()
+        if value != getattr(restored, name)
+    ]
+    if conflicts:
+        raise ResumeError(
+            "on resume the architecture comes from the checkpoint, and these flags conflict with it: "
+            f"{', '.join(conflicts)}; drop them to resume, or train a new model in another --run-dir"
+        )
+    return restored
+
+
+def _find_checkpoint(manager: CheckpointManager, resume: str) -> Path | None:
+    """Which checkpoint to resume from, following ``--resume``.
+
+    Raises:
+        ResumeError: ``never`` or a path was asked for, but the run folder already holds newer
+            checkpoints, which a later ``--resume auto`` would confuse with this run's.
+    """
+    existing = manager.checkpoints()
+    if resume == "auto":
+        return manager.latest()
+    if resume == "never":
+        if existing:
+            raise ResumeError(
+                f"--resume never, but {manager.directory} already holds checkpoints (newest "
+                f"{existing[-1].name}); two runs in one folder would mix their checkpoints: "
+                "use another --run-dir or delete that one"
+            )
+        return None
+    path = Path(resume)
+    if not path.exists() and (manager.directory / path).exists():
+        path = manager.directory / path
+    step = CheckpointManager.step_of(path)
+    newer = [p.name for p in existing if CheckpointManager.step_of(p) > step]
+    if newer:
+        raise ResumeError(
+            f"--resume {resume} (step {step}), but {manager.directory} holds newer checkpoints {newer}; "
+            "resuming from an older one would mix two histories: move them away or use another --run-dir"
+        )
+    return path
+
+
+def _seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)  # seeds every CUDA device too
+
+
+def _endless(loader: ResumableDataLoader) -> Iterator[Any]:
+    """Batches forever: each new ``iter()`` continues the loader's epoch, or starts the next."""
+    while True:
+        yield from loader
+
+
+@torch.no_grad()
+def _evaluate(
+    model: torch.nn.Module,
+    val: TokenWindows,
+    indices: list[int],
+    batch_size: int,
+    device: torch.device,
+    autocast: contextlib.AbstractContextManager[Any],
+) -> float:
+    """Mean loss over a fixed set of validation windows.
+
+    It draws no random numbers (eval mode has no dropout; batches are stacked by hand rather than
+    through a DataLoader, whose iterators draw a seed), so evaluating never changes the training
+    run: a checkpoint written right after an evaluation resumes identically.
+    """
+    model.eval()
+    losses = []
+    for start in range(0, len(indices), batch_size):
+        pairs = [val[i] for i in indices[start : start + batch_size]]
+        x = torch.stack([p[0] for p in pairs]).to(device)
+        y = torch.stack([p[1] for p in pairs]).to(device)
+        with autocast:
+            _, loss = model(x, y)
+        losses.append(loss.item())
+    model.train()
+    return sum(losses) / len(losses)
+
+
+def train(config: TrainConfig) -> TrainResult:
+    """Train, resuming from the run folder's newest valid checkpoint unless told otherwise.
+
+    Args:
+        config: the run; see :class:`TrainConfig`.
+
+    Returns:
+        What this call did; the checkpoints and ``metrics.jsonl`` are in ``config.run_dir``.
+
+    Raises:
+        ValueError: an invalid setting.
+        ResumeError: the checkpoint is corrupt or does not fit this run, the resume audit failed,
+            or another trainer holds the run folder (``CheckpointLockedError``).
+
+    Example:
+        >>> train(TrainConfig(run_dir="runs/a", max_steps=100, stop_at=40))  # saves step 40, returns
+        >>> train(TrainConfig(run_dir="runs/a", max_steps=100))  # continues from step 40 to 100
+    """
+    config.validate()
+    device = _resolve_device(config.device)
+    if config.deterministic:
+        # cuBLAS is deterministic only with a fixed workspace, set before its first use.
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True)
+        torch.backends.cudnn.benchmark = False
+    run_dir = Path(config.run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+
+    # The manager locks the run folder first, so a second trainer on it stops before touching anything.
+    with contextlib.ExitStack() as stack:
+        manager = stack.enter_context(CheckpointManager(run_dir / CHECKPOINT_FOLDER, keep_last=config.keep_last))
+        resume_path = _find_checkpoint(manager, config.resume)
+        # map_location="cpu": nothing lands on the GPU until the model is built and moved there.
+        checkpoint = manager.load(resume_path, map_location="cpu") if resume_path is not None else None
+        if checkpoint is not None:
+            missing = [key for key in CHECKPOINT_KEYS if key not in checkpoint]
+            if missing:
+                raise ResumeError(f"checkpoint {resume_path} lacks {missing}; was it written by this trainer?")
+        model_config = _model_config(config, checkpoint[MODEL_CONFIG] if checkpoint else None)
+
+        data = prepare_data(config.data, Path(config.cache_dir) if config.cache_dir else default_cache_dir())
+        train_windows = TokenWindows(data.train, model_config.block_size)
+        val_windows = TokenWindows(data.val, model_config.block_size)
+        # The same validation windows at every evaluation, spread over the split, so evaluations
+        # are comparable with each other.
+        n_val = min(len(val_windows), config.eval_batches * config.batch_size)
+        val_indices = list(range(0, len(val_windows), len(val_windows) // n_val))[:n_val]
+
+        _seed_everything(config.seed)
+        model = GPT(model_config)
+        if checkpoint is not None:
+            model.load_state_dict(checkpoint[MODEL])
+        # Weights are loaded on the CPU, then moved: loading straight to the GPU would hold two copies.
+        model.to(device)
+        optimizer = torch.optim.AdamW(model.param_groups(config.weight_decay), lr=config.lr, betas=ADAM_BETAS)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: _schedule(config, s))
+        loader = ResumableDataLoader(
+            train_windows,
+            batch_size=config.batch_size,
+            shuffle=True,
+            seed=config.seed,
+            drop_last=True,  # every step sees the same number of tokens
+            num_workers=config.num_workers,
+            pin_memory=device.type == "cuda",
+        )
+        if len(loader) == 0:  # drop_last with fewer windows than a batch: an endless empty loop
+            raise ValueError(
+                f"the training split has {len(train_windows)} windows of {model_config.block_size} bytes, fewer "
+                f"than one batch of {config.batch_size}; use a smaller --batch-size or --block-size, or more data"
+            )
+        tqdm.write(
+            f"{'resuming from ' + str(resume_path) if resume_path else 'training from scratch'} | "
+            f"{model.num_parameters() / 1e6:.2f}M parameters on {device} | {data.describe()} | "
+            f"{len(loader) // config.grad_accum} optimizer steps per epoch"
+        )
+        step, tokens_seen, best_val_loss = 0, 0, math.inf
+        if checkpoint is not None:
+            # After the scheduler is built: its constructor overwrites the optimizer's lr, and
+            # these loads put the saved one back. The optimizer casts AdamW's moments to the
+            # device of the (already moved) parameters.
+            optimizer.load_state_dict(checkpoint[OPTIMIZER])
+            scheduler.load_state_dict(checkpoint[LR_SCHEDULER])
+            loader.load_state_dict(checkpoint[DATALOADER])
+            step, tokens_seen, best_val_loss = _load_train_state(checkpoint[TRAIN_STATE], resume_path)
+            _audit(checkpoint[AUDIT], loader, config, step, resume_path)
+            # Last, because building the model above drew from the RNGs it restores.
+            resumable_data.restore_rng_state(checkpoint[RNG])
+            checkpoint = None  # free the CPU copy of the weights
+
+        autocast: contextlib.AbstractContextManager[Any] = (
+            torch.autocast(device_type="cuda", dtype=torch.bfloat16) if device.type == "cuda" else contextlib.nullcontext()
+        )
+        # Compile after loading: the compiled wrapper renames state_dict keys, so the plain model
+        # is what gets saved and loaded.
+        forward = torch.compile(model) if config.compile else model
+        tokens_per_step = config.batch_size * config.grad_accum * model_config.block_size
+
+        def save(val_loss: float | None) -> Path:
+            state = {
+                MODEL: model.state_dict(),
+                OPTIMIZER: optimizer.state_dict(),
+                LR_SCHEDULER: scheduler.state_dict(),
+                DATALOADER: loader.state_dict(),
+                RNG: resumable_data.capture_rng_state(),
+                TRAIN_STATE: {VERSION: TRAIN_STATE_VERSION, STEP: step, TOKENS_SEEN: tokens_seen, BEST_VAL_LOSS: best_val_loss},
+                MODEL_CONFIG: asdict(model_config),
+                LIBRARY_VERSION: resumable_data.__version__,
+                # What the next step will use, checked after a resume (see _audit).
+                AUDIT: {
+                    NEXT_BATCH: batch_fingerprint(loader.peek_indices(config.grad_accum)),
+                    NEXT_LR: optimizer.param_groups[0]["lr"],
+                },
+            }
+            path = manager.save(step, state, metric=val_loss)
+            metrics.log("checkpoint", step=step, path=str(path))
+            return path
+
+        metrics = stack.enter_context(contextlib.closing(_Metrics(run_dir / METRICS_FILE)))
+        metrics.log(
+            "start", step=step, device=str(device), parameters=model.num_parameters(),
+            config=asdict(config), model_config=asdict(model_config), data=data.describe(),
+        )
+        if resume_path is not None:
+            metrics.log("resume", step=step, checkpoint=str(resume_path), audit="ok")
+
+        result = TrainResult(run_dir, step, {}, {}, best_val_loss, resume_path, None)
+        if step == 0:
+            # The untrained model's loss is the baseline the falling loss is measured against. It
+            # has no checkpoint, so it does not count towards best_val_loss.
+            result.val_losses[0] = _evaluate(forward, val_windows, val_indices, config.batch_size, device, autocast)
+            metrics.log("eval", step=0, val_loss=result.val_losses[0])
+            tqdm.write(f"step 0: val loss {result.val_losses[0]:.4f}")
+
+        batches = _endless(loader)
+        stack.callback(batches.close)  # shuts down DataLoader workers
+        bar = stack.enter_context(
+            tqdm(total=config.max_steps, initial=step, disable=not config.progress, unit="step", dynamic_ncols=True)
+        )
+        tokens_per_second = 0.0
+        last_saved: Path | None = None
+        stop = stack.enter_context(_GracefulStop())
+        while step < config.max_steps:
+            started = time.perf_counter()
+            lr = optimizer.param_groups[0]["lr"]
+            loss_sum = torch.zeros((), device=device)
+            for _ in range(config.grad_accum):
+                x, y = next(batches)
+                x = x.to(device, non_blocking=True)
+                y = y.to(device, non_blocking=True)
+                with autocast:
+                    _, loss = forward(x, y)
+                # Divide so the accumulated gradient is the mean over micro-batches, as
+                # with one big batch, rather than their sum.
+                (loss / config.grad_accum).backward()
+                loss_sum += loss.detach()
+            if config.crash_at_step == step + 1:
+                os.kill(os.getpid(), signal.SIGKILL)  # a real kill -9: no handler, no cleanup
+            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), config.grad_clip or math.inf)
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad(set_to_none=True)
+            step += 1
+            tokens_seen += tokens_per_step
+            train_loss = loss_sum.item() / config.grad_accum  # .item() waits for the GPU
+            elapsed = time.perf_counter() - started
+            tokens_per_second = tokens_per_step / elapsed if tokens_per_second == 0 else (
+                0.9 * tokens_per_second + 0.1 * tokens_per_step / elapsed
+            )
+            result.losses[step] = train_loss
+            metrics.log(
+                "step", step=step, loss=train_loss, lr=lr, grad_norm=grad_norm.item(),
+                tokens=tokens_seen, step_time=elapsed, epoch=loader.epoch,
+            )
+            bar.set_postfix(loss=f"{train_loss:.4f}", lr=f"{lr:.2e}", tok_s=f"{tokens_per_second:,.0f}")
+            bar.update()
+
+            val_loss = None
+            if step % config.eval_every == 0 or step == config.max_steps:
+                val_loss = _evaluate(forward, val_windows, val_indices, config.batch_size, device, autocast)
+                best_val_loss = min(best_val_loss, val_loss)
+                result.val_losses[step] = val_loss
+                metrics.log("eval", step=step, val_loss=val_loss, best_val_loss=best_val_loss)
+                tqdm.write(f"step {step}: train loss {train_loss:.4f}, val loss {val_loss:.4f} (best {best_val_loss:.4f})")
+            if config.stop_at == step and stop.reason is None:
+                stop.reason = f"--stop-at {step}"
+            # Checkpoints fall on optimizer-step boundaries only, so gradient accumulation
+            # never has to be resumed halfway. Each evaluation is saved with its metric,
+            # which makes the manager keep the best model.
+            if (
+                val_loss is not None
+                or step % config.checkpoint_every == 0
+                or step == config.max_steps
+                or stop.reason is not None
+            ):
+                last_saved = save(val_loss)
+            if stop.reason is not None:
+                break
+
+        bar.close()  # before the last message, so the message is not drawn over
+        result.step, result.best_val_loss, result.stopped_by = step, best_val_loss, stop.reason
+        if stop.reason is not None:
+            metrics.log("stop", step=step, reason=stop.reason)
+            tqdm.write(f"stopped by {stop.reason}: saved {last_saved}; run the same command again to continue")
+        else:
+            metrics.log("end", step=step, best_val_loss=best_val_loss, tokens_per_second=tokens_per_second)
+            tqdm.write(f"done: {step} steps, best val loss {best_val_loss:.4f}, checkpoints in {manager.directory}")
+    return result
+
+
+def _load_train_state(state: Mapping[str, Any], path: Path | None) -> tuple[int, int, float]:
+    """Step, tokens seen and best validation loss from a checkpoint's ``train_state``.
+
+    Raises:
+        ResumeError: the state was written by an incompatible trainer or is malformed.
+    """
+    if state.get(VERSION) != TRAIN_STATE_VERSION:
+        raise ResumeError(
+            f"checkpoint {path} has train_state version {state.get(VERSION)!r}, but this trainer reads "
+            f"version {TRAIN_STATE_VERSION}; resume it with the trainer that wrote it"
+        )
+    try:
+        return int(state[STEP]), int(state[TOKENS_SEEN]), float(state[BEST_VAL_LOSS])
+    except (KeyError, TypeError, ValueError) as e:
+        raise ResumeError(f"checkpoint {path} has a malformed train_state {dict(state)}: {e!r}") from e
+
+
+def _audit(recorded: Mapping[str, Any], loader: ResumableDataLoader, config: TrainConfig, step: int, path: Path | None) -> None:
+    """Check that the restored run will take the step the interrupted one would have taken.
+
+    The checkpoint recorded a fingerprint of the next step's batch indices and the next learning
+    rate. Restoring puts the loader and the scheduler back, but flags can still have changed what
+    comes next (batch size, gradient accumulation, seed, schedule), so recompute both and compare.
+
+    Raises:
+        ResumeError: either differs; the message says what probably changed.
+    """
+    expected_batch = batch_fingerprint(loader.peek_indices(config.grad_accum))
+    if recorded[NEXT_BATCH] != expected_batch:
+        raise ResumeError(
+            f"resume audit failed: after step {step} the checkpoint {path} expects the next batch "
+            f"{recorded[NEXT_BATCH]}, but this run would read {expected_batch}. The data order changed: "
+            "most likely --batch-size, --grad-accum or --seed differs from the run that wrote it, or the "
+            "corpus (--data, --block-size) changed. Resume with the original settings or use another --run-dir"
+        )
+    # The schedule as this run's flags define it, not the scheduler's restored value: a changed
+    # --lr, --min-lr, --warmup-steps or --max-steps shows up only here.
+    expected_lr = config.lr * _schedule(config, step)
+    if recorded[NEXT_LR] != expected_lr:
+        raise ResumeError(
+            f"resume audit failed: at step {step} the checkpoint {path} expects learning rate "
+            f"{recorded[NEXT_LR]!r}, but this run's schedule gives {expected_lr!r}: --lr, --min-lr, "
+            "--warmup-steps or --max-steps differs from the run that wrote it (its values are in the "
+            f"'start' events of {METRICS_FILE}). Resume with the original settings or use another --run-dir"
+        )
+    tqdm.write(
+        f"resume audit ok: step {step}, next batch {expected_batch} and next lr {expected_lr:.3e} "
+        "match the checkpoint"
+    )
+
