@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import collections
 import itertools
+import json
+import pickle
 
 import numpy as np
 import pytest
@@ -185,8 +187,6 @@ def test_exhausted_epoch_advances_by_itself_but_not_after_set_epoch() -> None:
 @given(length=st.integers(1, 10**9), position_fraction=st.floats(0, 1), world=st.integers(1, 4096),
        epoch=st.integers(0, 10**6))
 def test_state_is_small_plain_and_round_trips(length: int, position_fraction: float, world: int, epoch: int) -> None:
-    import json
-
     loader_like = ResumableSampler(length, seed=2**62, world_size=world)
     loader_like.load_state_dict({**loader_like.state_dict(), "epoch": epoch, "position": int(position_fraction * length)})
     state = {**loader_like.state_dict(), "batch_size": 4096}
@@ -194,8 +194,4 @@ def test_state_is_small_plain_and_round_trips(length: int, position_fraction: fl
     assert len(encoded) < 512
     assert json.loads(encoded) == state
     assert checkpoint_roundtrip(state) == state
-    import io
-
-    buffer = io.BytesIO()
-    torch.save(state, buffer)
-    assert buffer.getbuffer().nbytes < 2048  # torch.save's zip container adds ~1.3 KB of framing
+    assert len(pickle.dumps(state)) < 512  # what torch.save stores for it, before zip framing
