@@ -64,8 +64,14 @@ def scramble_global_rngs() -> None:
     torch.manual_seed(12345)
 
 
-def assert_resumes_identically(tmp_path: Path, corpus: Path, stops: Sequence[int], **overrides: Any) -> list[TrainResult]:
+def assert_resumes_identically(
+    tmp_path: Path, corpus: Path, stops: Sequence[int], resumed_with: dict[str, Any] | None = None, **overrides: Any
+) -> list[TrainResult]:
     """Train straight through, then stopped at each of ``stops`` and resumed; compare bitwise.
+
+    Args:
+        resumed_with: settings that differ in the legs after the first (e.g. num_workers).
+        overrides: settings of every run.
 
     Returns:
         The legs of the interrupted run.
@@ -74,7 +80,8 @@ def assert_resumes_identically(tmp_path: Path, corpus: Path, stops: Sequence[int
     legs = []
     for stop in [*stops, None]:
         scramble_global_rngs()
-        legs.append(train(tiny(tmp_path, corpus, "interrupted", stop_at=stop, **overrides)))
+        settings = {**overrides, **(resumed_with or {})} if legs else overrides
+        legs.append(train(tiny(tmp_path, corpus, "interrupted", stop_at=stop, **settings)))
         expected_step = stop if stop is not None else reference.step
         assert legs[-1].step == expected_step
     for leg, previous in zip(legs[1:], legs):
@@ -120,6 +127,11 @@ def test_resume_with_gradient_accumulation(tmp_path: Path, corpus: Path) -> None
 
 def test_resume_several_times_in_a_row(tmp_path: Path, corpus: Path) -> None:
     assert_resumes_identically(tmp_path, corpus, [3, 4, 11, 17])
+
+
+def test_resume_with_a_different_number_of_workers(tmp_path: Path, corpus: Path) -> None:
+    """Worker processes prefetch batches; the position counts only those handed to the loop."""
+    assert_resumes_identically(tmp_path, corpus, [5], resumed_with={"num_workers": 0}, num_workers=2, max_steps=10)
 
 
 def test_sigkill_in_a_subprocess_resumes_identically(tmp_path: Path, corpus: Path) -> None:

@@ -15,8 +15,8 @@ import statistics
 import sys
 import time
 import typing
-from collections.abc import Sequence
-from dataclasses import fields, replace
+from collections.abc import Mapping, Sequence
+from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
@@ -47,18 +47,28 @@ VERIFY_KILL_AT = 37
 GPU_SMOKE_STEPS = 200
 
 
-def _add_train_flags(parser: argparse.ArgumentParser) -> None:
-    """One ``--flag`` per TrainConfig field, typed and documented from the dataclass."""
+def _add_train_flags(parser: argparse.ArgumentParser, defaults: Mapping[str, Any]) -> None:
+    """One ``--flag`` per TrainConfig field, typed and documented from the dataclass.
+
+    Args:
+        defaults: values that replace the dataclass defaults for this subcommand.
+    """
     hints = typing.get_type_hints(TrainConfig)
+    new_model = {f.name: f.default for f in fields(ModelConfig)}
     for f in fields(TrainConfig):
         flag = "--" + f.name.replace("_", "-")
         kind = hints[f.name]
+        default = defaults.get(f.name, f.default)
+        if default is None and f.name in new_model:
+            shown = f" (default: the checkpoint's on resume, else {new_model[f.name]})"
+        else:
+            shown = "" if default is None else f" (default: {default})"
         if kind is bool:
-            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default, help=f.metadata["help"])
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=f.metadata["help"])
             continue
         # "int | None" -> int: None is the default, never typed on the command line.
         value_type = next(t for t in typing.get_args(kind) if t is not type(None)) if typing.get_args(kind) else kind
-        parser.add_argument(flag, type=value_type, default=f.default, help=f.metadata["help"])
+        parser.add_argument(flag, type=value_type, default=default, help=f.metadata["help"] + shown)
 
 
 def _config(args: argparse.Namespace) -> TrainConfig:
@@ -70,11 +80,10 @@ def _parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True)
 
     train_cmd = commands.add_parser("train", help="train (resumes from RUN_DIR's newest checkpoint by default)")
-    _add_train_flags(train_cmd)
+    _add_train_flags(train_cmd, {})
 
     verify = commands.add_parser("verify-resume", help="check that a SIGKILLed and resumed run equals an uninterrupted one")
-    _add_train_flags(verify)
-    verify.set_defaults(**VERIFY_DEFAULTS)
+    _add_train_flags(verify, VERIFY_DEFAULTS)
     verify.add_argument("--kill-at-step", type=int, default=VERIFY_KILL_AT, help="the step during which to SIGKILL the run")
 
     plot = commands.add_parser("plot", help="write a PNG of loss and lr over steps, marking resume points")
@@ -109,10 +118,8 @@ def _gpu_smoke(steps: int, run_dir: str) -> bool:
     # The first steps include CUDA start-up and kernel selection; time the steady state.
     steady = statistics.median(step_times[len(step_times) // 4 :])
     tokens_per_step = default_run.batch_size * default_run.grad_accum * ModelConfig().block_size
-    verify_config = TrainConfig(**{**{f.name: f.default for f in fields(TrainConfig)}, **VERIFY_DEFAULTS})
-    verified = verify_resume(
-        replace(verify_config, run_dir=str(base / "verify"), device="cuda", deterministic=True), VERIFY_KILL_AT
-    )
+    verify_config = TrainConfig(**{**VERIFY_DEFAULTS, "run_dir": str(base / "verify"), "device": "cuda", "deterministic": True})
+    verified = verify_resume(verify_config, VERIFY_KILL_AT)
     summary = {
         "device": torch.cuda.get_device_name(0),
         "torch": torch.__version__,
@@ -153,6 +160,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         # ResumeError covers a locked run folder (CheckpointLockedError) and corrupt checkpoints.
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # a second Ctrl-C while training: the user chose not to wait for the save
+        print("interrupted without saving; the newest checkpoint is the last one written", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

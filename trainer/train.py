@@ -20,7 +20,7 @@ import signal
 import threading
 import time
 from collections.abc import Iterator, Mapping
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from types import FrameType
 from typing import Any, TextIO
@@ -84,11 +84,11 @@ class TrainConfig:
     cache_dir: str | None = _option(None, "where tokenized corpora are cached")
     resume: str = _option("auto", "'auto' (newest valid checkpoint, if any), 'never', or a checkpoint path")
     # Architecture: None means "from the checkpoint on resume, else ModelConfig's default".
-    block_size: int | None = _option(None, "context length in bytes (default 128)")
-    n_layer: int | None = _option(None, "transformer blocks (default 4)")
-    n_head: int | None = _option(None, "attention heads (default 4)")
-    n_embd: int | None = _option(None, "embedding width (default 128)")
-    dropout: float | None = _option(None, "dropout probability (default 0.0)")
+    block_size: int | None = _option(None, "context length in bytes")
+    n_layer: int | None = _option(None, "transformer blocks")
+    n_head: int | None = _option(None, "attention heads")
+    n_embd: int | None = _option(None, "embedding width")
+    dropout: float | None = _option(None, "dropout probability")
     # Optimization.
     batch_size: int = _option(32, "sequences per micro-batch")
     grad_accum: int = _option(1, "micro-batches per optimizer step")
@@ -195,8 +195,8 @@ class _Metrics:
     def __init__(self, path: Path) -> None:
         self._file: TextIO = open(path, "a", buffering=1)
 
-    def log(self, event: str, **fields: Any) -> None:
-        self._file.write(json.dumps({"event": event, "time": time.time(), **fields}) + "\n")
+    def log(self, event: str, **values: Any) -> None:
+        self._file.write(json.dumps({"event": event, "time": time.time(), **values}) + "\n")
 
     def close(self) -> None:
         self._file.close()
@@ -478,6 +478,7 @@ def train(config: TrainConfig) -> TrainResult:
         )
         tokens_per_second = 0.0
         last_saved: Path | None = None
+        stopped_by: str | None = None
         stop = stack.enter_context(_GracefulStop())
         while step < config.max_steps:
             started = time.perf_counter()
@@ -523,24 +524,21 @@ def train(config: TrainConfig) -> TrainResult:
                 tqdm.write(f"step {step}: train loss {train_loss:.4f}, val loss {val_loss:.4f} (best {best_val_loss:.4f})")
             if config.stop_at == step and stop.reason is None:
                 stop.reason = f"--stop-at {step}"
+            # Read once: a signal arriving between the save and the break must not skip the save.
+            stopped_by = stop.reason
             # Checkpoints fall on optimizer-step boundaries only, so gradient accumulation
             # never has to be resumed halfway. Each evaluation is saved with its metric,
             # which makes the manager keep the best model.
-            if (
-                val_loss is not None
-                or step % config.checkpoint_every == 0
-                or step == config.max_steps
-                or stop.reason is not None
-            ):
+            if val_loss is not None or step % config.checkpoint_every == 0 or step == config.max_steps or stopped_by:
                 last_saved = save(val_loss)
-            if stop.reason is not None:
+            if stopped_by:
                 break
 
         bar.close()  # before the last message, so the message is not drawn over
-        result.step, result.best_val_loss, result.stopped_by = step, best_val_loss, stop.reason
-        if stop.reason is not None:
-            metrics.log("stop", step=step, reason=stop.reason)
-            tqdm.write(f"stopped by {stop.reason}: saved {last_saved}; run the same command again to continue")
+        result.step, result.best_val_loss, result.stopped_by = step, best_val_loss, stopped_by
+        if stopped_by is not None:
+            metrics.log("stop", step=step, reason=stopped_by)
+            tqdm.write(f"stopped by {stopped_by}: saved {last_saved}; run the same command again to continue")
         else:
             metrics.log("end", step=step, best_val_loss=best_val_loss, tokens_per_second=tokens_per_second)
             tqdm.write(f"done: {step} steps, best val loss {best_val_loss:.4f}, checkpoints in {manager.directory}")
