@@ -44,7 +44,6 @@ VERIFY_DEFAULTS = {
     "checkpoint_every": 10,
 }
 VERIFY_KILL_AT = 37
-GPU_SMOKE_STEPS = 200
 
 
 def _add_train_flags(parser: argparse.ArgumentParser, defaults: Mapping[str, Any]) -> None:
@@ -91,7 +90,7 @@ def _parser() -> argparse.ArgumentParser:
     plot.add_argument("--out", default=None, help="PNG path (default RUN_DIR/metrics.png)")
 
     smoke = commands.add_parser("gpu-smoke", help="on CUDA: the default run's step time, then verify-resume with deterministic algorithms")
-    smoke.add_argument("--steps", type=int, default=GPU_SMOKE_STEPS, help="steps of the default run to time")
+    smoke.add_argument("--steps", type=int, default=TrainConfig().max_steps, help="steps of the default run to time (default: %(default)s)")
     smoke.add_argument("--run-dir", default="runs/gpu-smoke", help="parent folder of the smoke runs")
     return parser
 

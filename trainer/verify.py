@@ -124,7 +124,10 @@ def verify_resume(config: TrainConfig, kill_at_step: int) -> bool:
             attempts.setdefault(event["step"], []).append(event["loss"])
         elif event["event"] == "resume":
             resumed_at.append(event["step"])
-    print(f"resumed after step {resumed_at}; steps {resumed_at[0] + 1 if resumed_at else '?'}..{kill_at_step - 1} ran twice")
+    # Without a checkpoint before the kill, the second launch simply started again from scratch.
+    restart = resumed_at[0] if resumed_at else 0
+    origin = f"step {restart}" if resumed_at else "scratch (no checkpoint yet)"
+    print(f"resumed from {origin}; steps {restart + 1}..{kill_at_step - 1} ran twice")
     print(f"{'step':>6}  {'uninterrupted':>14}  {'killed / resumed':>34}  same")
     all_same = True
     for step in range(1, config.max_steps + 1):
