@@ -236,6 +236,34 @@ def test_resume_audit_catches_a_changed_schedule_or_data_order(tmp_path: Path, c
     assert any(e["event"] == "resume" and e["audit"] == "ok" for e in read_metrics(ok.run_dir))
 
 
+# -- data ---------------------------------------------------------------------------------------
+
+
+def test_data_folder_is_read_in_order_without_hidden_files_and_cached(tmp_path: Path) -> None:
+    folder = tmp_path / "texts"
+    (folder / "sub").mkdir(parents=True)
+    (folder / "b.txt").write_bytes(b"b" * 300)
+    (folder / "sub" / "a.txt").write_bytes(b"a" * 300)
+    (folder / ".notes").write_bytes(b"x" * 300)
+    data = prepare_data(folder, tmp_path / "cache")
+    assert data.train.read_bytes() + data.val.read_bytes() == b"b" * 300 + b"\n" + b"a" * 300 + b"\n"
+    assert prepare_data(folder, tmp_path / "cache") == data  # built once
+    (folder / "b.txt").write_bytes(b"c" * 300)  # same size: the modification time tells
+    os.utime(folder / "b.txt", ns=(0, 10**9))
+    assert prepare_data(folder, tmp_path / "cache").train.read_bytes().startswith(b"c" * 300)
+
+
+def test_token_windows_are_non_overlapping_and_shifted_by_one(tmp_path: Path) -> None:
+    path = tmp_path / "tokens.bin"
+    path.write_bytes(bytes(range(50)))
+    windows = TokenWindows(path, block_size=16)
+    assert len(windows) == 3  # 49 targets: three full windows
+    x, y = windows[1]
+    assert x.tolist() == list(range(16, 32)) and y.tolist() == list(range(17, 33))
+    with pytest.raises(IndexError):
+        windows[3]
+
+
 # -- what a checkpoint holds, and what a person sees ----------------------------------------------
 
 

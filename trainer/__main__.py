@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import statistics
 import sys
 import time
@@ -25,7 +26,9 @@ import torch
 from resumable_data import ResumeError
 
 from .model import ModelConfig
+from .plot import plot_run
 from .train import TrainConfig, read_metrics, train
+from .verify import verify_resume
 
 # verify-resume's defaults: small enough for a few minutes on 2 CPU cores, with dropout on so the
 # RNG restore matters, and checkpoints that do not fall on the kill step so steps get replayed.
@@ -104,11 +107,10 @@ def _gpu_smoke(steps: int, run_dir: str) -> bool:
     Raises:
         ValueError: no CUDA device.
     """
-    from .verify import verify_resume
-
     if not torch.cuda.is_available():
         raise ValueError("gpu-smoke needs a CUDA device; torch.cuda.is_available() is False here")
     base = Path(run_dir)
+    shutil.rmtree(base / "default", ignore_errors=True)  # a fresh run each time, so the figures compare
     default_run = TrainConfig(run_dir=str(base / "default"), resume="never", max_steps=steps, device="cuda", progress=False)
     started = time.perf_counter()
     result = train(default_run)
@@ -138,7 +140,7 @@ def _gpu_smoke(steps: int, run_dir: str) -> bool:
 def main(argv: Sequence[str] | None = None) -> int:
     """Run a subcommand; ``train`` when none is given. Returns the exit code."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    if not argv or argv[0].startswith("-") and argv[0] not in ("-h", "--help"):
+    if not argv or (argv[0].startswith("-") and argv[0] not in ("-h", "--help")):
         argv.insert(0, "train")
     args = _parser().parse_args(argv)
     try:
@@ -146,12 +148,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             train(_config(args))
             return 0
         if args.command == "verify-resume":
-            from .verify import verify_resume
-
             return 0 if verify_resume(_config(args), args.kill_at_step) else 1
         if args.command == "plot":
-            from .plot import plot_run
-
             print(f"wrote {plot_run(args.run_dir, args.out)}")
             return 0
         return 0 if _gpu_smoke(args.steps, args.run_dir) else 1

@@ -109,7 +109,7 @@ class TrainConfig:
     seed: int = _option(1337, "seed for initialization, data order and dropout")
     device: str = _option("auto", "'auto' (CUDA when available), 'cpu', 'cuda', 'cuda:1'...")
     num_workers: int = _option(0, "DataLoader worker processes")
-    compile: bool = _option(False, "torch.compile the model")
+    compile: bool = _option(False, "torch.compile the model (exact resume is verified only without it)")
     deterministic: bool = _option(False, "torch.use_deterministic_algorithms (exact resume on CUDA)")
     progress: bool = _option(True, "show a progress bar")
 
