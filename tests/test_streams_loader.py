@@ -69,12 +69,13 @@ def test_resume_at_a_shard_boundary(tmp_path: Path) -> None:
     assert_resumes_identically(make, [2, 4, 6, 8], total_batches=12)
 
 
-def test_each_rank_resumes_identically() -> None:
-    shards = MemoryShards([7, 3, 9, 4, 6])
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_each_rank_resumes_identically(num_workers: int) -> None:
+    shards = MemoryShards([7, 3, 9, 4, 6, 5, 8])
 
     def make() -> StreamLoader:
         stream = ShardedIterable(shards.names, read_shard=shards, seed=2).shuffle_buffer(3)
-        return StreamLoader(stream, batch_size=2, rank=1, world_size=2)
+        return StreamLoader(stream, batch_size=2, rank=1, world_size=2, num_workers=num_workers)
 
     assert_resumes_identically(make, [1, 2, 4, 9], total_batches=14)
 
