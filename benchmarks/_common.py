@@ -1,0 +1,410 @@
+"""What the three benchmarks share: the machine header, isolated cells, datasets, tables and plots.
+
+Each measurement ("cell") runs in a fresh process forked from a server that has already imported
+torch, so cells cannot disturb each other (allocator state, warmed caches, leaked workers) and a
+cell's peak memory is its own, while a cell still starts in milliseconds rather than the seconds a
+``python -c "import torch"`` takes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import multiprocessing
+import multiprocessing.connection
+import os
+import platform
+import resource
+import shlex
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence, Sized
+from pathlib import Path
+from typing import Any
+
+import torch
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+RESULTS_DIR = REPO_ROOT / "benchmarks" / "results"
+# The benchmarks run from a checkout (``python benchmarks/bench_x.py``): measure the package in this
+# tree, installed or not.
+if str(REPO_ROOT) not in sys.path:
+    sys.path.insert(0, str(REPO_ROOT))
+# Modules the cell server imports once, so that every forked cell has them for free.
+_PRELOAD = ["torch", "numpy", "torchdata.stateful_dataloader", "torchdata.nodes", "resumable_data", "_common"]
+
+# Each sample is a small int64 tensor: [index, busy-work result, index, index, ...]. Its first
+# element identifies the sample, which is what the exactness checks compare.
+SAMPLE_WIDTH = 16
+
+
+# -- command line and header -----------------------------------------------------------------------
+
+
+def parse_args(description: str, add_arguments: Callable[[argparse.ArgumentParser], None] | None = None) -> argparse.Namespace:
+    """The options every benchmark takes (``--quick``, ``--out``) plus its own."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument(
+        "--quick", action="store_true", help="tiny sizes, < 1 minute: a smoke test of every method and check"
+    )
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help=f"where to write the .md table and .png plots (default: {RESULTS_DIR}; with --quick a temp dir)",
+    )
+    if add_arguments is not None:
+        add_arguments(parser)
+    args = parser.parse_args()
+    if args.out is None:
+        # A quick run is a smoke test: it must not overwrite the committed results of a full run.
+        args.out = Path(tempfile.mkdtemp(prefix="bench-quick-")) if args.quick else RESULTS_DIR
+    args.out.mkdir(parents=True, exist_ok=True)
+    return args
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def machine_header(title: str) -> str:
+    """A markdown heading plus the machine, the library versions, the date and the exact command."""
+    import numpy
+    import torchdata
+
+    import resumable_data
+
+    usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    command = shlex.join(["python", *sys.argv])
+    return "\n".join(
+        [
+            f"# {title}",
+            "",
+            f"- machine: {os.cpu_count()} CPUs ({usable} usable), {_cpu_model()}, {platform.system()} {platform.release()}",
+            f"- versions: python {platform.python_version()}, torch {torch.__version__}, "
+            f"torchdata {torchdata.__version__}, numpy {numpy.__version__}, resumable_data {resumable_data.__version__}",
+            f"- date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC",
+            f"- command: `{command}`",
+            "",
+        ]
+    )
+
+
+# -- isolated cells ------------------------------------------------------------------------------
+
+_context: Any = None
+
+
+def _cell_context() -> Any:
+    global _context
+    if _context is None:
+        _context = multiprocessing.get_context("forkserver")
+        _context.set_forkserver_preload(_PRELOAD)
+    return _context
+
+
+def _cell_entry(
+    conn: multiprocessing.connection.Connection, start_method: str, fn: Callable[..., dict[str, Any]], kwargs: dict[str, Any]
+) -> None:
+    # A forkserver child inherits "forkserver" as its default start method; DataLoader and
+    # torchdata.nodes workers must start the way they would in the user's own main process.
+    multiprocessing.set_start_method(start_method, force=True)
+    try:
+        result = fn(**kwargs)
+    except Exception as e:  # a failing cell is a result to report in the table, not a crash of the run
+        result = {"error": f"{type(e).__name__}: {e}"}
+    conn.send(result)
+    conn.close()
+
+
+def run_isolated(fn: Callable[..., dict[str, Any]], kwargs: Mapping[str, Any], *, timeout_s: float) -> dict[str, Any]:
+    """Run ``fn(**kwargs)`` in a fresh process; its returned dict, or ``{"error": ...}``.
+
+    ``fn`` must be a module-level function (it is pickled by name). The process is not a daemon, so
+    the cell may start DataLoader workers of its own.
+    """
+    ctx = _cell_context()
+    receiver, sender = ctx.Pipe(duplex=False)
+    process = ctx.Process(target=_cell_entry, args=(sender, multiprocessing.get_start_method(), fn, dict(kwargs)))
+    process.start()
+    sender.close()
+    try:
+        if receiver.poll(timeout_s):
+            result = receiver.recv()
+        else:
+            process.kill()
+            result = {"error": f"killed after {timeout_s:.0f} s without a result"}
+    except EOFError:
+        result = {"error": "the cell process died without a result"}
+    process.join()
+    if "error" not in result and process.exitcode not in (0, None):
+        result["note"] = (result.get("note", "") + f" (exit code {process.exitcode})").strip()
+    return result
+
+
+class PeakMemory:
+    """Growth of this process's peak resident memory (RSS) from :meth:`start` on, in MB.
+
+    tracemalloc does not see torch's allocations, so this reads the kernel's high-water mark. On
+    Linux the mark is reset at :meth:`start` (``/proc/self/clear_refs``), so what an earlier phase of
+    the cell allocated and freed does not hide what the measured phase allocates.
+    """
+
+    def __init__(self) -> None:
+        self._base_kb = 0
+        self._resettable = False
+
+    @staticmethod
+    def _status_kb(field: str) -> int | None:
+        try:
+            with open("/proc/self/status") as f:
+                for line in f:
+                    if line.startswith(field + ":"):
+                        return int(line.split()[1])
+        except OSError:
+            pass
+        return None
+
+    def start(self) -> None:
+        try:
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")  # 5: reset the peak RSS to the current RSS
+            self._resettable = True
+        except OSError:
+            self._resettable = False
+        current = self._status_kb("VmRSS") if self._resettable else None
+        self._base_kb = current if current is not None else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+
+    def peak_mb(self) -> float:
+        peak = self._status_kb("VmHWM") if self._resettable else None
+        if peak is None:
+            peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        return max(0, peak - self._base_kb) / 1024
+
+
+def repeat_timed(once: Callable[[], float], *, max_reps: int, fast_s: float = 1.0) -> tuple[float, int]:
+    """Median of up to ``max_reps`` runs of ``once`` (which returns its own measured seconds).
+
+    A slow first run is not repeated: its noise is small relative to its length, and repeating it
+    would multiply the runtime of the whole benchmark.
+    """
+    times = [once()]
+    while len(times) < max_reps and times[0] < fast_s:
+        times.append(once())
+    return statistics.median(times), len(times)
+
+
+# -- datasets ------------------------------------------------------------------------------------
+
+
+def busy_work(index: int, iterations: int) -> int:
+    """A deterministic compute loop (a 64-bit LCG) standing in for decoding a sample."""
+    x = index
+    for _ in range(iterations):
+        x = (x * 6364136223846793005 + 1442695040888963407) & 0xFFFFFFFFFFFFFFFF
+    return x >> 1  # fits an int64
+
+
+def calibrate_work(target_us: float) -> int:
+    """LCG iterations that take about ``target_us`` microseconds here (0 for no work)."""
+    if target_us <= 0:
+        return 0
+    probe = 20_000
+    best = min(_time_call(busy_work, 1, probe) for _ in range(3))
+    return max(1, round(probe * target_us * 1e-6 / best))
+
+
+def _time_call(fn: Callable[..., Any], *args: Any) -> float:
+    start = time.perf_counter()
+    fn(*args)
+    return time.perf_counter() - start
+
+
+class SyntheticDataset(torch.utils.data.Dataset):
+    """``length`` samples computed from their index, so 10^7 samples allocate nothing up front.
+
+    Args:
+        length: number of samples.
+        work_iterations: busy-work per ``__getitem__`` (see :func:`calibrate_work`); 0 for none.
+    """
+
+    def __init__(self, length: int, work_iterations: int = 0) -> None:
+        self.length = length
+        self.work_iterations = work_iterations
+
+    def __len__(self) -> int:
+        return self.length
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        sample = torch.full((SAMPLE_WIDTH,), int(index), dtype=torch.int64)
+        if self.work_iterations:
+            sample[1] = busy_work(int(index), self.work_iterations)
+        return sample
+
+
+def seeded_generator(seed: int) -> torch.Generator:
+    generator = torch.Generator()
+    generator.manual_seed(seed)
+    return generator
+
+
+# -- the loaders compared, built the way their documentation shows -------------------------------
+# Each baseline gets an explicit seeded sampler, so that its order is reproducible and can be
+# checked; that is also what a user who wants to resume has to do.
+
+
+def plain_loader(dataset: Sized, *, batch_size: int, seed: int, workers: int) -> torch.utils.data.DataLoader:
+    sampler = torch.utils.data.RandomSampler(dataset, generator=seeded_generator(seed))
+    return torch.utils.data.DataLoader(dataset, batch_size=batch_size, sampler=sampler, num_workers=workers)
+
+
+def stateful_loader(dataset: Sized, *, batch_size: int, seed: int, workers: int) -> Any:
+    from torchdata.stateful_dataloader import StatefulDataLoader
+    from torchdata.stateful_dataloader.sampler import RandomSampler
+
+    sampler = RandomSampler(dataset, generator=seeded_generator(seed))
+    return StatefulDataLoader(dataset, batch_size=batch_size, sampler=sampler, num_workers=workers)
+
+
+def resumable_loader(dataset: Sized, *, batch_size: int, seed: int, workers: int) -> Any:
+    from resumable_data import ResumableDataLoader
+
+    return ResumableDataLoader(dataset, batch_size=batch_size, shuffle=True, seed=seed, num_workers=workers)
+
+
+# -- tables and plots ----------------------------------------------------------------------------
+
+
+def format_seconds(seconds: float) -> str:
+    if seconds < 1e-6:
+        return f"{seconds * 1e9:.0f} ns"
+    if seconds < 1e-5:
+        return f"{seconds * 1e6:.1f} µs"
+    if seconds < 1e-3:
+        return f"{seconds * 1e6:.0f} µs"
+    if seconds < 1:
+        return f"{seconds * 1e3:.1f} ms"
+    return f"{seconds:.2f} s"
+
+
+def format_count(n: int) -> str:
+    """10^k for powers of ten (how the sizes are quoted), else the plain number."""
+    exponent = len(str(n)) - 1
+    return f"10^{exponent}" if n == 10**exponent and exponent >= 3 else f"{n:,}"
+
+
+def markdown_table(headers: Sequence[str], rows: Iterable[Sequence[Any]]) -> str:
+    lines = ["| " + " | ".join(headers) + " |", "|" + "|".join("---" for _ in headers) + "|"]
+    lines += ["| " + " | ".join(str(cell) for cell in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def parse_markdown_rows(text: str, first_header: str) -> list[dict[str, str]]:
+    """The rows of the table in ``text`` whose first column is ``first_header``, as dicts."""
+    rows: list[dict[str, str]] = []
+    headers: list[str] | None = None
+    for line in text.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")] if line.startswith("|") else None
+        if cells is None:
+            headers = None
+        elif headers is None:
+            headers = cells if cells[0] == first_header else []
+        elif headers and not set(line) <= set("|-: "):
+            rows.append(dict(zip(headers, cells)))
+    return rows
+
+
+def write_report(out: Path, name: str, text: str) -> Path:
+    path = out / f"{name}.md"
+    path.write_text(text + "\n")
+    print(f"\nwrote {path}")
+    return path
+
+
+def plot_lines(
+    path: Path,
+    panels: Sequence[tuple[str, Mapping[str, Sequence[tuple[float, float, bool]]]]],
+    *,
+    xlabel: str,
+    ylabel: str,
+    xscale: str = "log",
+) -> None:
+    """One panel per ``(title, {method: [(x, y, extrapolated), ...]})``, log y, one line per method.
+
+    Extrapolated points (a baseline cell that hit its deadline) are drawn hollow, so an estimate is
+    never mistaken for a measurement.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    # One color per method across all panels, so a method looks the same everywhere.
+    colors = {method: f"C{i}" for i, method in enumerate(dict.fromkeys(m for _, series in panels for m in series))}
+    columns = min(2, len(panels))
+    rows = -(-len(panels) // columns)
+    fig, axes = plt.subplots(rows, columns, figsize=(6.4 * columns, 4.4 * rows), squeeze=False)
+    for ax, (title, series) in zip(axes.flat, panels):
+        for method, points in series.items():
+            if not points:
+                continue
+            color = colors[method]
+            xs, ys, hollow = zip(*sorted(points))
+            ax.plot(xs, ys, "-", color=color, label=method)
+            for x, y, extrapolated in zip(xs, ys, hollow):
+                ax.plot(x, y, "o", color=color, markerfacecolor="white" if extrapolated else color)
+        if xscale == "symlog":
+            ax.set_xscale("symlog", linthresh=1)
+        else:
+            ax.set_xscale(xscale)
+        ax.set_yscale("log")
+        ax.set_title(title, fontsize=10)
+        ax.set_xlabel(xlabel)
+        ax.set_ylabel(ylabel)
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=8)
+    for ax in list(axes.flat)[len(panels) :]:
+        ax.axis("off")
+    fig.text(0.01, 0.005, "hollow marker: extrapolated (the cell stopped at its deadline)", fontsize=8)
+    fig.tight_layout(rect=(0, 0.02, 1, 1))
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    print(f"wrote {path}")
+
+
+def plot_bars(
+    path: Path, title: str, groups: Mapping[str, Mapping[str, float]], *, ylabel: str, reference: float | None = None
+) -> None:
+    """Grouped bars: ``{group: {method: value}}``, with a dashed line at ``reference`` if given."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    methods = list(dict.fromkeys(m for values in groups.values() for m in values))
+    width = 0.8 / max(1, len(methods))
+    fig, ax = plt.subplots(figsize=(7.5, 4.2))
+    for i, method in enumerate(methods):
+        xs = [g + i * width for g, values in enumerate(groups.values()) if method in values]
+        ys = [values[method] for values in groups.values() if method in values]
+        ax.bar(xs, ys, width=width, label=method, color=f"C{i}")
+    if reference is not None:
+        ax.axhline(reference, color="black", linestyle="--", linewidth=0.8)
+    ax.set_xticks([g + width * (len(methods) - 1) / 2 for g in range(len(groups))], list(groups))
+    ax.set_ylabel(ylabel)
+    ax.set_title(title, fontsize=10)
+    ax.legend(fontsize=8)
+    ax.grid(True, axis="y", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    print(f"wrote {path}")

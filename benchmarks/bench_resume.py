@@ -1,0 +1,642 @@
+"""Time from "checkpoint in hand" to "first resumed batch in hand", and its peak memory.
+
+Methods, as a user would build each one:
+
+- naive skip: ``DataLoader(sampler=RandomSampler(generator=g))``; iterate and discard k batches.
+- index-only skip: the same order, but the batch sampler drops its first k batches before any
+  sample is loaded (what ``accelerate.skip_first_batches`` does).
+- StatefulDataLoader: torchdata's, with its stateful ``RandomSampler(generator=g)``;
+  ``load_state_dict`` + ``next(iter(loader))``.
+- torchdata.nodes: ``SamplerWrapper(BatchSampler(RandomSampler))`` → ``Mapper`` / ``ParallelMapper``
+  (processes) → ``Prefetcher`` → ``Loader``, as in torchdata's migration guide; ``load_state_dict`` +
+  ``next(iter(loader))``.
+- resumable_data: ``ResumableDataLoader``; ``load_state_dict`` + ``next(iter(loader))``.
+
+"Checkpoint in hand" is the method's own state dict (already deserialized) and a freshly built
+loader. The state for position k is the method's real state after one batch with its position
+counters set to k, which is what it would have saved after k batches; producing it by iterating k
+batches would take the naive skip's time again for every cell. The exactness column confirms that
+each restore lands on batch k: the resumed batch is compared with batch k of an uninterrupted run of
+the method's own sampler (computed once per sampler and size, outside the timed region).
+
+Every cell runs in a fresh process (see ``_common.run_isolated``), so its peak RSS is its own.
+
+    python benchmarks/bench_resume.py            # full run, writes benchmarks/results/
+    python benchmarks/bench_resume.py --quick    # < 1 minute smoke test, writes to a temp dir
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import gc
+import itertools
+import time
+import warnings
+from collections.abc import Callable, Iterator, Mapping, Sized
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+import torchdata.nodes as tn
+from torch.utils.data import BatchSampler, DataLoader, RandomSampler, Sampler, default_collate
+from torchdata.stateful_dataloader.sampler import BatchSampler as StatefulBatchSampler
+from torchdata.stateful_dataloader.sampler import RandomSampler as StatefulRandomSampler
+
+import _common  # first: it puts this checkout's resumable_data on the path
+from _common import (
+    PeakMemory,
+    SyntheticDataset,
+    format_count,
+    format_seconds,
+    markdown_table,
+    repeat_timed,
+    run_isolated,
+    seeded_generator,
+)
+from resumable_data import ResumableSampler
+from resumable_data.permutation import Permutation
+
+# torchdata 0.11 calls a deprecated torch API on every StatefulDataLoader; the warning is noise here.
+warnings.filterwarnings("ignore", message="'set_vital' is deprecated")
+
+NAIVE = "naive skip"
+INDEX_SKIP = "index-only skip"
+STATEFUL = "StatefulDataLoader"
+NODES = "torchdata.nodes"
+OURS = "resumable_data"
+DATA_METHODS = (NAIVE, INDEX_SKIP, STATEFUL, NODES, OURS)
+# Without a dataset, discarding batches *is* the index-only skip, so the naive skip has no row there.
+INDEX_METHODS = (INDEX_SKIP, STATEFUL, NODES, OURS)
+SKIP_METHODS = (NAIVE, INDEX_SKIP)
+
+
+BATCH_SIZE = 32
+SEED = 1234
+# The baselines draw randperm(N) (8 B per index) and turn it into a Python list (a pointer plus an
+# int object, 40 B per index): what one restore holds at its peak.
+BASELINE_BYTES_PER_INDEX = 48
+MEMORY_CAP_BYTES = 4 * 2**30  # the machine is shared: no baseline cell may need more
+# Up to this size the reference is an uninterrupted run of the method's own loader. Above it, an
+# uninterrupted iteration of the method's sampler (a loader run with workers would take minutes), and
+# above ITERATED_REFERENCE_LIMIT, for resumable_data, the permutation evaluated at the target positions
+# (iterating 10^9 indices is what no one can afford).
+LOADER_REFERENCE_LIMIT = 10**5
+ITERATED_REFERENCE_LIMIT = 10**7
+CELL_TIMEOUT_FLOOR_S = 30
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Which cells a run measures."""
+
+    index_sizes: tuple[int, ...]  # index generation alone (no dataset)
+    index_focus: tuple[int, ...]  # the index sizes shown "vs position"
+    data_sizes: tuple[int, ...]  # with a dataset; the largest is the "vs position" sweep
+    positions: tuple[int, ...]  # percent of the epoch consumed at the checkpoint
+    configs: tuple[tuple[float, int], ...]  # (per-sample work in µs, num_workers)
+    vs_size_position: int  # the position of the "vs N" sweeps
+    max_reps: int
+
+
+FULL = Plan(
+    index_sizes=(10**4, 10**5, 10**6, 10**7, 10**8, 10**9),
+    index_focus=(10**7, 10**9),
+    data_sizes=(10**4, 10**5, 10**6, 10**7),
+    positions=(0, 10, 50, 90, 99),
+    configs=((0.0, 0), (0.0, 2), (50.0, 0), (50.0, 2)),
+    vs_size_position=90,
+    max_reps=5,
+)
+QUICK = Plan(
+    index_sizes=(10**3, 10**4, 10**9),
+    index_focus=(10**4, 10**9),
+    data_sizes=(10**3, 4 * 10**3),
+    positions=(0, 10, 50, 90, 99),
+    configs=((0.0, 0), (50.0, 2)),
+    vs_size_position=90,
+    max_reps=2,
+)
+
+
+class DeadlineExceeded(Exception):
+    """A skip baseline ran out of time after ``done`` of the batches it had to skip."""
+
+    def __init__(self, done: int) -> None:
+        super().__init__(done)
+        self.done = done
+
+
+class SkipBatches(Sampler[list[int]]):
+    """Drops the first ``skip`` batches of ``batch_sampler`` before the loader fetches anything."""
+
+    def __init__(self, batch_sampler: BatchSampler, skip: int, deadline_at: float) -> None:
+        self.batch_sampler = batch_sampler
+        self.skip = skip
+        self.deadline_at = deadline_at
+
+    def __iter__(self) -> Iterator[list[int]]:
+        batches = iter(self.batch_sampler)
+        for done in range(self.skip):
+            next(batches)
+            # Checking the clock every batch would cost as much as the skipping itself.
+            if done % 4096 == 4095 and time.perf_counter() > self.deadline_at:
+                raise DeadlineExceeded(done + 1)
+        yield from batches
+
+    def __len__(self) -> int:
+        return len(self.batch_sampler) - self.skip
+
+
+class MapAndCollate:
+    """torchdata.nodes' recipe for a map-style dataset: load a batch of indices and collate it."""
+
+    def __init__(self, dataset: Any) -> None:
+        self.dataset = dataset
+
+    def __call__(self, indices: list[int]) -> Any:
+        return default_collate([self.dataset[i] for i in indices])
+
+
+# -- building each method's loader and its checkpoint -------------------------------------------
+
+
+def _nodes_loader(dataset: Sized, *, workers: int) -> tn.Loader:
+    batches = BatchSampler(RandomSampler(dataset, generator=seeded_generator(SEED)), BATCH_SIZE, drop_last=False)
+    node: tn.BaseNode = tn.SamplerWrapper(batches)
+    if workers:
+        node = tn.ParallelMapper(node, MapAndCollate(dataset), num_workers=workers, method="process", in_order=True)
+    else:
+        node = tn.Mapper(node, MapAndCollate(dataset))
+    return tn.Loader(tn.Prefetcher(node, prefetch_factor=2))
+
+
+_BUILDERS: dict[str, Callable[..., Any]] = {
+    STATEFUL: functools.partial(_common.stateful_loader, batch_size=BATCH_SIZE, seed=SEED),
+    NODES: _nodes_loader,
+    OURS: functools.partial(_common.resumable_loader, batch_size=BATCH_SIZE, seed=SEED),
+}
+
+
+def _set_keys(state: Any, names: tuple[str, ...], value: int) -> None:
+    """Set every ``names`` key anywhere in a nested state dict to ``value``."""
+    if isinstance(state, dict):
+        for key, child in state.items():
+            if key in names:
+                state[key] = value
+            else:
+                _set_keys(child, names, value)
+
+
+def _stateful_state_at(state: dict[str, Any], k: int, workers: int) -> dict[str, Any]:
+    """torchdata 0.11's StatefulDataLoader state after one batch, moved to k batches."""
+    _set_keys(state, ("_num_yielded", "_sampler_iter_yielded", "_snapshot_step"), k)
+    _set_keys(state, ("samples_yielded", "yielded"), k * BATCH_SIZE)
+    if workers:
+        # Batches go to workers round-robin; the restored loader continues after this worker.
+        state["_snapshot"]["_last_yielded_worker_id"] = (k - 1) % workers
+    return state
+
+
+def _state_after_one_batch(loader: Any) -> dict[str, Any]:
+    iterator = iter(loader)
+    next(iterator)
+    state = loader.state_dict()
+    del iterator  # shuts its workers down
+    return state
+
+
+def _checkpoint(method: str, dataset: SyntheticDataset, k: int, workers: int) -> dict[str, Any]:
+    if method == STATEFUL:
+        return _stateful_state_at(_state_after_one_batch(_BUILDERS[STATEFUL](dataset, workers=workers)), k, workers)
+    if method == NODES:
+        state = _state_after_one_batch(_nodes_loader(dataset, workers=workers))
+        _set_keys(state, ("num_yielded", "_num_yielded"), k)
+        return state
+    state = _state_after_one_batch(_BUILDERS[OURS](dataset, workers=workers))
+    state["position"] = k * BATCH_SIZE  # the documented, editable field: global samples consumed
+    return state
+
+
+# -- the cells ------------------------------------------------------------------------------------
+
+
+def _skip_cell(
+    method: str, dataset: SyntheticDataset, k: int, workers: int, deadline_s: float
+) -> tuple[float, torch.Tensor | None, str]:
+    """Build the loader, skip k batches, take the next. Returns (seconds, batch or None, note)."""
+    start = time.perf_counter()
+    if method == INDEX_SKIP:
+        sampler = RandomSampler(dataset, generator=seeded_generator(SEED))
+        skipping = SkipBatches(BatchSampler(sampler, BATCH_SIZE, drop_last=False), k, start + deadline_s)
+        loader = DataLoader(dataset, batch_sampler=skipping, num_workers=workers)
+        try:
+            batch = next(iter(loader))
+        except DeadlineExceeded as stop:
+            elapsed = time.perf_counter() - start
+            return elapsed * k / stop.done, None, f"> {deadline_s:.0f} s deadline: extrapolated (linear from {stop.done} batches)"
+        return time.perf_counter() - start, batch, ""
+    iterator = iter(_common.plain_loader(dataset, batch_size=BATCH_SIZE, seed=SEED, workers=workers))
+    batch = next(iterator)
+    first = time.perf_counter() - start  # start-up: the permutation and the workers
+    for done in range(1, k + 1):
+        batch = next(iterator)
+        elapsed = time.perf_counter() - start
+        if elapsed > deadline_s and done < k:
+            per_batch = (elapsed - first) / done
+            estimate = first + k * per_batch
+            return estimate, None, f"> {deadline_s:.0f} s deadline: extrapolated (linear from {done} batches)"
+    return time.perf_counter() - start, batch, ""
+
+
+def _restore_once(method: str, dataset: SyntheticDataset, workers: int, state: dict[str, Any]) -> tuple[float, torch.Tensor]:
+    loader = _BUILDERS[method](dataset, workers=workers)
+    gc.collect()
+    start = time.perf_counter()
+    loader.load_state_dict(state)
+    batch = next(iter(loader))
+    return time.perf_counter() - start, batch
+
+
+def _check(got: list[int], expected: list[int]) -> str:
+    if got == expected:
+        return "ok"
+    return f"MISMATCH: got {got[:3]}…, expected {expected[:3]}…"
+
+
+def _check_batch(batch: torch.Tensor, dataset: SyntheticDataset, expected: list[int]) -> str:
+    verdict = _check(batch[:, 0].tolist(), expected)
+    if verdict == "ok" and not torch.equal(batch, torch.stack([dataset[i] for i in expected])):
+        return "MISMATCH: indices right, sample contents wrong"
+    return verdict
+
+
+def data_cell(
+    method: str, n: int, k: int, work_iterations: int, workers: int, expected: list[int], deadline_s: float, max_reps: int
+) -> dict[str, Any]:
+    """One cell with a dataset: restore at batch k of N samples; latency, peak memory, exactness."""
+    torch.set_num_threads(1)  # as in a DataLoader worker; also keeps cells from fighting over cores
+    dataset = SyntheticDataset(n, work_iterations)
+    state = None if method in SKIP_METHODS else _checkpoint(method, dataset, k, workers)
+    gc.collect()
+    memory = PeakMemory()
+    memory.start()
+    if method in SKIP_METHODS:
+        seconds, batch, note = _skip_cell(method, dataset, k, workers, deadline_s)
+        reps = 1
+        extrapolated = batch is None
+    else:
+        batches: list[torch.Tensor] = []
+
+        def once() -> float:
+            seconds, batch = _restore_once(method, dataset, workers, state)
+            batches.append(batch)
+            return seconds
+
+        seconds, reps = repeat_timed(once, max_reps=max_reps)
+        batch, note, extrapolated = batches[-1], "", False
+    peak = memory.peak_mb()
+    exact = "not reached (deadline)" if batch is None else _check_batch(batch, dataset, expected)
+    return {"seconds": seconds, "reps": reps, "peak_mb": peak, "exact": exact, "extrapolated": extrapolated, "note": note}
+
+
+def index_cell(method: str, n: int, k: int, expected: list[int], deadline_s: float, max_reps: int) -> dict[str, Any]:
+    """One cell of index generation alone: the first batch of indices at batch k of N."""
+    torch.set_num_threads(1)
+    source = range(n)  # a Sized of length N that stores nothing
+    if method == INDEX_SKIP:
+        memory = PeakMemory()
+        memory.start()
+        start = time.perf_counter()
+        order = BatchSampler(RandomSampler(source, generator=seeded_generator(SEED)), BATCH_SIZE, False)
+        try:
+            got = next(iter(SkipBatches(order, k, start + deadline_s)))
+        except DeadlineExceeded as stop:
+            estimate = (time.perf_counter() - start) * k / stop.done
+            note = f"> {deadline_s:.0f} s deadline: extrapolated (linear from {stop.done} batches)"
+            return {"seconds": estimate, "reps": 1, "peak_mb": memory.peak_mb(), "exact": "not reached (deadline)", "extrapolated": True, "note": note}
+        seconds = time.perf_counter() - start
+        return {"seconds": seconds, "reps": 1, "peak_mb": memory.peak_mb(), "exact": _check(got, expected), "extrapolated": False, "note": ""}
+
+    def build() -> Any:
+        if method == STATEFUL:
+            return StatefulBatchSampler(StatefulRandomSampler(source, generator=seeded_generator(SEED)), BATCH_SIZE, False)
+        if method == NODES:
+            return tn.SamplerWrapper(BatchSampler(RandomSampler(source, generator=seeded_generator(SEED)), BATCH_SIZE, False))
+        return ResumableSampler(n, shuffle=True, seed=SEED)
+
+    # The checkpoint: each method's state after one batch, moved to batch k.
+    if method == STATEFUL:
+        iterator = iter(build())
+        next(iterator)
+        state = iterator.state_dict()
+        del iterator
+        _set_keys(state, ("samples_yielded", "yielded"), k * BATCH_SIZE)
+    elif method == NODES:
+        node = build()
+        node.reset()
+        next(node)
+        state = node.state_dict()
+        _set_keys(state, ("_num_yielded",), k)
+    else:
+        state = build().state_dict()
+        state["position"] = k * BATCH_SIZE
+    gc.collect()
+    memory = PeakMemory()
+    memory.start()
+    results: list[list[int]] = []
+
+    def once() -> float:
+        fresh = build()
+        start = time.perf_counter()
+        if method == STATEFUL:
+            iterator = iter(fresh)  # as StatefulDataLoader does: a new iterator, then its state
+            iterator.load_state_dict(state)
+            results.append(next(iterator))
+        elif method == NODES:
+            fresh.reset(state)
+            results.append(next(fresh))
+        else:
+            fresh.load_state_dict(state)
+            results.append(next(iter(BatchSampler(fresh, BATCH_SIZE, False))))
+        return time.perf_counter() - start
+
+    seconds, reps = repeat_timed(once, max_reps=max_reps)
+    return {"seconds": seconds, "reps": reps, "peak_mb": memory.peak_mb(), "exact": _check(results[-1], expected), "extrapolated": False, "note": ""}
+
+
+def _reference_order(method: str, n: int, workers: int) -> tuple[Iterator[list[int]], str]:
+    """An uninterrupted epoch of ``method`` as a stream of index batches, and how it was obtained."""
+    if n <= LOADER_REFERENCE_LIMIT:
+        # The method's own loader, run from the start with the same num_workers, over range(N) so
+        # that each batch *is* its indices.
+        source = range(n)
+        if method in SKIP_METHODS:
+            loader: Any = _common.plain_loader(source, batch_size=BATCH_SIZE, seed=SEED, workers=workers)
+        else:
+            loader = _BUILDERS[method](source, workers=workers)
+        return (batch.tolist() for batch in loader), "uninterrupted run of the same loader"
+    if method == OURS:
+        order: Iterator[int] = iter(ResumableSampler(n, shuffle=True, seed=SEED))
+    elif method == STATEFUL:
+        sampler = StatefulRandomSampler(range(n), generator=seeded_generator(SEED))
+        if workers:
+            # StatefulDataLoader's multi-process iterator creates the sampler iterator twice and
+            # its RandomSampler draws a permutation at each creation: the epoch is the second one
+            # (the uninterrupted loader runs at N <= LOADER_REFERENCE_LIMIT show it).
+            iter(sampler)
+        order = iter(sampler)
+    else:
+        order = iter(RandomSampler(range(n), generator=seeded_generator(SEED)))
+    batches = iter(lambda: list(itertools.islice(order, BATCH_SIZE)), [])
+    return batches, "uninterrupted iteration of the sampler"
+
+
+def reference_batches(method: str, n: int, ks: list[int], workers: int) -> dict[str, Any]:
+    """Batch k (for each k in ``ks``) of an uninterrupted epoch of ``method``, as index lists."""
+    wanted = set(ks)
+    if method == OURS and n > ITERATED_REFERENCE_LIMIT:
+        permutation = Permutation(n, SEED, 0)
+        found = {k: permutation(np.arange(k * BATCH_SIZE, min(n, (k + 1) * BATCH_SIZE))).tolist() for k in wanted}
+        return {"batches": found, "how": "permutation evaluated at the positions"}
+    batches, how = _reference_order(method, n, workers)
+    found = {k: batch for k, batch in enumerate(itertools.islice(batches, max(wanted) + 1)) if k in wanted}
+    return {"batches": found, "how": how}
+
+
+# -- the run ----------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Cell:
+    sweep: str  # "index" or "data"
+    method: str
+    n: int
+    percent: int
+    cost_us: float
+    workers: int
+
+    @property
+    def k(self) -> int:
+        """Batches consumed at the checkpoint."""
+        batches = -(-self.n // BATCH_SIZE)
+        return min(batches - 1, self.percent * batches // 100)
+
+
+def plan_cells(plan: Plan) -> list[Cell]:
+    cells = [
+        Cell("index", m, n, p, 0.0, 0) for n in plan.index_sizes for p in plan.positions for m in INDEX_METHODS
+    ]
+    largest = max(plan.data_sizes)
+    for cost, workers in plan.configs:
+        for n in plan.data_sizes:
+            positions = plan.positions if n == largest else (plan.vs_size_position,)
+            cells += [Cell("data", m, n, p, cost, workers) for p in positions for m in DATA_METHODS]
+    return cells
+
+
+def not_run_reason(cell: Cell) -> str | None:
+    need = cell.n * BASELINE_BYTES_PER_INDEX
+    if cell.method != OURS and need > MEMORY_CAP_BYTES:
+        return (
+            f"not run: would materialize {format_count(cell.n)} indices "
+            f"(≥ {need / 2**30:.1f} GB as randperm + list, over the {MEMORY_CAP_BYTES / 2**30:.0f} GB cap)"
+        )
+    return None
+
+
+def run(plan: Plan, deadline_s: float, work_iterations: dict[float, int]) -> dict[Cell, dict[str, Any]]:
+    cells = plan_cells(plan)
+    references: dict[tuple[str, int], dict[str, Any]] = {}
+    results: dict[Cell, dict[str, Any]] = {}
+    timeout = max(CELL_TIMEOUT_FLOOR_S, 4 * deadline_s)
+    for i, cell in enumerate(cells):
+        reason = not_run_reason(cell)
+        if reason is not None:
+            results[cell] = {"not_run": reason}
+            continue
+        # The two skips share one loader (and so one reference).
+        key = (NAIVE if cell.method in SKIP_METHODS else cell.method, cell.n, cell.workers)
+        if key not in references:
+            ks = [c.k for c in cells if (NAIVE if c.method in SKIP_METHODS else c.method, c.n, c.workers) == key]
+            kwargs = {"method": cell.method, "n": cell.n, "ks": ks, "workers": cell.workers}
+            references[key] = run_isolated(reference_batches, kwargs, timeout_s=timeout)
+        reference = references[key]
+        if "error" in reference:
+            results[cell] = {"error": f"reference failed: {reference['error']}"}
+            continue
+        expected = reference["batches"][cell.k]
+        kwargs = {"method": cell.method, "n": cell.n, "k": cell.k, "expected": expected, "deadline_s": deadline_s, "max_reps": plan.max_reps}
+        if cell.sweep == "data":
+            kwargs.update(work_iterations=work_iterations[cell.cost_us], workers=cell.workers)
+        function = index_cell if cell.sweep == "index" else data_cell
+        result = run_isolated(function, kwargs, timeout_s=timeout)
+        if "error" in result and result["error"].startswith("killed"):
+            # torchdata.nodes' ParallelMapper occasionally hangs at start-up; say so, and measure
+            # a second attempt rather than leave the cell empty.
+            first = result["error"]
+            result = run_isolated(function, kwargs, timeout_s=timeout)
+            result["note"] = f"{result.get('note', '')} first attempt {first}; this is the second".strip()
+        result["reference"] = reference["how"]
+        results[cell] = result
+        print(f"[{i + 1}/{len(cells)}] {cell.sweep} {cell.method} N={format_count(cell.n)} {cell.percent}% "
+              f"{cell.cost_us:.0f}µs w{cell.workers}: {_latency(result)} {result.get('exact', '')}", flush=True)
+    return results
+
+
+def _latency(result: Mapping[str, Any]) -> str:
+    if "not_run" in result:
+        return "not run"
+    if "error" in result:
+        return f"error: {result['error']}"
+    text = format_seconds(result["seconds"])
+    return f"≈ {text} (extrapolated)" if result["extrapolated"] else text
+
+
+def _exact(result: Mapping[str, Any]) -> str:
+    if "not_run" in result:
+        return "not run"
+    return result.get("exact", "error")
+
+
+# -- report -----------------------------------------------------------------------------------------
+
+
+def _wide_table(results: Mapping[Cell, dict[str, Any]], cells: list[Cell], column: Callable[[Cell], str], methods: tuple[str, ...]) -> str:
+    columns = list(dict.fromkeys(column(c) for c in cells))
+    rows = []
+    for method in methods:
+        by_column = {column(c): results[c] for c in cells if c.method == method}
+        rows.append([method, *(_latency(by_column[col]) if col in by_column else "" for col in columns)])
+    return markdown_table(["method", *columns], rows)
+
+
+def _ratio(results: Mapping[Cell, dict[str, Any]], a: Cell, b: Cell) -> float | None:
+    ra, rb = results.get(a, {}), results.get(b, {})
+    if "seconds" not in ra or "seconds" not in rb:
+        return None
+    return ra["seconds"] / rb["seconds"]
+
+
+def _targets(results: Mapping[Cell, dict[str, Any]], plan: Plan) -> list[str]:
+    lines = []
+    n_data = max(plan.data_sizes)
+    position_ratio = _ratio(results, Cell("data", OURS, n_data, 90, 0.0, 0), Cell("data", OURS, n_data, 0, 0.0, 0))
+    if position_ratio is not None:
+        lines.append(f"- resumable_data 90 % / 0 % at N = {format_count(n_data)} (dataset, ≈0 µs, 0 workers): "
+                     f"{position_ratio:.2f} (target ≤ 1.5: {'met' if position_ratio <= 1.5 else 'missed'})")
+    for n in plan.index_focus:
+        ratio = _ratio(results, Cell("index", OURS, n, 90, 0.0, 0), Cell("index", OURS, n, 0, 0.0, 0))
+        if ratio is not None:
+            lines.append(f"- resumable_data 90 % / 0 % at N = {format_count(n)} (index generation): "
+                         f"{ratio:.2f} (target ≤ 1.5: {'met' if ratio <= 1.5 else 'missed'})")
+    for cost, workers in plan.configs:
+        ours = Cell("data", OURS, n_data, 90, cost, workers)
+        for baseline in (STATEFUL, NODES, NAIVE):
+            speedup = _ratio(results, Cell("data", baseline, n_data, 90, cost, workers), ours)
+            if speedup is None:
+                continue
+            target = "target ≥ 100×: " + ("met" if speedup >= 100 else "missed") if baseline != NAIVE and workers == 0 else "no target"
+            extrapolated = results[Cell("data", baseline, n_data, 90, cost, workers)].get("extrapolated")
+            times = f"{speedup:,.0f}×" if speedup >= 10 else f"{speedup:.2f}×"
+            lines.append(f"- N = {format_count(n_data)}, 90 %, {cost:.0f} µs/sample, {workers} workers: {baseline} / resumable_data = "
+                         f"{times}{' (extrapolated)' if extrapolated else ''} ({target})")
+    return lines
+
+
+def report(results: Mapping[Cell, dict[str, Any]], plan: Plan, deadline_s: float, work_iterations: dict[float, int]) -> str:
+    cells = list(results)
+    largest = max(plan.data_sizes)
+    parts = [
+        _common.machine_header("Resume latency: checkpoint in hand → first resumed batch in hand"),
+        f"Batch size {BATCH_SIZE}, shuffled, seed {SEED}. Per-sample work: "
+        + ", ".join(f"{us:.0f} µs ≈ {it} LCG iterations" for us, it in work_iterations.items())
+        + f". Skip baselines stop at a {deadline_s:.0f} s deadline; their latency is then a linear extrapolation, "
+        "marked as such. Peak RSS is the growth of the main process's high-water mark during the timed part "
+        "(workers' memory not included). Times are medians of up to "
+        f"{plan.max_reps} repetitions for cells under 1 s, one run otherwise.",
+        "",
+        "## Targets",
+        "",
+        *_targets(results, plan),
+        "",
+    ]
+    for cost, workers in plan.configs:
+        chosen = [c for c in cells if c.sweep == "data" and c.n == largest and (c.cost_us, c.workers) == (cost, workers)]
+        parts += [f"## With a dataset: latency vs position, N = {format_count(largest)}, {cost:.0f} µs/sample, {workers} workers", "",
+                  _wide_table(results, chosen, lambda c: f"{c.percent} %", DATA_METHODS), ""]
+    for cost, workers in plan.configs:
+        chosen = [c for c in cells if c.sweep == "data" and c.percent == plan.vs_size_position and (c.cost_us, c.workers) == (cost, workers)]
+        parts += [f"## With a dataset: latency vs N at {plan.vs_size_position} %, {cost:.0f} µs/sample, {workers} workers", "",
+                  _wide_table(results, chosen, lambda c: f"N = {format_count(c.n)}", DATA_METHODS), ""]
+    index_cells = [c for c in cells if c.sweep == "index"]
+    parts += [f"## Index generation alone: latency vs N at {plan.vs_size_position} %", "",
+              _wide_table(results, [c for c in index_cells if c.percent == plan.vs_size_position], lambda c: f"N = {format_count(c.n)}", INDEX_METHODS), ""]
+    for n in plan.index_focus:
+        parts += [f"## Index generation alone: latency vs position, N = {format_count(n)}", "",
+                  _wide_table(results, [c for c in index_cells if c.n == n], lambda c: f"{c.percent} %", INDEX_METHODS), ""]
+    rows = []
+    for cell, result in results.items():
+        peak = f"{result['peak_mb']:.0f} MB" if "peak_mb" in result else ""
+        note = result.get("not_run") or result.get("note", "")
+        rows.append([cell.method, cell.sweep, format_count(cell.n), f"{cell.percent} %", f"{cell.cost_us:.0f} µs",
+                     cell.workers, _latency(result), peak, _exact(result), result.get("reps", ""), result.get("reference", ""), note])
+    parts += ["## Every cell", "",
+              markdown_table(["method", "sweep", "N", "position", "work", "workers", "latency", "peak RSS", "exact", "reps", "reference", "note"], rows)]
+    return "\n".join(parts)
+
+
+def _points(results: Mapping[Cell, dict[str, Any]], cells: list[Cell], x: Callable[[Cell], float], methods: tuple[str, ...]) -> dict[str, list[tuple[float, float, bool]]]:
+    series: dict[str, list[tuple[float, float, bool]]] = {m: [] for m in methods}
+    for cell in cells:
+        result = results[cell]
+        if "seconds" in result:
+            series[cell.method].append((x(cell), result["seconds"], result["extrapolated"]))
+    return series
+
+
+def plot(results: Mapping[Cell, dict[str, Any]], plan: Plan, out: Any) -> None:
+    cells = list(results)
+    largest = max(plan.data_sizes)
+    by_position = []
+    for n in plan.index_focus:
+        chosen = [c for c in cells if c.sweep == "index" and c.n == n]
+        by_position.append((f"index generation alone, N = {format_count(n)}", _points(results, chosen, lambda c: c.percent, INDEX_METHODS)))
+    for cost, workers in plan.configs:
+        chosen = [c for c in cells if c.sweep == "data" and c.n == largest and (c.cost_us, c.workers) == (cost, workers)]
+        by_position.append((f"dataset N = {format_count(largest)}, {cost:.0f} µs/sample, {workers} workers",
+                            _points(results, chosen, lambda c: c.percent, DATA_METHODS)))
+    _common.plot_lines(out / "resume_vs_position.png", by_position, xlabel="position in the epoch (%)",
+                       ylabel="checkpoint → first batch (s)", xscale="symlog")
+    at = plan.vs_size_position
+    by_size = [(f"index generation alone, {at} %", _points(results, [c for c in cells if c.sweep == "index" and c.percent == at], lambda c: c.n, INDEX_METHODS))]
+    for cost, workers in plan.configs:
+        chosen = [c for c in cells if c.sweep == "data" and c.percent == at and (c.cost_us, c.workers) == (cost, workers)]
+        by_size.append((f"dataset, {at} %, {cost:.0f} µs/sample, {workers} workers", _points(results, chosen, lambda c: c.n, DATA_METHODS)))
+    _common.plot_lines(out / "resume_vs_n.png", by_size, xlabel="dataset size N", ylabel="checkpoint → first batch (s)")
+
+
+def _add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--deadline", type=float, default=None,
+                        help="seconds after which a skip baseline stops and its latency is extrapolated "
+                        "(default 15; 5 with --quick)")
+
+
+def main() -> None:
+    args = _common.parse_args(__doc__.splitlines()[0], _add_arguments)
+    plan = QUICK if args.quick else FULL
+    if args.deadline is None:
+        args.deadline = 5.0 if args.quick else 15.0
+    work_iterations = {cost: _common.calibrate_work(cost) for cost in dict.fromkeys(c for c, _ in plan.configs)}
+    started = time.perf_counter()
+    results = run(plan, args.deadline, work_iterations)
+    text = report(results, plan, args.deadline, work_iterations)
+    text += f"\n\nTotal run time: {time.perf_counter() - started:.0f} s."
+    print(text)
+    _common.write_report(args.out, "bench_resume", text)
+    plot(results, plan, args.out)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,74 @@
+"""Smoke tests of the benchmarks: each runs with ``--quick`` and must report every method as correct.
+
+No timing is asserted (a shared CI machine makes any threshold flaky). What is asserted is what the
+benchmarks check along the way: every resumed batch is the one the uninterrupted run yields, every
+epoch hands out each sample once, every checkpoint loads back as it was saved.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "benchmarks"))
+
+import _common  # noqa: E402  (the benchmarks' helpers, for parsing their tables)
+
+QUICK_TIMEOUT_S = 240  # --quick aims at < 60 s; the margin is for a loaded CI machine
+
+
+def _run_quick(script: str, out: Path) -> str:
+    completed = subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / script), "--quick", "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=QUICK_TIMEOUT_S,
+        cwd=REPO,
+    )
+    assert completed.returncode == 0, completed.stderr[-4000:]
+    return completed.stdout
+
+
+def _rows(out: Path, name: str, first_header: str) -> list[dict[str, str]]:
+    text = (out / f"{name}.md").read_text()
+    assert text.startswith("# ") and "- machine:" in text and "- command:" in text
+    return _common.parse_markdown_rows(text, first_header)
+
+
+def test_bench_resume_quick(tmp_path: Path) -> None:
+    _run_quick("bench_resume.py", tmp_path)
+    rows = [row for row in _rows(tmp_path, "bench_resume", "method") if "exact" in row]
+    methods = {(row["sweep"], row["method"]) for row in rows}
+    expected = {("data", m) for m in ("naive skip", "index-only skip", "StatefulDataLoader", "torchdata.nodes", "resumable_data")}
+    expected |= {("index", m) for m in ("index-only skip", "StatefulDataLoader", "torchdata.nodes", "resumable_data")}
+    assert methods == expected
+    wrong = [row for row in rows if row["exact"] != "ok" and not row["exact"].startswith("not run")]
+    assert not wrong, wrong
+    # Baselines are skipped only where they would materialize the whole permutation; ours never is.
+    assert all(row["exact"] == "ok" for row in rows if row["method"] == "resumable_data")
+    assert all("would materialize" in row["note"] for row in rows if row["exact"].startswith("not run"))
+    for plot in ("resume_vs_position.png", "resume_vs_n.png"):
+        assert (tmp_path / plot).stat().st_size > 0
+
+
+def test_bench_overhead_quick(tmp_path: Path) -> None:
+    _run_quick("bench_overhead.py", tmp_path)
+    rows = _rows(tmp_path, "bench_overhead", "method")
+    epochs = [row for row in rows if "coverage" in row]
+    assert {row["method"] for row in epochs} == {"DataLoader", "StatefulDataLoader", "resumable_data"}
+    assert all(row["coverage"] == "ok" for row in epochs), epochs
+    states = [row for row in rows if "pickled size" in row]
+    assert {row["method"] for row in states} == {"StatefulDataLoader", "resumable_data"}
+    assert all(row["JSON-serializable"] == "yes" for row in states if row["method"] == "resumable_data")
+    assert (tmp_path / "overhead_throughput.png").stat().st_size > 0
+
+
+def test_bench_checkpoint_quick(tmp_path: Path) -> None:
+    _run_quick("bench_checkpoint.py", tmp_path)
+    rows = [row for row in _rows(tmp_path, "bench_checkpoint", "mode") if "restored" in row]
+    assert {row["mode"] for row in rows} == {"no checkpoints", "synchronous", "asynchronous"}
+    assert all(row["restored"] == "ok" for row in rows if row["mode"] != "no checkpoints"), rows
+    assert (tmp_path / "checkpoint_step_time.png").stat().st_size > 0
+
