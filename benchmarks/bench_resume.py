@@ -473,8 +473,8 @@ def run(plan: Plan, deadline_s: float, work_iterations: dict[float, int]) -> dic
         function = index_cell if cell.sweep == "index" else data_cell
         result = run_isolated(function, kwargs, timeout_s=timeout)
         if "error" in result and result["error"].startswith("killed"):
-            # torchdata.nodes' ParallelMapper occasionally hangs at start-up; say so, and measure
-            # a second attempt rather than leave the cell empty.
+            # torchdata.nodes' ParallelMapper hung once while this benchmark was developed; say
+            # so, and measure a second attempt rather than leave the cell empty.
             first = result["error"]
             result = run_isolated(function, kwargs, timeout_s=timeout)
             result["note"] = f"{result.get('note', '')} first attempt {first}; this is the second".strip()
