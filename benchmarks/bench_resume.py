@@ -8,7 +8,7 @@ Methods, as a user would build each one:
 - StatefulDataLoader: torchdata's, with its stateful ``RandomSampler(generator=g)``;
   ``load_state_dict`` + ``next(iter(loader))``.
 - torchdata.nodes: ``SamplerWrapper(BatchSampler(RandomSampler))`` → ``Mapper`` / ``ParallelMapper``
-  (processes) → ``Prefetcher`` → ``Loader``, as in torchdata's migration guide; ``load_state_dict`` +
+  (threads) → ``Prefetcher`` → ``Loader``, as in torchdata's migration guide; ``load_state_dict`` +
   ``next(iter(loader))``.
 - resumable_data: ``ResumableDataLoader``; ``load_state_dict`` + ``next(iter(loader))``.
 
@@ -166,7 +166,10 @@ def _nodes_loader(dataset: Sized, *, workers: int) -> tn.Loader:
     batches = BatchSampler(RandomSampler(dataset, generator=seeded_generator(SEED)), BATCH_SIZE, drop_last=False)
     node: tn.BaseNode = tn.SamplerWrapper(batches)
     if workers:
-        node = tn.ParallelMapper(node, MapAndCollate(dataset), num_workers=workers, method="process", in_order=True)
+        # Threads, not processes: with method="process" this pipeline deadlocked at its first batch
+        # in about 1 % of loader starts here (it forks while its own threads run). Threads also
+        # start faster, which if anything favours nodes in a time-to-first-batch benchmark.
+        node = tn.ParallelMapper(node, MapAndCollate(dataset), num_workers=workers, method="thread", in_order=True)
     else:
         node = tn.Mapper(node, MapAndCollate(dataset))
     return tn.Loader(tn.Prefetcher(node, prefetch_factor=2))
@@ -472,12 +475,6 @@ def run(plan: Plan, deadline_s: float, work_iterations: dict[float, int]) -> dic
             kwargs.update(work_iterations=work_iterations[cell.cost_us], workers=cell.workers)
         function = index_cell if cell.sweep == "index" else data_cell
         result = run_isolated(function, kwargs, timeout_s=timeout)
-        if "error" in result and result["error"].startswith("killed"):
-            # torchdata.nodes' ParallelMapper hung once while this benchmark was developed; say
-            # so, and measure a second attempt rather than leave the cell empty.
-            first = result["error"]
-            result = run_isolated(function, kwargs, timeout_s=timeout)
-            result["note"] = f"{result.get('note', '')} first attempt {first}; this is the second".strip()
         result["reference"] = reference["how"]
         results[cell] = result
         print(f"[{i + 1}/{len(cells)}] {cell.sweep} {cell.method} N={format_count(cell.n)} {cell.percent}% "
