@@ -461,17 +461,19 @@ def _read_holder(fd: int) -> dict[str, Any]:
     return holder if isinstance(holder, dict) else {}
 
 
-def _snapshot(obj: Any, where: str, *, copy: bool, memo: dict[int, torch.Tensor]) -> Any:
+def _snapshot(obj: Any, where: str, *, copy: bool, memo: dict[Any, Any]) -> Any:
     """Check ``obj`` loads with weights_only; with ``copy``, deep-copy it with tensors on CPU.
 
-    ``memo`` keeps one copy per tensor object, so tied weights stay tied in the copy.
+    ``memo`` keeps one copy per tensor object and per storage (see :func:`_copy_tensor`), so
+    tensors that share storage (tied weights, views) share it in the copy too, as torch.save
+    keeps it: the copy saves to the same bytes as the original.
     """
     if isinstance(obj, torch.Tensor):
         if not copy:
             return obj
-        if id(obj) not in memo:
-            memo[id(obj)] = obj.detach().to("cpu", copy=True)
-        return memo[id(obj)]
+        if ("tensor", id(obj)) not in memo:
+            memo[("tensor", id(obj))] = _copy_tensor(obj, memo)
+        return memo[("tensor", id(obj))]
     if type(obj) in _LEAF_TYPES:
         return obj
     if type(obj) in _MAPPING_TYPES:
@@ -498,6 +500,41 @@ def _snapshot(obj: Any, where: str, *, copy: bool, memo: dict[int, torch.Tensor]
         f"torch.load(weights_only=True) cannot load; store plain data instead (tensors, int, "
         f"float, bool, str, None in dicts/lists/tuples), e.g. call .state_dict() on it, "
         f"torch.from_numpy() an array or .item() a numpy scalar. Nothing was written."
+    )
+
+
+def _copy_tensor(tensor: torch.Tensor, memo: dict[Any, Any]) -> torch.Tensor:
+    """A detached CPU copy of ``tensor`` that shares a storage copy with the other tensors copied
+    through ``memo`` that share its storage.
+
+    Each source storage is copied once, whole, and the tensor rebuilt as a view on the copy with
+    the same dtype, offset, size and stride. Copying tensor by tensor would untie tied weights
+    (``wte.weight`` and ``lm_head.weight`` are two tensors on one storage): the async checkpoint
+    would hold them twice, be larger than the sync one, and load untied. The key is the storage
+    itself (its ``_cdata``, as torch.save keys storages) plus the dtype: torch.save refuses one
+    storage viewed as two dtypes, so each dtype gets its own copy, which saves as before.
+    """
+    tensor = tensor.detach()
+    if (
+        type(tensor) is not torch.Tensor
+        or tensor.layout != torch.strided
+        or tensor.is_quantized
+        or tensor.is_conj()
+        or tensor.is_neg()
+        or tensor.device.type == "meta"
+    ):
+        # No plain storage to share (sparse, quantized, subclasses) or lazy bits that set_()
+        # would drop: copy the tensor alone.
+        return tensor.to("cpu", copy=True)
+    source = tensor.untyped_storage()
+    key = ("storage", source._cdata, tensor.dtype)
+    if key not in memo:
+        copied = source.clone() if source.device.type == "cpu" else source.cpu()
+        # Keep the source alive with its copy, so its _cdata cannot be reused by another storage.
+        memo[key] = (source, copied)
+    copied = memo[key][1]
+    return torch.empty(0, dtype=tensor.dtype).set_(
+        copied, tensor.storage_offset(), tensor.size(), tensor.stride()
     )
 
 

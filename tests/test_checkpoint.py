@@ -355,6 +355,63 @@ def test_async_files_match_sync_files(tmp_path: Path) -> None:
     assert sync_manifest == async_manifest
 
 
+def test_async_keeps_storage_sharing_like_sync(tmp_path: Path) -> None:
+    """Tied weights and views stay on one storage in the async copy, as torch.save keeps them."""
+
+    class Tied(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.wte = torch.nn.Embedding(8, 4)
+            self.lm_head = torch.nn.Linear(4, 8, bias=False)
+            self.lm_head.weight = self.wte.weight
+
+    torch.manual_seed(0)
+    w = torch.randn(4, 4)
+    v = torch.arange(6.0)
+    state = {
+        "a": w,
+        "b": w.view(16),
+        "c": w[1:],
+        "d": w.t(),
+        "e": w,  # the same object twice: one tensor when loaded, as with sync
+        "v": v,
+        "model": Tied().state_dict(),
+        "alone": torch.ones(3),
+    }
+    with CheckpointManager(tmp_path / "sync") as m:
+        sync_path = m.save(1, state)
+    with CheckpointManager(tmp_path / "async", async_save=True) as m:
+        async_path = m.save(1, state)
+        # In-place updates once save() returns must not reach the checkpoint being written.
+        with torch.no_grad():
+            w.add_(100.0)
+            state["model"]["wte.weight"].zero_()
+            v.fill_(-1.0)
+    assert (sync_path / "state.pt").read_bytes() == (async_path / "state.pt").read_bytes()
+
+    def storage_groups(loaded: dict[str, Any]) -> list[list[str]]:
+        flat = {k: t for k, t in loaded.items() if k != "model"}
+        flat.update({f"model.{k}": t for k, t in loaded["model"].items()})
+        groups: dict[int, list[str]] = {}
+        for key, t in flat.items():
+            groups.setdefault(t.untyped_storage().data_ptr(), []).append(key)
+        return sorted(sorted(keys) for keys in groups.values())
+
+    sync_state = torch.load(sync_path / "state.pt", weights_only=True)
+    async_state = torch.load(async_path / "state.pt", weights_only=True)
+    assert storage_groups(async_state) == storage_groups(sync_state)
+    assert ["a", "b", "c", "d", "e"] in storage_groups(async_state)
+    assert ["model.lm_head.weight", "model.wte.weight"] in storage_groups(async_state)
+    assert async_state["a"] is async_state["e"]
+    assert_same_state(async_state, sync_state)
+    assert not torch.equal(async_state["a"], w)
+
+    # torch.save refuses one storage viewed as two dtypes; async copies each dtype apart, as before.
+    with CheckpointManager(tmp_path / "dtypes", async_save=True) as m:
+        path = m.save(1, {"v": v, "bits": v.view(torch.int32)})
+    loaded = torch.load(path / "state.pt", weights_only=True)
+    assert torch.equal(loaded["v"], v) and torch.equal(loaded["bits"], v.view(torch.int32))
+
 def test_async_error_is_reraised_on_next_call(tmp_path: Path, monkeypatch) -> None:
     def fail(state: dict[str, Any], path: Path) -> None:
         raise OSError("disk full")
