@@ -193,10 +193,7 @@ class ResumableDataLoader(DataLoader):
         Raises:
             ResumeError: malformed or mismatching state; the loader is unchanged.
         """
-        epoch, position = self._resumable._validated(state_dict, strict=strict, what=_WHAT)
-        self._resumable._epoch = epoch
-        self._resumable._position = position
-        self._resumable._pinned = False
+        self._resumable._restore(state_dict, strict=strict, what=_WHAT)
         self._generation += 1  # an iterator from before the load no longer moves the position
 
 

@@ -243,7 +243,11 @@ class ResumableSampler(torch.utils.data.Sampler[int]):
         Raises:
             ResumeError: the state is malformed or does not match; nothing was changed.
         """
-        epoch, position = self._validated(state_dict, strict=strict, what=_WHAT)
+        self._restore(state_dict, strict=strict, what=_WHAT)
+
+    def _restore(self, state: Mapping[str, Any], *, strict: bool, what: str) -> None:
+        """Validate ``state`` (errors name ``what``), then apply it."""
+        epoch, position = self._validated(state, strict=strict, what=what)
         self._epoch, self._position, self._pinned = epoch, position, False
 
     def _validated(self, state: Mapping[str, Any], *, strict: bool, what: str) -> tuple[int, int]:
