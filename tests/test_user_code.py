@@ -7,9 +7,14 @@ resumed run with it, bitwise.
 
 from __future__ import annotations
 
+import json
 import random
+import signal
+import subprocess
+import sys
 import warnings
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -363,3 +368,42 @@ def test_remedy_for_loaders_wrap_cannot_take(make: Callable[[Any], DataLoader]) 
     with pytest.raises(ResumeError, match=r"ResumableDataLoader\(dataset"):
         wrap(make(data))
     assert sorted(_order(ResumableDataLoader(data, batch_size=2, shuffle=True, seed=0))) == data
+
+
+# -- a user's training script, SIGKILLed mid-epoch --------------------------------------------------
+_SCRIPT = Path(__file__).parent / "user_scripts" / "augmented_cnn.py"
+
+
+def _train(run_dir: Path, *flags: str, expect_kill: bool = False) -> None:
+    run_dir.mkdir(exist_ok=True)
+    result = subprocess.run(
+        [sys.executable, str(_SCRIPT), "--run-dir", str(run_dir), *flags],
+        capture_output=True, text=True, timeout=120, check=False,
+    )
+    expected = -signal.SIGKILL if expect_kill else 0
+    assert result.returncode == expected, result.stderr[-2000:]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> tuple[list[float], dict[str, torch.Tensor]]:
+    run_dir = tmp_path_factory.mktemp("uninterrupted")
+    _train(run_dir)
+    return json.loads((run_dir / "losses.json").read_text()), torch.load(run_dir / "final.pt", weights_only=True)
+
+
+@pytest.mark.parametrize(
+    ("before", "after"),
+    [([], []), (["--workers", "2"], ["--workers", "2"]),
+     (["--workers", "2", "--persistent"], ["--workers", "2", "--persistent"]), (["--workers", "2"], [])],
+    ids=["w0", "w2", "w2-persistent", "w2-to-w0"],
+)
+def test_user_script_killed_mid_epoch_ends_bitwise_equal(
+    tmp_path: Path, uninterrupted: tuple[list[float], dict[str, torch.Tensor]], before: list[str], after: list[str]
+) -> None:
+    # 10 batches an epoch; killed after step 14 (mid-epoch 1), it resumes from step 12's checkpoint.
+    _train(tmp_path, *before, "--kill-at", "14", expect_kill=True)
+    _train(tmp_path, *after)
+    losses, weights = uninterrupted
+    assert json.loads((tmp_path / "losses.json").read_text()) == losses
+    final = torch.load(tmp_path / "final.pt", weights_only=True)
+    assert final.keys() == weights.keys() and all(torch.equal(final[k], weights[k]) for k in weights)
