@@ -14,7 +14,7 @@ augmentations do not depend on which process fetched it.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping, Sized
+from collections.abc import Callable, Iterator, Mapping, Sized
 from typing import Any, cast
 
 import torch
@@ -28,6 +28,7 @@ from ._cursor import EpochCursor, Segment
 from ._fetch import BatchFetcher, MapDataset, Ticket, check_global_rng
 from ._hash import hash_ints
 from ._state import ResumeError, check_int_arg
+from ._warm import WarmStart
 from .sampler import ResumableSampler
 
 __all__ = ["ResumableDataLoader", "wrap"]
@@ -64,6 +65,9 @@ class ResumableDataLoader(DataLoader):
             size and world size); ``"sample"`` seeds them from ``(seed, epoch, index)`` before each
             sample (also independent of batch size and world size; costs ~25 µs per sample);
             ``None`` leaves them alone.
+        warm_start: with workers, fetch the first batches of each pass (a resume, an epoch
+            start) in the main process while the workers start, and hand over to the workers as
+            soon as they deliver; batches are bitwise the same either way.
         **dataloader_kwargs: any other ``DataLoader`` keyword (``num_workers``, ``collate_fn``,
             ``pin_memory``, ``prefetch_factor``, ``persistent_workers``, ``worker_init_fn``, ...).
 
@@ -102,6 +106,7 @@ class ResumableDataLoader(DataLoader):
         drop_last: bool = False,
         sampler: ResumableSampler | None = None,
         global_rng: str | None = "batch",
+        warm_start: bool = False,
         **dataloader_kwargs: Any,
     ) -> None:
         if isinstance(dataset, torch.utils.data.IterableDataset):
@@ -154,6 +159,8 @@ class ResumableDataLoader(DataLoader):
         self._resumable = sampler
         self._cursor = sampler.cursor
         self._plan = _BatchPlan(sampler, batch_size, drop_last)
+        self._warm_start = bool(warm_start)
+        self._warm_pass: WarmStart | None = None
         fetcher = BatchFetcher(
             dataset, global_rng=global_rng, sample_keys=bool(getattr(dataset, "wants_sample_key", False))
         )
@@ -210,10 +217,39 @@ class ResumableDataLoader(DataLoader):
         return [flat[i : i + size] for i in range(0, len(flat), size)]
 
     def __iter__(self) -> Iterator[Any]:  # type: ignore[override]  # ours wraps DataLoader's iterator
+        if self._warm_pass is not None:  # a previous warm pass's thread may still hold the workers
+            self._warm_pass.close()
+            self._warm_pass = None
         segment = self._cursor.begin()
-        self._plan.select(segment)
         self._seed_generator.manual_seed(hash_ints(self._resumable.seed, segment.epoch, segment.start) >> 1)
-        return _ResumableIterator(super().__iter__(), self._cursor, self._plan, segment)
+        inner: Iterator[Any]
+        if self._warm_start and self.num_workers > 0:
+            inner = self._warm_pass = WarmStart(
+                lambda first_batch: self._worker_iterator(segment, first_batch),
+                lambda batch: self._fetch_here(segment, batch),
+                self._plan.batch_count(segment.start),
+                self._pin_device(),
+            )
+        else:
+            inner = self._worker_iterator(segment, None)
+        return _ResumableIterator(inner, self._cursor, self._plan, segment)
+
+    def _pin_device(self) -> str | None:
+        """Where DataLoader's pin thread would pin batches (None: it would not), for warm start."""
+        if not self.pin_memory or not torch.accelerator.is_available():
+            return None
+        accelerator = torch.accelerator.current_accelerator()
+        return None if accelerator is None or accelerator.type == "mps" else accelerator.type
+
+    def _worker_iterator(self, segment: Segment, first_batch: Callable[[], int] | None) -> Iterator[Any]:
+        """DataLoader's own iterator over ``segment`` (from batch ``first_batch()`` when given)."""
+        self._plan.select(segment, first_batch)
+        return super().__iter__()
+
+    def _fetch_here(self, segment: Segment, batch: int) -> Any:
+        """Batch ``batch`` of ``segment`` fetched and collated in this process (warm start)."""
+        fetcher = cast(BatchFetcher, self.dataset)
+        return self.collate_fn(fetcher.__getitems__(self._plan.ticket(segment, batch)))
 
     # -- state ---------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -243,10 +279,15 @@ class _BatchPlan(torch.utils.data.Sampler[Ticket]):
         self.batch_size = batch_size
         self.drop_last = drop_last
         self._segment = Segment(0, 0, 0)
+        self._first_batch: Callable[[], int] | None = None
 
-    def select(self, segment: Segment) -> None:
-        """Make ``segment`` the stretch the next ``iter()`` covers."""
-        self._segment = segment
+    def select(self, segment: Segment, first_batch: Callable[[], int] | None = None) -> None:
+        """Make ``segment`` the stretch the next ``iter()`` covers.
+
+        ``first_batch``, when given, is asked on the first draw which batch of the segment to
+        start from (warm start: the main process served the ones before).
+        """
+        self._segment, self._first_batch = segment, first_batch
 
     def batch_count(self, start: int) -> int:
         """Batches this rank yields when the epoch continues from global position ``start``."""
@@ -256,9 +297,18 @@ class _BatchPlan(torch.utils.data.Sampler[Ticket]):
     def __len__(self) -> int:
         return self.batch_count(0)
 
+    def ticket(self, segment: Segment, batch: int) -> Ticket:
+        """Batch number ``batch`` of ``segment``, on its own (what the main process fetches)."""
+        return next(self._tickets(segment, batch))
+
     def __iter__(self) -> Iterator[Ticket]:
+        # A generator: first_batch is asked on the first draw, i.e. once the workers exist.
+        segment, first_batch = self._segment, self._first_batch
+        yield from self._tickets(segment, first_batch() if first_batch is not None else 0)
+
+    def _tickets(self, segment: Segment, skip: int) -> Iterator[Ticket]:
         sampler, size = self.sampler, self.batch_size
-        epoch, start, _ = self._segment
+        epoch, start = segment.epoch, sampler.position_after(segment.start, skip * size)
         batches = self.batch_count(start)
         chunks = sampler.index_chunks(epoch, start, batches * size)
         first, stride = start + sampler.rank, sampler.world_size * size

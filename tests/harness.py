@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import io
 import itertools
+import random
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
+import numpy as np
 import torch
 
 from resumable_data import SampleKey
@@ -119,3 +121,59 @@ class NoisyIndexDataset(torch.utils.data.Dataset):
         crop = image[top : top + 4, left : left + 4]
         noise = torch.randn(3, generator=g)
         return torch.tensor(key.index), noise, crop
+
+
+def run_with_snapshots(make: Callable[[], Any], epochs: int, cuts: set[tuple[str, int]]) -> tuple[list, dict]:
+    """Iterate ``epochs`` epochs like a user loop; snapshot the state at the given points.
+
+    ("in", k): inside the loop right after the k-th batch (k = 0: before the first iteration);
+    ("after", e): after the ``for`` loop of epoch e has ended.
+    """
+    loader = make()
+    batches: list[Any] = []
+    states: dict[tuple[str, int], Any] = {}
+    if ("in", 0) in cuts:
+        states[("in", 0)] = checkpoint_roundtrip(loader.state_dict())
+    for epoch in range(epochs):
+        for batch in loader:
+            batches.append(batch)
+            if ("in", len(batches)) in cuts:
+                states[("in", len(batches))] = checkpoint_roundtrip(loader.state_dict())
+        if ("after", epoch) in cuts:
+            states[("after", epoch)] = checkpoint_roundtrip(loader.state_dict())
+    return batches, states
+
+
+def resume_from(make: Callable[[], Any], state: Any, count: int) -> list[Any]:
+    """A fresh loader restored from ``state``, iterated epoch loop by epoch loop for ``count`` batches."""
+    loader = make()
+    loader.load_state_dict(state)
+    out: list[Any] = []
+    while len(out) < count:
+        before = len(out)
+        for batch in loader:
+            out.append(batch)
+            if len(out) == count:
+                break
+        if len(out) == before:
+            raise AssertionError("the resumed loader yielded an empty epoch")
+    return out
+
+
+class GlobalRandomAugment(torch.utils.data.Dataset):
+    """A torchvision-style dataset: crop and flip from torch's global RNG, plus numpy and random draws."""
+
+    def __init__(self, length: int) -> None:
+        self.images = torch.arange(length * 3 * 8 * 8, dtype=torch.float32).reshape(length, 3, 8, 8)
+
+    def __len__(self) -> int:
+        return len(self.images)
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        image = self.images[index]
+        top, left = torch.randint(0, 3, (2,)).tolist()
+        image = image[:, top : top + 6, left : left + 6]
+        if torch.rand(()) < 0.5:
+            image = image.flip(-1)
+        image = image * float(np.random.uniform(0.9, 1.1)) + random.gauss(0.0, 0.01)
+        return image, torch.tensor(index)

@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from harness import assert_batches_equal, checkpoint_roundtrip
+from harness import GlobalRandomAugment, assert_batches_equal, checkpoint_roundtrip, resume_from, run_with_snapshots
 from streams_harness import write_token_shards
 from torch.utils.data import DataLoader, DistributedSampler, RandomSampler
 from torchdata.stateful_dataloader import StatefulDataLoader
@@ -52,43 +52,6 @@ def test_stateful_dataloader_state_after_the_epoch_loop_resumes_the_next_epoch_i
     assert got == expected
 
 
-def _run_with_snapshots(make: Callable[[], Any], epochs: int, cuts: set[tuple[str, int]]) -> tuple[list, dict]:
-    """Iterate ``epochs`` epochs like a user loop; snapshot the state at the given points.
-
-    ("in", k): inside the loop right after the k-th batch (k = 0: before the first iteration);
-    ("after", e): after the ``for`` loop of epoch e has ended.
-    """
-    loader = make()
-    batches: list[Any] = []
-    states: dict[tuple[str, int], Any] = {}
-    if ("in", 0) in cuts:
-        states[("in", 0)] = checkpoint_roundtrip(loader.state_dict())
-    for epoch in range(epochs):
-        for batch in loader:
-            batches.append(batch)
-            if ("in", len(batches)) in cuts:
-                states[("in", len(batches))] = checkpoint_roundtrip(loader.state_dict())
-        if ("after", epoch) in cuts:
-            states[("after", epoch)] = checkpoint_roundtrip(loader.state_dict())
-    return batches, states
-
-
-def _resume(make: Callable[[], Any], state: Any, count: int) -> list[Any]:
-    """A fresh loader restored from ``state``, iterated epoch loop by epoch loop for ``count`` batches."""
-    loader = make()
-    loader.load_state_dict(state)
-    out: list[Any] = []
-    while len(out) < count:
-        before = len(out)
-        for batch in loader:
-            out.append(batch)
-            if len(out) == count:
-                break
-        if len(out) == before:
-            raise AssertionError("the resumed loader yielded an empty epoch")
-    return out
-
-
 @pytest.mark.parametrize(
     ("num_workers", "persistent", "prefetch", "shuffle"),
     [
@@ -115,35 +78,16 @@ def test_stateful_dataloader_resumes_exactly_at_every_checkpoint_point(
 
     per_epoch = 6
     cuts = {("in", 0), ("in", 3), ("after", 0), ("in", per_epoch + 2), ("after", 1)}
-    reference, states = _run_with_snapshots(make, 3, cuts)
+    reference, states = run_with_snapshots(make, 3, cuts)
     assert len(reference) == 3 * per_epoch
     offsets = {("in", 0): 0, ("in", 3): 3, ("after", 0): per_epoch, ("in", per_epoch + 2): per_epoch + 2,
                ("after", 1): 2 * per_epoch}
     for cut, offset in offsets.items():
-        resumed = _resume(make, states[cut], len(reference) - offset)
+        resumed = resume_from(make, states[cut], len(reference) - offset)
         assert_batches_equal(reference[offset:], resumed)
 
 
 # -- augmentation that draws from the global RNGs ---------------------------------------------------
-class GlobalRandomAugment(torch.utils.data.Dataset):
-    """A torchvision-style dataset: crop and flip from torch's global RNG, plus numpy and random draws."""
-
-    def __init__(self, length: int) -> None:
-        self.images = torch.arange(length * 3 * 8 * 8, dtype=torch.float32).reshape(length, 3, 8, 8)
-
-    def __len__(self) -> int:
-        return len(self.images)
-
-    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
-        image = self.images[index]
-        top, left = torch.randint(0, 3, (2,)).tolist()
-        image = image[:, top : top + 6, left : left + 6]
-        if torch.rand(()) < 0.5:
-            image = image.flip(-1)
-        image = image * float(np.random.uniform(0.9, 1.1)) + random.gauss(0.0, 0.01)
-        return image, torch.tensor(index)
-
-
 def _augmented(num_workers: int, persistent: bool = False, **kwargs: Any) -> Callable[[], ResumableDataLoader]:
     def make() -> ResumableDataLoader:
         return ResumableDataLoader(
@@ -163,20 +107,20 @@ def _augmented(num_workers: int, persistent: bool = False, **kwargs: Any) -> Cal
 def test_global_rng_augmentation_resumes_bitwise(before: tuple[int, bool], after: tuple[int, bool]) -> None:
     # Every configuration, uninterrupted, gives the same stream; a resume (also into another
     # num_workers) continues it bitwise: mid-epoch, at the epoch's end, and into the next epoch.
-    reference, states = _run_with_snapshots(_augmented(0), 3, {("in", 4), ("after", 0)})
-    uninterrupted, _ = _run_with_snapshots(_augmented(*before), 3, set())
+    reference, states = run_with_snapshots(_augmented(0), 3, {("in", 4), ("after", 0)})
+    uninterrupted, _ = run_with_snapshots(_augmented(*before), 3, set())
     assert_batches_equal(reference, uninterrupted)
-    _, states = _run_with_snapshots(_augmented(*before), 1, {("in", 4), ("after", 0)})
+    _, states = run_with_snapshots(_augmented(*before), 1, {("in", 4), ("after", 0)})
     for cut, offset in (((("in", 4)), 4), (("after", 0), 6)):
-        assert_batches_equal(reference[offset:], _resume(_augmented(*after), states[cut], len(reference) - offset))
+        assert_batches_equal(reference[offset:], resume_from(_augmented(*after), states[cut], len(reference) - offset))
 
 
 def test_global_rng_none_leaves_worker_augmentation_unreproducible() -> None:
     # Why the default is on: without it a resume with workers changes the augmentations (the
     # indices stay the same). This is the bug report's failure, kept visible.
     make = _augmented(2, global_rng=None)
-    reference, states = _run_with_snapshots(make, 1, {("in", 2)})
-    resumed = _resume(make, states[("in", 2)], len(reference) - 2)
+    reference, states = run_with_snapshots(make, 1, {("in", 2)})
+    resumed = resume_from(make, states[("in", 2)], len(reference) - 2)
     assert [b[1].tolist() for b in resumed] == [b[1].tolist() for b in reference[2:]]
     assert any(not torch.equal(a[0], b[0]) for a, b in zip(reference[2:], resumed))
 
@@ -215,7 +159,7 @@ def _restored(position_batches: int) -> tuple[list, ResumableDataLoader, int]:
     """A reference over 3 epochs and a loader restored after ``position_batches`` batches."""
     make = _augmented(0)
     cut = ("in", position_batches) if position_batches % 6 else ("after", position_batches // 6 - 1)
-    reference, states = _run_with_snapshots(make, 3, {cut})
+    reference, states = run_with_snapshots(make, 3, {cut})
     loader = make()
     loader.load_state_dict(states[cut])
     return reference, loader, position_batches
@@ -420,7 +364,7 @@ def _stream_loader(paths: list[Path]) -> StreamLoader:
 @pytest.mark.parametrize("cut", [2, "end"], ids=["mid-epoch", "epoch-end"])
 def test_stream_loader_epoch_loops_resume_exactly(tmp_path: Path, cut: int | str) -> None:
     paths = write_token_shards(tmp_path, [40, 23, 31])
-    reference, states = _run_with_snapshots(lambda: _stream_loader(paths), 3, {("in", 2), ("after", 0)})
+    reference, states = run_with_snapshots(lambda: _stream_loader(paths), 3, {("in", 2), ("after", 0)})
     offset = 2 if cut == 2 else len(reference) // 3
     state = states[("in", 2) if cut == 2 else ("after", 0)]
     for style in ("range", "epochs"):

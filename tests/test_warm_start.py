@@ -1,0 +1,98 @@
+"""Warm start: batches served by the main process while workers start are bitwise the batches the
+workers would have served, and the position stays exact wherever the hand-over falls."""
+
+from __future__ import annotations
+
+import time
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+from harness import GlobalRandomAugment, assert_batches_equal, resume_from, run_with_snapshots
+
+from resumable_data import ResumableDataLoader
+
+
+class SlowStart(GlobalRandomAugment):
+    """Global-RNG augmentation whose workers take a while to start (as real ones do: imports,
+    file handles), so the main process serves several batches before the hand-over."""
+
+    @staticmethod
+    def worker_init(_: int) -> None:
+        time.sleep(0.3)
+
+
+def _maker(num_workers: int, *, warm: bool, persistent: bool = False, pin: bool = False) -> Callable[[], Any]:
+    def make() -> ResumableDataLoader:
+        return ResumableDataLoader(
+            SlowStart(29), batch_size=3, seed=5, num_workers=num_workers, warm_start=warm,
+            persistent_workers=persistent, pin_memory=pin, worker_init_fn=SlowStart.worker_init,
+        )
+
+    return make
+
+
+def _fetched_in_main_process(make: Callable[[], Any]) -> Callable[[], Any]:
+    """The same loader, counting the batches its main process fetched."""
+
+    def counting() -> Any:
+        loader = make()
+        original = loader._fetch_here  # noqa: SLF001 - the test observes where batches came from
+        def fetch(segment: Any, batch: int) -> Any:
+            counting.served += 1
+            return original(segment, batch)
+        loader._fetch_here = fetch  # noqa: SLF001
+        return loader
+
+    counting.served = 0  # type: ignore[attr-defined]
+    return counting
+
+
+@pytest.mark.parametrize("num_workers", [1, 2, 3])
+def test_warm_start_streams_equal_cold_ones_at_epoch_start_and_after_restores(num_workers: int) -> None:
+    # 10 batches an epoch. Cuts: mid-epoch (a restore) and after the epoch's loop (an epoch-end state).
+    cuts = {("in", 4), ("after", 0)}
+    reference, states = run_with_snapshots(_maker(num_workers, warm=False), 3, cuts)
+    warm = _fetched_in_main_process(_maker(num_workers, warm=True))
+    uninterrupted, warm_states = run_with_snapshots(warm, 3, cuts)
+    assert_batches_equal(reference, uninterrupted)
+    assert warm.served > 0  # the main process really served some (workers sleep 0.3 s first)
+    for cut, offset in ((("in", 4)), 4), (("after", 0), 10):
+        assert warm_states[cut] == states[cut]
+        assert_batches_equal(reference[offset:], resume_from(warm, states[cut], len(reference) - offset))
+
+
+def test_warm_start_with_persistent_workers_and_pin_memory() -> None:
+    reference, _ = run_with_snapshots(_maker(2, warm=False), 3, set())
+    for persistent, pin in ((True, False), (False, True), (True, True)):
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", "'pin_memory' argument is set as true but no accelerator")
+            got, _ = run_with_snapshots(_maker(2, warm=True, persistent=persistent, pin=pin), 3, set())
+        assert_batches_equal(reference, got)
+
+
+def test_a_state_taken_while_the_main_process_serves_resumes_exactly() -> None:
+    reference, _ = run_with_snapshots(_maker(2, warm=False), 2, set())
+    warm = _fetched_in_main_process(_maker(2, warm=True))
+    loader = warm()
+    iterator = iter(loader)
+    first = next(iterator)
+    assert warm.served == 1  # the first batch came from the main process
+    state = loader.state_dict()
+    assert_batches_equal(reference[:1], [first])
+    assert_batches_equal(reference[1:], resume_from(_maker(2, warm=True), state, len(reference) - 1))
+
+
+def test_break_then_iterate_again_continues_exactly() -> None:
+    reference, _ = run_with_snapshots(_maker(2, warm=False), 2, set())
+    loader = _maker(2, warm=True)()
+    got = []
+    for batch in loader:
+        got.append(batch)
+        if len(got) == 2:
+            break
+    for _ in range(2):
+        got.extend(loader)
+    assert_batches_equal(reference, got[: len(reference)])
+    assert len(got) == len(reference)
