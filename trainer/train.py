@@ -365,9 +365,9 @@ def _wrap(model: GPT, config: TrainConfig, ranks: parallel.Parallel) -> torch.nn
         return model
     if not ranks.distributed:
         return model
-    # Buffers are constants here: no broadcast, so a forward needs no collective.
+    # The model has no buffers, so a DDP forward runs no collective (evaluation uses the bare model).
     device_ids = [ranks.device.index] if ranks.device.type == "cuda" else None
-    return DistributedDataParallel(model, device_ids=device_ids, broadcast_buffers=False)
+    return DistributedDataParallel(model, device_ids=device_ids)
 
 
 def _gradient_sync(wrapped: torch.nn.Module, sync: bool) -> contextlib.AbstractContextManager[Any]:
@@ -650,7 +650,8 @@ def _train(config: TrainConfig, ranks: parallel.Parallel) -> TrainResult:
             stack.enter_context(open(run_dir / f"indices.rank{ranks.rank}.jsonl", "a", buffering=1)) if config.record_indices else None
         )
         metrics.log(
-            "start", step=step, device=str(device), world_size=ranks.world_size, parameters=model.num_parameters(),
+            "start", step=step, device=str(device), world_size=ranks.world_size, pids=ranks.gather(os.getpid()),
+            parameters=model.num_parameters(),
             config=asdict(config), model_config=asdict(model_config), data=data.describe(),
         )  # fmt: skip
         if resume_path is not None:
