@@ -153,3 +153,22 @@ def test_elastic_policies_keep_the_per_rank_or_the_global_batch() -> None:
     assert (keep.grad_accum, keep.changes["global_batch"]) == (6, [48, 48])
     with pytest.raises(ResumeError, match=r"global batch of 8 sequences \(2 ranks x --batch-size 4 x --grad-accum 1\) cannot be split over 3 ranks"):
         elastic_plan(policy="global-batch", saved_world=2, saved_batch=4, saved_accum=1, world=3, batch=4, accum=1)
+
+
+@pytest.mark.slow
+def test_fsdp2_with_dcp_on_cpu_resumes_bitwise_and_reshards_to_one_rank(tmp_path: Path) -> None:
+    """FSDP2 (``fully_shard``) runs on gloo too: each rank saves its shards with DCP; the stopped
+    run resumes bitwise on 2 ranks, and the same checkpoint resharded onto 1 rank runs to the end."""
+    config = tiny(tmp_path, "straight", fsdp=True, checkpoint_format="dcp")
+    assert torchrun(config, 2) == 0
+    weights = end_weights(config.run_dir)
+    assert len(set(weights)) == 1
+    stopped = replace(config, run_dir=str(tmp_path / "stopped"))
+    assert torchrun(replace(stopped, stop_at=9), 2) == 0
+    shutil.copytree(stopped.run_dir, tmp_path / "one")
+    assert torchrun(stopped, 2) == 0
+    assert losses(stopped.run_dir) == losses(config.run_dir)
+    assert end_weights(stopped.run_dir) == weights
+    one = replace(config, run_dir=str(tmp_path / "one"))
+    assert torchrun(one, 1) == 0
+    assert [e for e in read_metrics(one.run_dir) if e["event"] == "resume"][-1]["changes"]["world_size"] == [2, 1]
