@@ -583,10 +583,16 @@ def _train(config: TrainConfig, ranks: parallel.Parallel) -> TrainResult:
             # After the scheduler is built: its constructor overwrites the optimizer's lr, and
             # these loads put the saved one back. The optimizer casts AdamW's moments to the
             # device of the (already moved) parameters.
-            set_state_dict(
-                wrapped, optimizer, model_state_dict=model_state, optim_state_dict=optimizer_state,
-                options=StateDictOptions(full_state_dict=store is None and ranks.distributed),
-            )  # fmt: skip
+            try:
+                set_state_dict(
+                    wrapped, optimizer, model_state_dict=model_state, optim_state_dict=optimizer_state,
+                    options=StateDictOptions(full_state_dict=store is None and ranks.distributed),
+                )  # fmt: skip
+            except (KeyError, RuntimeError, ValueError) as e:
+                raise ResumeError(
+                    f"the model or optimizer state of {resume_path} does not fit this model: {e}; was it written by "
+                    "this trainer version (optimizer state keyed by parameter name)?"
+                ) from e
             scheduler.load_state_dict(checkpoint[LR_SCHEDULER])
             step, tokens_seen, best_val_loss = _load_train_state(checkpoint[TRAIN_STATE], resume_path)
             # The audit runs on every rank. After a world-size change the batches are cut
