@@ -97,6 +97,7 @@ def test_torchrun_two_ranks_killed_and_resumed_equals_uninterrupted_and_elastic_
     assert three["rng"] == "ranks 2..2 seeded from (seed, step, rank)"
 
 
+@pytest.mark.slow  # 3 more torchrun jobs; the default suite has DCP at the library level (test_distributed_dcp.py)
 def test_dcp_checkpoints_resume_bitwise_at_the_same_size_and_load_at_another(verified: tuple[Path, bool]) -> None:
     """``--checkpoint-format dcp-async`` on 2 ranks: stopped at step 9 and resumed equals the
     file-format reference exactly; the same DCP checkpoint resumes on 1 rank (exactly once)."""
