@@ -6,6 +6,10 @@ the loop. A resumed run is bitwise identical to one that was never interrupted (
 with ``--deterministic``) because everything that decides the next step is in the checkpoint:
 weights, AdamW's moments, the scheduler's step, the data loader's position, every RNG and the
 step counter.
+
+Under ``torchrun`` the same function runs on every rank (see :mod:`trainer.parallel`): DDP (or
+FSDP2 with ``--fsdp``), rank 0 choosing the checkpoint and writing checkpoints and metrics, every
+rank's RNG state gathered into the checkpoint, and elastic resume on another number of ranks.
 """
 
 from __future__ import annotations
