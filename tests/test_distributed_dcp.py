@@ -67,6 +67,8 @@ def _job_a(rank: int, world: int, tmp: str) -> None:
     head = {"map": read(loader, stop=SAVED_AFTER), "stream": read(stream, stop=SAVED_AFTER)}
     at_save = {"map": global_state(loader), "stream": global_state(stream)}
     dcp.save(app_state(loader, stream), checkpoint_id=f"{tmp}/ckpt_a")
+    # A value that differs per rank under one shared key: DCP keeps one rank's copy.
+    dcp.save({"value": torch.tensor([100 + rank])}, checkpoint_id=f"{tmp}/ckpt_shared_key")
     # What peers do: one key per rank. It saves, but cannot load at another world size.
     dcp.save({"loader": {f"dp_rank_{rank}": torch.tensor([rank])}}, checkpoint_id=f"{tmp}/ckpt_per_rank")
     # async_save snapshots the state at the call; the loaders move on while it writes.
@@ -111,6 +113,10 @@ def _job_resume(rank: int, world: int, tmp: str, name: str, source: str, save_af
         result["per_rank_keys"] = None
     except ResumeError as e:
         result["per_rank_keys"] = str(e)
+    if name == "d":
+        shared = {"value": torch.zeros(1, dtype=torch.long)}
+        dcp.load(shared, checkpoint_id=f"{tmp}/ckpt_shared_key")
+        result["shared_key"] = shared["value"].item()
     if name == "d":  # 3→2: B's checkpoint, taken one batch after B resumed
         from_b = make_map()
         dcp.load({"map": DataLoaderState(from_b)}, checkpoint_id=f"{tmp}/ckpt_b")
@@ -205,3 +211,10 @@ def test_per_rank_keys_fail_at_another_world_size_with_a_clear_error(chain: dict
     for rank in chain["b"]:
         assert "torch.distributed.checkpoint could not load" in rank["per_rank_keys"]
         assert "rank 2:" in rank["per_rank_keys"] and "dp_rank_2" in rank["per_rank_keys"]
+
+
+def test_dcp_keeps_one_ranks_copy_of_a_shared_key_so_values_must_agree(chain: dict[str, list[Any]]) -> None:
+    """Why the data state must be the same on every rank: rank 0 saved 100 and rank 1 saved 101
+    under one key, and both ranks load the same single value back."""
+    values = [rank["shared_key"] for rank in chain["d"]]
+    assert values[0] == values[1] and values[0] in (100, 101)
