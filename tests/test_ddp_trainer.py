@@ -155,6 +155,9 @@ def test_elastic_policies_keep_the_per_rank_or_the_global_batch() -> None:
     assert (keep.grad_accum, keep.changes["global_batch"]) == (6, [48, 48])
     with pytest.raises(ResumeError, match=r"global batch of 8 sequences \(2 ranks x --batch-size 4 x --grad-accum 1\) cannot be split over 3 ranks"):
         elastic_plan(policy="global-batch", saved_world=2, saved_batch=4, saved_accum=1, world=3, batch=4, accum=1)
+    assert elastic_plan(policy="refuse", saved_world=2, saved_batch=4, saved_accum=1, world=2, batch=4, accum=1).changes == {}
+    with pytest.raises(ResumeError, match=r"world size changed: the checkpoint was written by 2 ranks, this job has 3"):
+        elastic_plan(policy="refuse", saved_world=2, saved_batch=4, saved_accum=1, world=3, batch=4, accum=1)
 
 
 @pytest.mark.slow

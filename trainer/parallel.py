@@ -22,7 +22,7 @@ from resumable_data import ResumeError
 __all__ = ["ElasticPlan", "Parallel", "elastic_plan", "rank_seed", "start", "stop"]
 
 T = TypeVar("T")
-ELASTIC_POLICIES = ("per-rank-batch", "global-batch")
+ELASTIC_POLICIES = ("per-rank-batch", "global-batch", "refuse")
 # Long enough for a slow checkpoint write on rank 0 while the others wait, short enough that a
 # hung job ends by itself.
 COLLECTIVE_TIMEOUT = datetime.timedelta(minutes=10)
@@ -174,6 +174,7 @@ def elastic_plan(
             with the number of ranks (so does the data an optimizer step sees).
         ``global-batch``: keep the global batch (``world * batch * grad_accum`` sequences per
             step) by changing gradient accumulation; refused when it does not divide.
+        ``refuse``: a different number of ranks is an error naming both.
 
     Raises:
         ResumeError: an unknown policy, or a global batch that the new ranks cannot split.
@@ -182,6 +183,12 @@ def elastic_plan(
         raise ResumeError(f"--elastic should be one of {ELASTIC_POLICIES}, but got {policy!r}")
     changes: dict[str, list[int]] = {}
     if world != saved_world:
+        if policy == "refuse":
+            raise ResumeError(
+                f"world size changed: the checkpoint was written by {saved_world} ranks, this job has {world} "
+                f"(--elastic refuse); start it with torchrun --nproc_per_node {saved_world}, or allow the change with "
+                "--elastic per-rank-batch or --elastic global-batch"
+            )
         changes["world_size"] = [saved_world, world]
         if policy == "global-batch":
             total = saved_world * saved_batch * saved_accum

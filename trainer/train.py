@@ -134,7 +134,7 @@ class TrainConfig:
     progress: bool = _option(True, "show a progress bar")
     # Distributed (under torchrun).
     checkpoint_format: str = _option("file", "'file' (one weights_only file, rank 0), 'dcp' or 'dcp-async' (torch.distributed.checkpoint)")
-    elastic: str = _option("per-rank-batch", "on a resume with another number of ranks keep the 'per-rank-batch' or the 'global-batch' (changes --grad-accum)")
+    elastic: str = _option("per-rank-batch", "on a resume with another number of ranks keep the 'per-rank-batch' or the 'global-batch' (changes --grad-accum), or 'refuse'")
     fsdp: bool = _option(False, "shard the model with FSDP2 fully_shard instead of DDP (torchrun; meant for CUDA)")
     record_indices: bool = _option(False, "testing: log each rank's batch indices to RUN_DIR/indices.rankR.jsonl")
 
