@@ -21,10 +21,12 @@ import numpy as np
 import pytest
 import torch
 from harness import assert_batches_equal, checkpoint_roundtrip
+from streams_harness import write_token_shards
 from torch.utils.data import DataLoader, DistributedSampler, RandomSampler
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from resumable_data import ResumableDataLoader, ResumableSampler, ResumeError, ResumeWarning, wrap
+from resumable_data.streams import ShardedIterable, StreamLoader, TokenShardReader
 
 pytestmark = pytest.mark.filterwarnings("ignore:'set_vital' is deprecated")
 
@@ -407,3 +409,34 @@ def test_user_script_killed_mid_epoch_ends_bitwise_equal(
     assert json.loads((tmp_path / "losses.json").read_text()) == losses
     final = torch.load(tmp_path / "final.pt", weights_only=True)
     assert final.keys() == weights.keys() and all(torch.equal(final[k], weights[k]) for k in weights)
+
+
+# -- the same epoch loop over a StreamLoader ------------------------------------------------------------
+def _stream_loader(paths: list[Path]) -> StreamLoader:
+    source = ShardedIterable(paths, read_shard=TokenShardReader(5), seed=3)
+    return StreamLoader(source.shuffle_buffer(4, seed=4), batch_size=3)
+
+
+@pytest.mark.parametrize("cut", [2, "end"], ids=["mid-epoch", "epoch-end"])
+def test_stream_loader_epoch_loops_resume_exactly(tmp_path: Path, cut: int | str) -> None:
+    paths = write_token_shards(tmp_path, [40, 23, 31])
+    reference, states = _run_with_snapshots(lambda: _stream_loader(paths), 3, {("in", 2), ("after", 0)})
+    offset = 2 if cut == 2 else len(reference) // 3
+    state = states[("in", 2) if cut == 2 else ("after", 0)]
+    for style in ("range", "epochs"):
+        loader = _stream_loader(paths)
+        loader.load_state_dict(state)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", ResumeWarning)
+            if style == "range":
+                resumed = []
+                for epoch in range(loader.epoch, 3):
+                    loader.set_epoch(epoch)
+                    resumed.extend(loader)
+            else:
+                resumed = [batch for _ in loader.epochs(3) for batch in loader]
+        assert_batches_equal(reference[offset:], resumed)
+    loader = _stream_loader(paths)
+    loader.load_state_dict(states[("in", 2)])
+    with pytest.warns(ResumeWarning, match=r"stream_loader.set_epoch\(2\) discards the restored position"):
+        loader.set_epoch(2)
