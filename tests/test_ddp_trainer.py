@@ -215,3 +215,18 @@ def test_rank_zero_decides_once_and_any_rank_that_cannot_read_stops_every_rank(t
     assert one["rank0_error"] == "rank 0 stopped the job: run folder is locked by pid 42"
     for rank in (zero, one):
         assert rank["unreadable"] == "reading step-8 failed on 1 of 2 ranks, so the job stops: rank 1: sha256 mismatch"
+
+
+def test_dcp_format_in_a_single_process_resumes_bitwise(tmp_path: Path) -> None:
+    """The DCP store without torchrun (DCP runs without a process group): stopped at step 9 and
+    resumed equals the straight run, across the epoch boundary at step 14 (no processes spawned)."""
+    from trainer.train import train
+
+    straight = train(tiny(tmp_path, "straight", checkpoint_format="dcp"))
+    config = tiny(tmp_path, "stopped", checkpoint_format="dcp")
+    train(replace(config, stop_at=9))
+    assert (Path(config.run_dir) / DCP_FOLDER / "step-00000009" / "trainer.pt").is_file()
+    resumed = train(config)
+    assert resumed.resumed_from is not None and resumed.resumed_from.name == "step-00000009"
+    assert losses(config.run_dir) == straight.losses
+    assert end_weights(config.run_dir) == end_weights(straight.run_dir)
