@@ -123,6 +123,7 @@ def test_dcp_checkpoints_resume_bitwise_at_the_same_size_and_load_at_another(ver
     assert max(epoch0.values()) == 1 and len(epoch0) == 112  # 1,801 bytes / 16: every window once
 
 
+@pytest.mark.slow  # one more torchrun job: the multi-process tests must stay under 3 minutes together
 def test_sigterm_to_one_rank_stops_every_rank_after_the_same_step_with_a_checkpoint(tmp_path: Path) -> None:
     config = tiny(tmp_path, "term", max_steps=100_000, checkpoint_every=100_000, eval_every=100_000)
     process = torchrun(config, 2, wait=False)
