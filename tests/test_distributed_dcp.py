@@ -15,7 +15,6 @@ The tests below state what each job's records must show.
 from __future__ import annotations
 
 import collections
-from pathlib import Path
 from typing import Any
 
 import pytest
