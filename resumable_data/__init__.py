@@ -6,6 +6,7 @@ The public surface is re-exported here; each name lives in a small module with o
 from ._state import ResumeError, ResumeWarning, Stateful
 from .checkpoint import CheckpointLockedError, CheckpointManager
 from .dataloader import ResumableDataLoader, wrap
+from .distributed import DataLoaderState, check_world_size, dcp_errors, global_state, require_agreement
 from .permutation import Permutation
 from .sampler import ResumableSampler
 from .rng import (
@@ -33,6 +34,7 @@ __version__ = "0.1.0"
 __all__ = [
     "CheckpointLockedError",
     "CheckpointManager",
+    "DataLoaderState",
     "IterableSource",
     "Permutation",
     "RandomMap",
@@ -50,7 +52,11 @@ __all__ = [
     "TokenShardReader",
     "__version__",
     "capture_rng_state",
+    "check_world_size",
+    "dcp_errors",
+    "global_state",
     "mix",
+    "require_agreement",
     "restore_rng_state",
     "sample_generator",
     "sample_numpy_rng",

@@ -45,3 +45,31 @@ def test_ranks_come_from_the_process_group_and_partition_the_epoch(tmp_path: Pat
     counts = collections.Counter(i for r in results for batch in r["indices"] for i in batch)
     assert set(counts) == set(range(LENGTH))
     assert sum(counts.values()) == LENGTH + 1  # one padded repeat: 37 samples over 2 ranks
+
+
+def _shared_data_main(rank: int, world_size: int, tmp: str) -> None:
+    """Two ranks that are tensor-parallel peers: each is alone in its data-parallel group."""
+    from dist_harness import finish, init_gloo
+    from resumable_data import DataLoaderState, ShardedIterable, StreamLoader, global_state
+    from streams_harness import MemoryShards
+
+    init_gloo(rank, world_size, f"{tmp}/init_shared")
+    dp_group, _ = dist.new_subgroups(group_size=1)
+    loader = ResumableDataLoader(torch.arange(LENGTH), batch_size=BATCH, seed=5, group=dp_group)
+    shards = MemoryShards((4, 6, 3))
+    stream = StreamLoader(ShardedIterable(shards.names, read_shard=shards, seed=5), batch_size=2, group=dp_group)
+    batches = [b.tolist() for b in loader]
+    records = [b.tolist() for b in stream]
+    # The DP group's state: no collective over the peer, and DCP writes it once for both.
+    states = [global_state(loader, group=dp_group), DataLoaderState(stream, group=dp_group).state_dict()]
+    finish(tmp, "shared", rank, {"batches": batches, "records": records, "states": states})
+
+
+def test_ranks_that_share_a_data_parallel_rank_get_identical_batches(tmp_path: Path) -> None:
+    from dist_harness import results, spawn
+
+    spawn(_shared_data_main, 2, str(tmp_path))
+    first, second = results(tmp_path, "shared", 2)
+    assert first == second
+    assert sorted(i for batch in first["batches"] for i in batch) == list(range(LENGTH))  # one rank's worth: all
+    assert first["states"][0]["world_size"] == 1

@@ -273,7 +273,10 @@ def test_checkpoint_layout(tmp_path: Path, corpus: Path) -> None:
     state = torch.load(path, map_location="cpu", weights_only=True)
     assert tuple(state) == CHECKPOINT_KEYS
     # The step-0 evaluation is a baseline only: "best" is among evaluations that have a checkpoint.
-    assert state["train_state"] == {"version": 1, "step": 6, "tokens_seen": 6 * 4 * 16, "best_val_loss": result.val_losses[6]}
+    assert state["train_state"] == {
+        "version": 1, "step": 6, "tokens_seen": 6 * 4 * 16, "best_val_loss": result.val_losses[6],
+        "world_size": 1, "batch_size": 4, "grad_accum": 1,  # the layout an elastic resume starts from
+    }  # fmt: skip
     assert state["model_config"] == {"vocab_size": 256, "block_size": 16, "n_layer": 1, "n_head": 2, "n_embd": 16, "dropout": 0.1}
     assert state["dataloader"]["position"] == 6 * 4 and state["dataloader"]["epoch"] == 0
     assert set(state["audit"]) == {"next_batch", "next_lr"}

@@ -43,7 +43,7 @@ def test_trains_on_cuda_and_resumes_onto_the_gpu(tmp_path: Path, corpus: Path) -
         state = manager.load()
     # Written from CUDA tensors, loaded with map_location="cpu": no GPU memory until moved.
     assert all(t.device.type == "cpu" for t in state["model"].values())
-    assert len(state["rng"]["cuda"]) == torch.cuda.device_count()
+    assert len(state["rng"][0]["cuda"]) == torch.cuda.device_count()  # rank 0's RNG states
 
 
 def test_verify_resume_on_cuda_with_deterministic_algorithms(tmp_path: Path, corpus: Path) -> None:

@@ -3,6 +3,8 @@
     python -m trainer                              # train the default model; Ctrl-C saves; rerun continues
     python -m trainer train --max-steps 1000 --data notes.txt
     python -m trainer verify-resume                # killed + resumed == uninterrupted, bitwise
+    python -m trainer verify-resume --nproc 2      # the same under torchrun, plus elastic 2->1 and 2->3
+    torchrun --nproc_per_node 2 -m trainer train   # data-parallel training (DDP; gloo on CPU, NCCL on CUDA)
     python -m trainer plot runs/default            # runs/default/metrics.png
     python -m trainer gpu-smoke                    # on a CUDA machine: default run, step time, verify-resume
 """
@@ -87,6 +89,7 @@ def _parser() -> argparse.ArgumentParser:
     verify = commands.add_parser("verify-resume", help="check that a SIGKILLed and resumed run equals an uninterrupted one")
     _add_train_flags(verify, VERIFY_DEFAULTS)
     verify.add_argument("--kill-at-step", type=int, default=VERIFY_KILL_AT, help="the step during which to SIGKILL the run")
+    verify.add_argument("--nproc", type=int, default=None, help="run each job under torchrun with this many ranks, plus elastic resumes on 1 and NPROC+1 ranks")
 
     plot = commands.add_parser("plot", help="write a PNG of loss and lr over steps, marking resume points")
     plot.add_argument("run_dir", help="a run folder (holds metrics.jsonl)")
@@ -148,7 +151,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             train(_config(args))
             return 0
         if args.command == "verify-resume":
-            return 0 if verify_resume(_config(args), args.kill_at_step) else 1
+            return 0 if verify_resume(_config(args), args.kill_at_step, args.nproc) else 1
         if args.command == "plot":
             print(f"wrote {plot_run(args.run_dir, args.out)}")
             return 0

@@ -6,6 +6,10 @@ the loop. A resumed run is bitwise identical to one that was never interrupted (
 with ``--deterministic``) because everything that decides the next step is in the checkpoint:
 weights, AdamW's moments, the scheduler's step, the data loader's position, every RNG and the
 step counter.
+
+Under ``torchrun`` the same function runs on every rank (see :mod:`trainer.parallel`): DDP (or
+FSDP2 with ``--fsdp``), rank 0 choosing the checkpoint and writing checkpoints and metrics, every
+rank's RNG state gathered into the checkpoint, and elastic resume on another number of ranks.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import random
 import signal
 import threading
 import time
+import traceback
 from collections.abc import Iterator, Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -27,12 +32,16 @@ from typing import Any, TextIO
 
 import numpy as np
 import torch
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_state_dict, set_state_dict
+from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
 
 import resumable_data
-from resumable_data import CheckpointManager, ResumableDataLoader, ResumeError
+from resumable_data import CheckpointManager, DataLoaderState, ResumableDataLoader, ResumeError
 
+from . import parallel
 from .data import TokenWindows, default_cache_dir, prepare_data
+from .dcp_store import DcpCheckpoints
 from .model import GPT, ModelConfig
 
 __all__ = ["TrainConfig", "TrainResult", "read_metrics", "train"]
@@ -48,6 +57,11 @@ MODEL_CONFIG = "model_config"
 LIBRARY_VERSION = "library_version"
 AUDIT = "audit"
 CHECKPOINT_KEYS = (MODEL, OPTIMIZER, LR_SCHEDULER, DATALOADER, RNG, TRAIN_STATE, MODEL_CONFIG, LIBRARY_VERSION, AUDIT)
+# A DCP checkpoint splits them: model, optimizer and data state in DCP's shards, the rest in
+# trainer.pt, written by rank 0 and read with weights_only=True.
+DCP_KEYS = (MODEL, OPTIMIZER, DATALOADER)
+EXTRA_KEYS = tuple(key for key in CHECKPOINT_KEYS if key not in DCP_KEYS)
+CHECKPOINT_FORMATS = ("file", "dcp", "dcp-async")
 
 # Keys inside "train_state" and "audit".
 TRAIN_STATE_VERSION = 1
@@ -57,11 +71,17 @@ TOKENS_SEEN = "tokens_seen"
 BEST_VAL_LOSS = "best_val_loss"
 NEXT_BATCH = "next_batch"
 NEXT_LR = "next_lr"
+# The batch layout that wrote the checkpoint, for an elastic resume (absent in older checkpoints:
+# one rank, and the flags' batch size and accumulation).
+WORLD_SIZE = "world_size"
+BATCH_SIZE = "batch_size"
+GRAD_ACCUM = "grad_accum"
 
 # The model's shape comes from the checkpoint on resume; these TrainConfig fields may only repeat it.
 ARCHITECTURE_FIELDS = ("block_size", "n_layer", "n_head", "n_embd", "dropout")
 
 CHECKPOINT_FOLDER = "checkpoints"
+DCP_FOLDER = "dcp"
 METRICS_FILE = "metrics.jsonl"
 ADAM_BETAS = (0.9, 0.95)
 
@@ -112,6 +132,11 @@ class TrainConfig:
     compile: bool = _option(False, "torch.compile the model (exact resume is verified only without it)")
     deterministic: bool = _option(False, "torch.use_deterministic_algorithms (exact resume on CUDA)")
     progress: bool = _option(True, "show a progress bar")
+    # Distributed (under torchrun).
+    checkpoint_format: str = _option("file", "'file' (one weights_only file, rank 0), 'dcp' or 'dcp-async' (torch.distributed.checkpoint)")
+    elastic: str = _option("per-rank-batch", "on a resume with another number of ranks keep the 'per-rank-batch' or the 'global-batch' (changes --grad-accum), or 'refuse'")
+    fsdp: bool = _option(False, "shard the model with FSDP2 fully_shard instead of DDP (torchrun; meant for CUDA)")
+    record_indices: bool = _option(False, "testing: log each rank's batch indices to RUN_DIR/indices.rankR.jsonl")
 
     def validate(self) -> None:
         """Check the values a user typed, before anything is built.
@@ -133,6 +158,9 @@ class TrainConfig:
                 raise ValueError(f"--{_flag(name)} should be a finite number >= 0 (lr > 0), but got {value}")
         if self.min_lr > self.lr:
             raise ValueError(f"--min-lr {self.min_lr} is above --lr {self.lr}")
+        for name, choices in (("checkpoint_format", CHECKPOINT_FORMATS), ("elastic", parallel.ELASTIC_POLICIES)):
+            if getattr(self, name) not in choices:
+                raise ValueError(f"--{_flag(name)} should be one of {', '.join(choices)}, but got {getattr(self, name)!r}")
         for name in ("stop_at", "crash_at_step"):
             value = getattr(self, name)
             if value is not None and not 1 <= value <= self.max_steps:
@@ -202,6 +230,16 @@ class _Metrics:
         self._file.close()
 
 
+class _NoMetrics:
+    """What ranks other than 0 log to: nothing (rank 0 writes the run's one metrics file)."""
+
+    def log(self, event: str, **values: Any) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
 class _GracefulStop:
     """SIGTERM and SIGINT set a flag; the loop finishes its step, saves and exits.
 
@@ -232,15 +270,6 @@ class _GracefulStop:
         tqdm.write(f"received {self.reason}: finishing this step, then saving (Ctrl-C again aborts without saving)")
 
 
-def _resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    device = torch.device(name)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"--device {name}: CUDA is not available on this machine")
-    return device
-
-
 def _model_config(config: TrainConfig, saved: Mapping[str, Any] | None) -> ModelConfig:
     """The architecture: the checkpoint's on resume (flags may only repeat it), else the flags'.
 
@@ -267,7 +296,7 @@ def _model_config(config: TrainConfig, saved: Mapping[str, Any] | None) -> Model
     return restored
 
 
-def _find_checkpoint(manager: CheckpointManager, resume: str) -> Path | None:
+def _find_checkpoint(manager: CheckpointManager | DcpCheckpoints, resume: str) -> Path | None:
     """Which checkpoint to resume from, following ``--resume``.
 
     Raises:
@@ -296,6 +325,88 @@ def _find_checkpoint(manager: CheckpointManager, resume: str) -> Path | None:
             "resuming from an older one would mix two histories: move them away or use another --run-dir"
         )
     return path
+
+
+def _read_checkpoint(path: Path, store: DcpCheckpoints | None, run_dir: Path, keep_last: int) -> dict[str, Any]:
+    """This rank's copy of the checkpoint (for DCP: its rank-0 part; the shards load later).
+
+    Raises:
+        ResumeError: unreadable, or not written by this trainer.
+    """
+    if store is not None:
+        checkpoint, expected = DcpCheckpoints.read_extras(path), EXTRA_KEYS
+    else:
+        # Only rank 0 holds the run folder's lock; the others just read.
+        with CheckpointManager(run_dir / CHECKPOINT_FOLDER, keep_last=keep_last, lock=False) as reader:
+            # map_location="cpu": nothing lands on the GPU until the model is built and moved there.
+            checkpoint, expected = reader.load(path, map_location="cpu"), CHECKPOINT_KEYS
+    missing = [key for key in expected if key not in checkpoint]
+    if missing:
+        raise ResumeError(f"checkpoint {path} lacks {missing}; was it written by this trainer (--checkpoint-format)?")
+    return checkpoint
+
+
+def _saved_layout(state: Mapping[str, Any], config: TrainConfig) -> tuple[int, int, int]:
+    """(world size, per-rank batch, gradient accumulation) of the run that wrote ``train_state``."""
+    try:
+        return (
+            int(state.get(WORLD_SIZE, 1)),
+            int(state.get(BATCH_SIZE, config.batch_size)),
+            int(state.get(GRAD_ACCUM, config.grad_accum)),
+        )
+    except (TypeError, ValueError) as e:
+        raise ResumeError(f"the checkpoint's train_state has a malformed batch layout {dict(state)}: {e!r}") from e
+
+
+def _wrap(model: GPT, config: TrainConfig, ranks: parallel.Parallel) -> torch.nn.Module:
+    """The model as the loop calls it: DDP, FSDP2 (``--fsdp``), or itself in a single process."""
+    if config.fsdp:
+        from torch.distributed.fsdp import fully_shard
+
+        for block in model.blocks:
+            fully_shard(block)
+        fully_shard(model)  # the embedding, tied to the output head, stays in the root group
+        return model
+    if not ranks.distributed:
+        return model
+    # The model has no buffers, so a DDP forward runs no collective (evaluation uses the bare model).
+    device_ids = [ranks.device.index] if ranks.device.type == "cuda" else None
+    return DistributedDataParallel(model, device_ids=device_ids)
+
+
+def _gradient_sync(wrapped: torch.nn.Module, sync: bool) -> contextlib.AbstractContextManager[Any]:
+    """Skip the gradient all-reduce on all but the last micro-batch of a step."""
+    if isinstance(wrapped, DistributedDataParallel) and not sync:
+        return wrapped.no_sync()
+    if hasattr(wrapped, "set_requires_gradient_sync"):  # an FSDP2 module
+        wrapped.set_requires_gradient_sync(sync)
+    return contextlib.nullcontext()
+
+
+def _local(value: torch.Tensor) -> torch.Tensor:
+    """A plain tensor from a DTensor (FSDP's gradient norm), or the tensor itself."""
+    return value.full_tensor() if hasattr(value, "full_tensor") else value
+
+
+def _dcp_app(wrapped: torch.nn.Module, optimizer: torch.optim.Optimizer, loader: ResumableDataLoader) -> dict[str, Any]:
+    """What DCP saves and loads, under fixed keys: sharded model and optimizer, the global data state."""
+    model_state, optimizer_state = get_state_dict(wrapped, optimizer)
+    return {MODEL: model_state, OPTIMIZER: optimizer_state, DATALOADER: DataLoaderState(loader)}
+
+
+def _next_step_fingerprint(loader: ResumableDataLoader, grad_accum: int, ranks: parallel.Parallel) -> str:
+    """The next optimizer step's batch indices, of all ranks in rank order (a collective)."""
+    mine = loader.peek_indices(grad_accum)
+    return batch_fingerprint(mine) if ranks.world_size == 1 else batch_fingerprint(ranks.gather(mine))
+
+
+def _weights_digest(model: torch.nn.Module) -> str:
+    """sha256 of the full weights (gathered from shards under FSDP: a collective)."""
+    digest = hashlib.sha256()
+    for name, tensor in sorted(get_model_state_dict(model, options=StateDictOptions(full_state_dict=True)).items()):
+        digest.update(name.encode())
+        digest.update(_local(tensor).detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()[:16]
 
 
 def _seed_everything(seed: int) -> None:
@@ -341,6 +452,9 @@ def _evaluate(
 def train(config: TrainConfig) -> TrainResult:
     """Train, resuming from the run folder's newest valid checkpoint unless told otherwise.
 
+    Started by ``torchrun``, every rank runs this: data-parallel (DDP, or FSDP2 with ``--fsdp``)
+    over gloo on CPU or NCCL on CUDA; rank 0 alone writes checkpoints and metrics.
+
     Args:
         config: the run; see :class:`TrainConfig`.
 
@@ -350,33 +464,77 @@ def train(config: TrainConfig) -> TrainResult:
     Raises:
         ValueError: an invalid setting.
         ResumeError: the checkpoint is corrupt or does not fit this run, the resume audit failed,
-            or another trainer holds the run folder (``CheckpointLockedError``).
+            or another trainer holds the run folder (``CheckpointLockedError``). Under torchrun
+            every rank raises it.
 
     Example:
         >>> train(TrainConfig(run_dir="runs/a", max_steps=100, stop_at=40))  # saves step 40, returns
         >>> train(TrainConfig(run_dir="runs/a", max_steps=100))  # continues from step 40 to 100
     """
     config.validate()
-    device = _resolve_device(config.device)
+    ranks = parallel.start(config.device)
+    try:
+        return _train(config, ranks)
+    except BaseException as e:
+        # The traceback holds the training frame, and with it the DDP model: free it now, because
+        # a DDP reducer freed after destroy_process_group can hang a gloo process at exit.
+        traceback.clear_frames(e.__traceback__)
+        raise
+    finally:
+        parallel.stop(ranks)
+
+
+def _train(config: TrainConfig, ranks: parallel.Parallel) -> TrainResult:
+    device = ranks.device
     if config.deterministic:
         # cuBLAS is deterministic only with a fixed workspace, set before its first use.
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
         torch.use_deterministic_algorithms(True)
         torch.backends.cudnn.benchmark = False
+    if config.fsdp and not ranks.distributed:
+        raise ValueError("--fsdp shards the model over the ranks of a torchrun job; start it with torchrun --nproc_per_node N")
     run_dir = Path(config.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
+    say = tqdm.write if ranks.is_main else (lambda message: None)
 
-    # The manager locks the run folder first, so a second trainer on it stops before touching anything.
     with contextlib.ExitStack() as stack:
-        manager = stack.enter_context(CheckpointManager(run_dir / CHECKPOINT_FOLDER, keep_last=config.keep_last))
-        resume_path = _find_checkpoint(manager, config.resume)
-        # map_location="cpu": nothing lands on the GPU until the model is built and moved there.
-        checkpoint = manager.load(resume_path, map_location="cpu") if resume_path is not None else None
-        if checkpoint is not None:
-            missing = [key for key in CHECKPOINT_KEYS if key not in checkpoint]
-            if missing:
-                raise ResumeError(f"checkpoint {resume_path} lacks {missing}; was it written by this trainer?")
+        store = (
+            DcpCheckpoints(run_dir / DCP_FOLDER, keep_last=config.keep_last, is_main=ranks.is_main,
+                           async_save=config.checkpoint_format == "dcp-async")
+            if config.checkpoint_format != "file" else None
+        )  # fmt: skip
+        manager: CheckpointManager | None = None
+
+        def choose() -> str | None:
+            # Rank 0 locks the run folder first, so a second job on it stops before touching
+            # anything, and picks the checkpoint once for every rank.
+            nonlocal manager
+            manager = stack.enter_context(CheckpointManager(run_dir / CHECKPOINT_FOLDER, keep_last=config.keep_last))
+            if store is not None:
+                store.remove_leftovers()
+            path = _find_checkpoint(store if store is not None else manager, config.resume)
+            return None if path is None else str(path)
+
+        chosen = ranks.decide(choose)
+        resume_path = Path(chosen) if chosen is not None else None
+        # Every rank reads the same checkpoint; one that cannot stops the job with the reason.
+        checkpoint: dict[str, Any] | None = None
+        problem: ResumeError | None = None
+        if resume_path is not None:
+            try:
+                checkpoint = _read_checkpoint(resume_path, store, run_dir, config.keep_last)
+            except ResumeError as e:
+                problem = e
+        ranks.all_or_none(problem, f"reading checkpoint {resume_path}")
         model_config = _model_config(config, checkpoint[MODEL_CONFIG] if checkpoint else None)
+        saved_world, saved_batch, saved_accum = (
+            _saved_layout(checkpoint[TRAIN_STATE], config) if checkpoint else (ranks.world_size, config.batch_size, config.grad_accum)
+        )
+        plan = parallel.elastic_plan(
+            policy=config.elastic, saved_world=saved_world, saved_batch=saved_batch, saved_accum=saved_accum,
+            world=ranks.world_size, batch=config.batch_size, accum=config.grad_accum,
+        )  # fmt: skip
+        grad_accum = plan.grad_accum
 
         data = prepare_data(config.data, Path(config.cache_dir) if config.cache_dir else default_cache_dir())
         train_windows = TokenWindows(data.train, model_config.block_size)
@@ -386,12 +544,12 @@ def train(config: TrainConfig) -> TrainResult:
         n_val = min(len(val_windows), config.eval_batches * config.batch_size)
         val_indices = list(range(0, len(val_windows), len(val_windows) // n_val))[:n_val]
 
-        _seed_everything(config.seed)
+        _seed_everything(config.seed)  # the same initial weights on every rank
         model = GPT(model_config)
-        if checkpoint is not None:
-            model.load_state_dict(checkpoint[MODEL])
-        # Weights are loaded on the CPU, then moved: loading straight to the GPU would hold two copies.
         model.to(device)
+        if ranks.rank > 0:
+            _seed_everything(parallel.rank_seed(config.seed, ranks.rank))  # different dropout masks per rank
+        wrapped = _wrap(model, config, ranks)
         optimizer = torch.optim.AdamW(model.param_groups(config.weight_decay), lr=config.lr, betas=ADAM_BETAS)
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: _schedule(config, s))
         loader = ResumableDataLoader(
@@ -399,6 +557,8 @@ def train(config: TrainConfig) -> TrainResult:
             batch_size=config.batch_size,
             shuffle=True,
             seed=config.seed,
+            rank=ranks.rank,
+            world_size=ranks.world_size,
             drop_last=True,  # every step sees the same number of tokens
             num_workers=config.num_workers,
             pin_memory=device.type == "cuda",
@@ -406,25 +566,55 @@ def train(config: TrainConfig) -> TrainResult:
         if len(loader) == 0:  # drop_last with fewer windows than a batch: an endless empty loop
             raise ValueError(
                 f"the training split has {len(train_windows)} windows of {model_config.block_size} bytes, fewer "
-                f"than one batch of {config.batch_size}; use a smaller --batch-size or --block-size, or more data"
+                f"than one batch of {config.batch_size} per rank on {ranks.world_size} ranks; use a smaller "
+                "--batch-size or --block-size, or more data"
             )
-        tqdm.write(
+        say(
             f"{'resuming from ' + str(resume_path) if resume_path else 'training from scratch'} | "
-            f"{model.num_parameters() / 1e6:.2f}M parameters on {device} | {data.describe()} | "
-            f"{len(loader) // config.grad_accum} optimizer steps per epoch"
+            f"{model.num_parameters() / 1e6:.2f}M parameters on {device} x {ranks.world_size} | {data.describe()} | "
+            f"{len(loader) // grad_accum} optimizer steps per epoch"
         )
         step, tokens_seen, best_val_loss = 0, 0, math.inf
+        rng_note = "restored"
         if checkpoint is not None:
+            if store is not None:
+                app = _dcp_app(wrapped, optimizer, loader)
+                DcpCheckpoints.load(resume_path, app)  # type: ignore[arg-type]
+                model_state, optimizer_state = app[MODEL], app[OPTIMIZER]
+            else:
+                model_state, optimizer_state = checkpoint[MODEL], checkpoint[OPTIMIZER]
+                loader.load_state_dict(checkpoint[DATALOADER])
             # After the scheduler is built: its constructor overwrites the optimizer's lr, and
             # these loads put the saved one back. The optimizer casts AdamW's moments to the
             # device of the (already moved) parameters.
-            optimizer.load_state_dict(checkpoint[OPTIMIZER])
+            try:
+                set_state_dict(
+                    wrapped, optimizer, model_state_dict=model_state, optim_state_dict=optimizer_state,
+                    options=StateDictOptions(full_state_dict=store is None and ranks.distributed),
+                )  # fmt: skip
+            except (KeyError, RuntimeError, ValueError) as e:
+                raise ResumeError(
+                    f"the model or optimizer state of {resume_path} does not fit this model: {e}; was it written by "
+                    "this trainer version (optimizer state keyed by parameter name)?"
+                ) from e
             scheduler.load_state_dict(checkpoint[LR_SCHEDULER])
-            loader.load_state_dict(checkpoint[DATALOADER])
             step, tokens_seen, best_val_loss = _load_train_state(checkpoint[TRAIN_STATE], resume_path)
-            _audit(checkpoint[AUDIT], loader, config, step, resume_path)
+            # The audit runs on every rank. After a world-size change the batches are cut
+            # differently, so only the learning rate can be compared.
+            same_world = saved_world == ranks.world_size
+            expected_batch = _next_step_fingerprint(loader, grad_accum, ranks) if same_world else None
+            _audit(checkpoint[AUDIT], expected_batch, config, step, resume_path, say)
+            if not same_world:
+                say(f"world size changed ({config.elastic}): {plan.describe()}; the rest of epoch {loader.epoch} is read exactly once")
             # Last, because building the model above drew from the RNGs it restores.
-            resumable_data.restore_rng_state(checkpoint[RNG])
+            rng_states = checkpoint[RNG]
+            rng_states = [rng_states] if isinstance(rng_states, Mapping) else list(rng_states)
+            if ranks.rank < len(rng_states):
+                resumable_data.restore_rng_state(rng_states[ranks.rank])
+            else:  # a rank the checkpoint's job did not have: derived, so the resume is reproducible
+                _seed_everything(parallel.rank_seed(config.seed, ranks.rank, step))
+            if ranks.world_size > len(rng_states):
+                rng_note = f"ranks {len(rng_states)}..{ranks.world_size - 1} seeded from (seed, step, rank)"
             checkpoint = None  # free the CPU copy of the weights
 
         autocast: contextlib.AbstractContextManager[Any] = (
@@ -432,49 +622,68 @@ def train(config: TrainConfig) -> TrainResult:
         )
         # Compile after loading: the compiled wrapper renames state_dict keys, so the plain model
         # is what gets saved and loaded.
-        forward = torch.compile(model) if config.compile else model
-        tokens_per_step = config.batch_size * config.grad_accum * model_config.block_size
+        forward = torch.compile(wrapped) if config.compile else wrapped
+        # Evaluation runs on every rank with the same windows, outside DDP (whose forward would
+        # expect a matching backward); an FSDP model gathers its shards on every rank.
+        evaluate_with = model if ranks.distributed else forward
+        tokens_per_step = config.batch_size * grad_accum * ranks.world_size * model_config.block_size
 
         def save(val_loss: float | None) -> Path:
-            state = {
-                MODEL: model.state_dict(),
-                OPTIMIZER: optimizer.state_dict(),
+            # Collectives first, on every rank: each rank's RNG state and next batch.
+            extras = {
                 LR_SCHEDULER: scheduler.state_dict(),
-                DATALOADER: loader.state_dict(),
-                RNG: resumable_data.capture_rng_state(),
-                TRAIN_STATE: {VERSION: TRAIN_STATE_VERSION, STEP: step, TOKENS_SEEN: tokens_seen, BEST_VAL_LOSS: best_val_loss},
+                RNG: ranks.gather(resumable_data.capture_rng_state()),  # indexed by rank
+                TRAIN_STATE: {
+                    VERSION: TRAIN_STATE_VERSION, STEP: step, TOKENS_SEEN: tokens_seen, BEST_VAL_LOSS: best_val_loss,
+                    WORLD_SIZE: ranks.world_size, BATCH_SIZE: config.batch_size, GRAD_ACCUM: grad_accum,
+                },
                 MODEL_CONFIG: asdict(model_config),
                 LIBRARY_VERSION: resumable_data.__version__,
                 # What the next step will use, checked after a resume (see _audit).
-                AUDIT: {
-                    NEXT_BATCH: batch_fingerprint(loader.peek_indices(config.grad_accum)),
-                    NEXT_LR: optimizer.param_groups[0]["lr"],
-                },
-            }
-            path = manager.save(step, state, metric=val_loss)
+                AUDIT: {NEXT_BATCH: _next_step_fingerprint(loader, grad_accum, ranks), NEXT_LR: optimizer.param_groups[0]["lr"]},
+            }  # fmt: skip
+            if store is not None:
+                path = store.save(step, _dcp_app(wrapped, optimizer, loader), extras)
+            else:
+                options = StateDictOptions(full_state_dict=ranks.distributed, cpu_offload=ranks.distributed)
+                model_state, optimizer_state = get_state_dict(wrapped, optimizer, options=options)
+                data_state = resumable_data.global_state(loader)  # refuses ranks that disagree
+                path = run_dir / CHECKPOINT_FOLDER
+                if manager is not None:
+                    parts = {MODEL: model_state, OPTIMIZER: optimizer_state, DATALOADER: data_state, **extras}
+                    path = manager.save(step, {key: parts[key] for key in CHECKPOINT_KEYS}, metric=val_loss)
             metrics.log("checkpoint", step=step, path=str(path))
             return path
 
-        metrics = stack.enter_context(contextlib.closing(_Metrics(run_dir / METRICS_FILE)))
-        metrics.log(
-            "start", step=step, device=str(device), parameters=model.num_parameters(),
-            config=asdict(config), model_config=asdict(model_config), data=data.describe(),
+        metrics = stack.enter_context(contextlib.closing(_Metrics(run_dir / METRICS_FILE) if ranks.is_main else _NoMetrics()))
+        indices_log = (
+            stack.enter_context(open(run_dir / f"indices.rank{ranks.rank}.jsonl", "a", buffering=1)) if config.record_indices else None
         )
+        metrics.log(
+            "start", step=step, device=str(device), world_size=ranks.world_size, pids=ranks.gather(os.getpid()),
+            parameters=model.num_parameters(),
+            config=asdict(config), model_config=asdict(model_config), data=data.describe(),
+        )  # fmt: skip
         if resume_path is not None:
-            metrics.log("resume", step=step, checkpoint=str(resume_path), audit="ok")
+            metrics.log(
+                "resume", step=step, checkpoint=str(resume_path), audit="ok", elastic=config.elastic,
+                changes=plan.changes, rng=rng_note,
+            )  # fmt: skip
 
         result = TrainResult(run_dir, step, {}, {}, best_val_loss, resume_path, None)
         if step == 0:
             # The untrained model's loss is the baseline the falling loss is measured against. It
             # has no checkpoint, so it does not count towards best_val_loss.
-            result.val_losses[0] = _evaluate(forward, val_windows, val_indices, config.batch_size, device, autocast)
+            result.val_losses[0] = _evaluate(evaluate_with, val_windows, val_indices, config.batch_size, device, autocast)
             metrics.log("eval", step=0, val_loss=result.val_losses[0])
-            tqdm.write(f"step 0: val loss {result.val_losses[0]:.4f}")
+            say(f"step 0: val loss {result.val_losses[0]:.4f}")
 
         batches = _endless(loader)
         stack.callback(batches.close)  # shuts down DataLoader workers
+        if store is not None:
+            stack.callback(store.wait)  # an asynchronous save still in flight completes its folder
         bar = stack.enter_context(
-            tqdm(total=config.max_steps, initial=step, disable=not config.progress, unit="step", dynamic_ncols=True)
+            tqdm(total=config.max_steps, initial=step, disable=not (config.progress and ranks.is_main), unit="step", dynamic_ncols=True)
         )
         tokens_per_second = 0.0
         last_saved: Path | None = None
@@ -484,17 +693,22 @@ def train(config: TrainConfig) -> TrainResult:
             started = time.perf_counter()
             lr = optimizer.param_groups[0]["lr"]
             loss_sum = torch.zeros((), device=device)
-            for _ in range(config.grad_accum):
+            for micro in range(grad_accum):
+                upcoming = loader.peek_indices(1)[0] if indices_log is not None else None
                 x, y = next(batches)
+                if indices_log is not None:
+                    indices_log.write(json.dumps({"step": step + 1, "epoch": loader.epoch, "world_size": ranks.world_size, "indices": upcoming}) + "\n")
                 x = x.to(device, non_blocking=True)
                 y = y.to(device, non_blocking=True)
-                with autocast:
-                    _, loss = forward(x, y)
-                # Divide so the accumulated gradient is the mean over micro-batches, as
-                # with one big batch, rather than their sum.
-                (loss / config.grad_accum).backward()
+                # In DDP and FSDP only the last micro-batch synchronizes gradients.
+                with _gradient_sync(wrapped, micro == grad_accum - 1):
+                    with autocast:
+                        _, loss = forward(x, y)
+                    # Divide so the accumulated gradient is the mean over micro-batches, as
+                    # with one big batch, rather than their sum.
+                    (loss / grad_accum).backward()
                 loss_sum += loss.detach()
-            if config.crash_at_step == step + 1:
+            if config.crash_at_step == step + 1 and ranks.is_main:
                 os.kill(os.getpid(), signal.SIGKILL)  # a real kill -9: no handler, no cleanup
             grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), config.grad_clip or math.inf)
             optimizer.step()
@@ -502,14 +716,21 @@ def train(config: TrainConfig) -> TrainResult:
             optimizer.zero_grad(set_to_none=True)
             step += 1
             tokens_seen += tokens_per_step
-            train_loss = loss_sum.item() / config.grad_accum  # .item() waits for the GPU
+            if config.stop_at == step and stop.reason is None:
+                stop.reason = f"--stop-at {step}"
+            # Read once: a signal arriving after this is handled at the next step. One all-reduce
+            # gives the loss over all ranks and tells every rank when any of them was signalled.
+            local_stop = stop.reason
+            summed_loss, any_stop = ranks.step_sync(loss_sum, local_stop is not None)
+            stopped_by = local_stop or ("a signal to another rank" if any_stop else None)
+            train_loss = summed_loss / grad_accum  # .item() waits for the GPU
             elapsed = time.perf_counter() - started
             tokens_per_second = tokens_per_step / elapsed if tokens_per_second == 0 else (
                 0.9 * tokens_per_second + 0.1 * tokens_per_step / elapsed
             )
             result.losses[step] = train_loss
             metrics.log(
-                "step", step=step, loss=train_loss, lr=lr, grad_norm=grad_norm.item(),
+                "step", step=step, loss=train_loss, lr=lr, grad_norm=_local(grad_norm).item(),
                 tokens=tokens_seen, step_time=elapsed, epoch=loader.epoch,
             )
             bar.set_postfix(loss=f"{train_loss:.4f}", lr=f"{lr:.2e}", tok_s=f"{tokens_per_second:,.0f}")
@@ -517,15 +738,11 @@ def train(config: TrainConfig) -> TrainResult:
 
             val_loss = None
             if step % config.eval_every == 0 or step == config.max_steps:
-                val_loss = _evaluate(forward, val_windows, val_indices, config.batch_size, device, autocast)
+                val_loss = _evaluate(evaluate_with, val_windows, val_indices, config.batch_size, device, autocast)
                 best_val_loss = min(best_val_loss, val_loss)
                 result.val_losses[step] = val_loss
                 metrics.log("eval", step=step, val_loss=val_loss, best_val_loss=best_val_loss)
-                tqdm.write(f"step {step}: train loss {train_loss:.4f}, val loss {val_loss:.4f} (best {best_val_loss:.4f})")
-            if config.stop_at == step and stop.reason is None:
-                stop.reason = f"--stop-at {step}"
-            # Read once: a signal arriving between the save and the break must not skip the save.
-            stopped_by = stop.reason
+                say(f"step {step}: train loss {train_loss:.4f}, val loss {val_loss:.4f} (best {best_val_loss:.4f})")
             # Checkpoints fall on optimizer-step boundaries only, so gradient accumulation
             # never has to be resumed halfway. Each evaluation is saved with its metric,
             # which makes the manager keep the best model.
@@ -538,10 +755,12 @@ def train(config: TrainConfig) -> TrainResult:
         result.step, result.best_val_loss, result.stopped_by = step, best_val_loss, stopped_by
         if stopped_by is not None:
             metrics.log("stop", step=step, reason=stopped_by)
-            tqdm.write(f"stopped by {stopped_by}: saved {last_saved}; run the same command again to continue")
+            say(f"stopped by {stopped_by}: saved {last_saved}; run the same command again to continue")
         else:
-            metrics.log("end", step=step, best_val_loss=best_val_loss, tokens_per_second=tokens_per_second)
-            tqdm.write(f"done: {step} steps, best val loss {best_val_loss:.4f}, checkpoints in {manager.directory}")
+            # Each rank's weights, hashed: data-parallel ranks must end with identical ones.
+            digests = ranks.gather(_weights_digest(model))
+            metrics.log("end", step=step, best_val_loss=best_val_loss, tokens_per_second=tokens_per_second, rank_weights=digests)
+            say(f"done: {step} steps, best val loss {best_val_loss:.4f}, checkpoints in {run_dir}")
     return result
 
 
@@ -562,18 +781,27 @@ def _load_train_state(state: Mapping[str, Any], path: Path | None) -> tuple[int,
         raise ResumeError(f"checkpoint {path} has a malformed train_state {dict(state)}: {e!r}") from e
 
 
-def _audit(recorded: Mapping[str, Any], loader: ResumableDataLoader, config: TrainConfig, step: int, path: Path | None) -> None:
+def _audit(
+    recorded: Mapping[str, Any],
+    expected_batch: str | None,
+    config: TrainConfig,
+    step: int,
+    path: Path | None,
+    say: Any = tqdm.write,
+) -> None:
     """Check that the restored run will take the step the interrupted one would have taken.
 
     The checkpoint recorded a fingerprint of the next step's batch indices and the next learning
     rate. Restoring puts the loader and the scheduler back, but flags can still have changed what
     comes next (batch size, gradient accumulation, seed, schedule), so recompute both and compare.
 
+    ``expected_batch`` is this run's fingerprint of the next step, or None after a world-size
+    change (batches are then cut differently, and only the learning rate is compared).
+
     Raises:
         ResumeError: either differs; the message says what probably changed.
     """
-    expected_batch = batch_fingerprint(loader.peek_indices(config.grad_accum))
-    if recorded[NEXT_BATCH] != expected_batch:
+    if expected_batch is not None and recorded[NEXT_BATCH] != expected_batch:
         raise ResumeError(
             f"resume audit failed: after step {step} the checkpoint {path} expects the next batch "
             f"{recorded[NEXT_BATCH]}, but this run would read {expected_batch}. The data order changed: "
@@ -590,8 +818,8 @@ def _audit(recorded: Mapping[str, Any], loader: ResumableDataLoader, config: Tra
             "--warmup-steps or --max-steps differs from the run that wrote it (its values are in the "
             f"'start' events of {METRICS_FILE}). Resume with the original settings or use another --run-dir"
         )
-    tqdm.write(
-        f"resume audit ok: step {step}, next batch {expected_batch} and next lr {expected_lr:.3e} "
-        "match the checkpoint"
+    say(
+        f"resume audit ok: step {step}, next batch {expected_batch or '(another world size: not compared)'} "
+        f"and next lr {expected_lr:.3e} match the checkpoint"
     )
 

@@ -1,13 +1,21 @@
 """verify-resume: prove on this machine that a killed and resumed run equals an uninterrupted one.
 
-Three processes train the same configuration: one straight through; one that kills itself with
+Three jobs train the same configuration: one straight through; one that kills itself with
 SIGKILL (no handler runs, nothing is flushed or saved) during step k; and one that resumes the
 killed run from its newest checkpoint. The per-step losses of every attempt and the final weights
 and optimizer state must be bitwise equal.
+
+With ``--nproc N`` each job is a ``torchrun`` job of N ranks (rank 0 is the one killed; torchrun
+then stops the others), every rank must end with the same weights, and two elastic resumes of the
+killed run follow: on one rank (``--elastic global-batch``: gradient accumulation doubles) and on
+N + 1 ranks (``--elastic per-rank-batch``). Their batch indices, logged by every rank, must read the
+rest of the interrupted epoch exactly once.
 """
 
 from __future__ import annotations
 
+import collections
+import json
 import os
 import shutil
 import signal
@@ -21,6 +29,8 @@ import torch
 
 from resumable_data import CheckpointManager
 
+from .data import TokenWindows, default_cache_dir, prepare_data
+from .model import ModelConfig
 from .train import CHECKPOINT_FOLDER, MODEL, OPTIMIZER, TrainConfig, read_metrics
 
 __all__ = ["config_to_argv", "first_difference", "verify_resume"]
@@ -66,9 +76,15 @@ def first_difference(a: Any, b: Any, where: str = "") -> str | None:
     return None if a == b else f"{where}: {a!r} vs {b!r}"
 
 
-def _run(config: TrainConfig, label: str) -> int:
-    """Train ``config`` in a fresh Python process; its output goes to ``RUN_DIR/LABEL.log``."""
-    command = [sys.executable, "-m", "trainer", "train", *config_to_argv(config)]
+# A torchrun job that hangs (a rank stuck in a collective) must not hang verify-resume.
+JOB_TIMEOUT_S = 900
+
+
+def _run(config: TrainConfig, label: str, nproc: int | None = None) -> int:
+    """Train ``config`` in fresh processes (``torchrun`` with ``nproc`` ranks when given); the
+    output goes to ``RUN_DIR/LABEL.log``."""
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"] if nproc else [sys.executable]
+    command = [*launcher, "-m", "trainer", "train", *config_to_argv(config)]
     log = Path(config.run_dir) / f"{label}.log"
     log.parent.mkdir(parents=True, exist_ok=True)
     print(f"  {label}: {' '.join(command[1:])}", flush=True)
@@ -76,7 +92,11 @@ def _run(config: TrainConfig, label: str) -> int:
     source_root = str(Path(__file__).resolve().parents[1])
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [source_root, os.environ.get("PYTHONPATH")]))}
     with open(log, "w") as out:
-        return subprocess.run(command, stdout=out, stderr=subprocess.STDOUT, env=env, check=False).returncode
+        try:
+            return subprocess.run(command, stdout=out, stderr=subprocess.STDOUT, env=env, check=False, timeout=JOB_TIMEOUT_S).returncode
+        except subprocess.TimeoutExpired:
+            print(f"  {label}: no result after {JOB_TIMEOUT_S} s; killed", flush=True)
+            return -1
 
 
 def _final_state(run_dir: Path) -> dict[str, Any]:
@@ -84,12 +104,13 @@ def _final_state(run_dir: Path) -> dict[str, Any]:
         return manager.load()
 
 
-def verify_resume(config: TrainConfig, kill_at_step: int) -> bool:
-    """Run the three processes under ``config.run_dir`` and print the comparison.
+def verify_resume(config: TrainConfig, kill_at_step: int, nproc: int | None = None) -> bool:
+    """Run the three jobs under ``config.run_dir`` and print the comparison.
 
     Args:
-        config: the training run to check (``run_dir`` is the parent of the two runs' folders).
+        config: the training run to check (``run_dir`` is the parent of the runs' folders).
         kill_at_step: the step during which the second run is killed.
+        nproc: run each job under ``torchrun`` with this many ranks, and add the elastic checks.
 
     Returns:
         True when every step's loss and the final model and optimizer states are bitwise equal.
@@ -100,18 +121,25 @@ def verify_resume(config: TrainConfig, kill_at_step: int) -> bool:
     if not 1 <= kill_at_step <= config.max_steps:
         raise ValueError(f"--kill-at-step should be between 1 and --max-steps {config.max_steps}, got {kill_at_step}")
     base = Path(config.run_dir)
-    straight = replace(config, run_dir=str(base / "uninterrupted"), resume="never", progress=False)
+    straight = replace(config, run_dir=str(base / "uninterrupted"), resume="never", progress=False, record_indices=bool(nproc))
     killed = replace(straight, run_dir=str(base / "interrupted"), crash_at_step=kill_at_step)
-    for folder in (straight.run_dir, killed.run_dir):
-        shutil.rmtree(folder, ignore_errors=True)  # both runs must start from nothing
-
-    print(f"verify-resume: {config.max_steps} steps, killed with SIGKILL during step {kill_at_step}", flush=True)
-    codes = {
-        "uninterrupted": _run(straight, "uninterrupted"),
-        "killed": _run(killed, "killed"),
-        "resumed": _run(replace(killed, resume="auto", crash_at_step=None), "resumed"),
+    elastic = {
+        1: replace(killed, run_dir=str(base / "elastic-1"), resume="auto", crash_at_step=None, elastic="global-batch"),
+        (nproc or 1) + 1: replace(killed, run_dir=str(base / f"elastic-{(nproc or 1) + 1}"), resume="auto", crash_at_step=None),
     }
-    expected = {"uninterrupted": 0, "killed": -signal.SIGKILL, "resumed": 0}
+    for folder in (straight.run_dir, killed.run_dir, *(e.run_dir for e in elastic.values())):
+        shutil.rmtree(folder, ignore_errors=True)  # every run must start from nothing
+
+    ranks = f" on {nproc} ranks (torchrun)" if nproc else ""
+    print(f"verify-resume: {config.max_steps} steps{ranks}, killed with SIGKILL during step {kill_at_step}", flush=True)
+    codes = {"uninterrupted": _run(straight, "uninterrupted", nproc), "killed": _run(killed, "killed", nproc)}
+    if nproc:
+        # The elastic resumes start from copies of the killed run's folder, as it was left.
+        for target in elastic.values():
+            shutil.copytree(killed.run_dir, target.run_dir)
+    codes["resumed"] = _run(replace(killed, resume="auto", crash_at_step=None), "resumed", nproc)
+    # torchrun reports a rank killed by a signal as its own exit code 1.
+    expected = {"uninterrupted": 0, "killed": 1 if nproc else -signal.SIGKILL, "resumed": 0}
     if codes != expected:
         print(f"FAIL: exit codes {codes}, expected {expected}; see the *.log files under {base}")
         return False
@@ -137,10 +165,62 @@ def verify_resume(config: TrainConfig, kill_at_step: int) -> bool:
         shown = " / ".join(f"{loss:.10f}" for loss in got) or "missing"
         print(f"{step:>6}  {reference.get(step, float('nan')):>14.10f}  {shown:>34}  {'yes' if same else 'NO'}")
 
-    final_a, final_b = _final_state(Path(straight.run_dir)), _final_state(Path(killed.run_dir))
-    for key in (MODEL, OPTIMIZER):
-        diff = first_difference(final_a[key], final_b[key], key)
-        print(f"final {key} state: {'bitwise identical' if diff is None else 'DIFFERS at ' + diff}")
-        all_same &= diff is None
+    if config.checkpoint_format == "file":
+        final_a, final_b = _final_state(Path(straight.run_dir)), _final_state(Path(killed.run_dir))
+        for key in (MODEL, OPTIMIZER):
+            diff = first_difference(final_a[key], final_b[key], key)
+            print(f"final {key} state: {'bitwise identical' if diff is None else 'DIFFERS at ' + diff}")
+            all_same &= diff is None
+    digests = {name: _end_event(run)["rank_weights"] for name, run in (("uninterrupted", straight), ("resumed", killed))}
+    same_weights = len({d for ds in digests.values() for d in ds}) == 1
+    print(f"final weights of every rank of both runs: {'identical' if same_weights else 'DIFFER: ' + json.dumps(digests)}")
+    all_same &= same_weights
     print("PASS: the resumed run is identical to the uninterrupted one" if all_same else "FAIL: the runs differ")
+    if nproc:
+        for world, target in elastic.items():
+            all_same &= _verify_elastic(target, nproc, world)
     return all_same
+
+
+def _end_event(config: TrainConfig) -> dict[str, Any]:
+    ends = [e for e in read_metrics(config.run_dir) if e["event"] == "end"]
+    return ends[-1] if ends else {"rank_weights": ["(no end event)"]}
+
+
+def _verify_elastic(config: TrainConfig, old_world: int, world: int) -> bool:
+    """Resume the killed run's copy on ``world`` ranks; check that no sample is read twice in an
+    epoch and that an epoch completed across the resume misses only its trimmed tail."""
+    label = f"elastic {old_world}->{world} ({config.elastic})"
+    code = _run(config, f"elastic-{world}", world)
+    if code != 0:
+        print(f"FAIL: {label}: exit code {code}; see {config.run_dir}/elastic-{world}.log")
+        return False
+    resumes = [e for e in read_metrics(config.run_dir) if e["event"] == "resume"]
+    step = resumes[-1]["step"]
+    print(f"{label}: resumed at step {step}; the log says {resumes[-1]['changes']}, rng: {resumes[-1]['rng']}")
+    per_epoch: dict[int, collections.Counter[int]] = collections.defaultdict(collections.Counter)
+    for path in Path(config.run_dir).glob("indices.rank*.jsonl"):
+        for line in path.read_text().splitlines():
+            record = json.loads(line)
+            before = record["step"] <= step and record["world_size"] == old_world
+            after = record["step"] > step and record["world_size"] == world
+            if before or after:
+                per_epoch[record["epoch"]].update(record["indices"])
+    data = prepare_data(config.data, Path(config.cache_dir) if config.cache_dir else default_cache_dir())
+    length = len(TokenWindows(data.train, config.block_size or ModelConfig().block_size))
+    # drop_last trims less than one batch (plus the uneven remainder) per rank from an epoch's end.
+    tail = max(old_world, world) * (config.batch_size + 1)
+    ok, completed = True, False
+    for epoch, counts in sorted(per_epoch.items()):
+        twice = sorted(i for i, n in counts.items() if n > 1)
+        complete = epoch + 1 in per_epoch
+        completed |= complete
+        missing = length - len(counts)
+        good = not twice and (not complete or missing < tail)
+        ok &= good
+        state = "complete" if complete else "partial"
+        print(f"  epoch {epoch} ({state}): {len(counts)} of {length} samples, read twice: {twice or 'none'}, "
+              f"missing: {missing if complete else '-'}  {'ok' if good else 'FAIL'}")
+    print(f"{'PASS' if ok else 'FAIL'}: {label} reads every sample of the interrupted epoch at most once"
+          + (" and completes the epoch (but its trimmed tail)" if ok and completed else ""))
+    return ok

@@ -1,0 +1,259 @@
+"""One data state for all ranks, and a ``Stateful`` for ``torch.distributed.checkpoint`` (DCP).
+
+Why a global state. A checkpoint of a data-parallel job must resume on every rank, possibly with
+a different number of ranks. :class:`~resumable_data.ResumableDataLoader` counts positions
+globally, so every rank's state is already the same; :func:`global_state` proves it with one
+small collective (a digest of each rank's state) and refuses ranks that disagree — it never
+averages or picks one. :class:`~resumable_data.StreamLoader` holds only its own rank's slots, so
+:func:`global_state` gathers every rank's state and merges them
+(:meth:`~resumable_data.StreamLoader.merge_states`); the merged state resumes at any world size.
+
+Why fixed keys. DCP writes each key once across ranks (identical keys are deduplicated: a value
+that differs per rank is silently replaced by one rank's copy), and a load at another world size
+needs exactly the keys it saved: a state keyed by rank (``dp_rank_3``) fails with "Missing key".
+:class:`DataLoaderState` therefore writes the global state as one JSON string under fixed keys,
+the same on every rank and at every world size::
+
+    {"version": 1, "state_json": "{\\"epoch\\": 0, \\"position\\": 96, ...}"}
+
+Trust. DCP stores non-tensor values with ``torch.save`` and loads them with full unpickling
+(``weights_only=False``), and it reads its ``.metadata`` file with ``pickle``. A DCP checkpoint can
+therefore run code when loaded: load only checkpoints you wrote. The JSON string adds no risk of
+its own (it is parsed with ``json.loads``), but it cannot remove DCP's.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from . import _state as keys
+from ._state import ResumeError, Stateful, check_version, require_mapping
+from .streams import StreamLoader
+
+__all__ = [
+    "DataLoaderState",
+    "check_world_size",
+    "dcp_errors",
+    "global_state",
+    "require_agreement",
+]
+
+DATA_STATE_VERSION = 1
+STATE_JSON = "state_json"
+_WHAT = "DataLoaderState"
+
+
+def _group_size_and_rank(group: dist.ProcessGroup | None) -> tuple[int, int]:
+    if not (dist.is_available() and dist.is_initialized()):
+        return 1, 0
+    return dist.get_world_size(group), dist.get_rank(group)
+
+
+def _digest(state: Any) -> int:
+    """A 62-bit digest of a JSON-able state (key order does not matter)."""
+    text = json.dumps(state, sort_keys=True, default=repr)
+    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:8], "little") >> 2
+
+
+def _collective_device(group: dist.ProcessGroup | None) -> torch.device:
+    # NCCL reduces only CUDA tensors; gloo (and the others) CPU ones.
+    if dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def require_agreement(state: Any, *, group: dist.ProcessGroup | None = None, what: str = "data state") -> None:
+    """Refuse unless every rank of ``group`` holds the same ``state`` (a collective: call it on all).
+
+    One all-reduce of a digest (O(1) traffic, whatever the world size); only when the digests
+    differ are the states gathered, to name the ranks and the fields that differ.
+
+    Args:
+        state: this rank's JSON-able state.
+        group: the data-parallel process group (the default group when None).
+        what: what the state is, for the message.
+
+    Raises:
+        ResumeError: on every rank, when any two ranks disagree.
+    """
+    world, _ = _group_size_and_rank(group)
+    if world == 1:
+        return
+    digest = _digest(state)
+    extremes = torch.tensor([digest, -digest], dtype=torch.int64, device=_collective_device(group))
+    dist.all_reduce(extremes, op=dist.ReduceOp.MAX, group=group)
+    if extremes[0].item() == -extremes[1].item():
+        return
+    gathered: list[Any] = [None] * world
+    dist.all_gather_object(gathered, state, group=group)
+    reference = gathered[0]
+    differing = [r for r, s in enumerate(gathered) if _digest(s) != _digest(reference)]
+    fields = sorted(
+        {k for r in differing for k in set(reference) | set(gathered[r]) if reference.get(k) != gathered[r].get(k)}
+        if isinstance(reference, Mapping) and all(isinstance(gathered[r], Mapping) for r in differing)
+        else set()
+    )
+    detail = "; ".join(
+        f"{field}: rank 0 has {reference.get(field)!r}, rank {differing[0]} has {gathered[differing[0]].get(field)!r}"
+        for field in fields
+    )
+    raise ResumeError(
+        f"the ranks disagree on the {what}: ranks {differing} differ from rank 0 ({detail or 'values differ'}). "
+        "Data-parallel ranks must advance in lockstep (the same number of batches each) and be built with the "
+        "same dataset, seed, shuffle and batch size; a state that differs is refused rather than averaged or "
+        "picked, because any choice would repeat or skip samples"
+    )
+
+
+def global_state(loader: Stateful, *, group: dist.ProcessGroup | None = None) -> dict[str, Any]:
+    """The loader's state for the whole data-parallel group: the same on every rank.
+
+    A collective when a process group is initialized: call it on every rank of ``group``.
+
+    Args:
+        loader: a :class:`~resumable_data.ResumableDataLoader` (its state is already global; the
+            ranks' agreement is checked), a :class:`~resumable_data.StreamLoader` (every rank's
+            slots are gathered and merged), or any ``Stateful`` whose state must agree across ranks.
+        group: the data-parallel process group (the default group when None).
+
+    Returns:
+        A plain dict that any rank, at this or another world size, can ``load_state_dict``.
+
+    Raises:
+        ResumeError: the ranks' states disagree, or stream states cannot be merged.
+
+    Example:
+        >>> state = global_state(loader)  # on every rank
+        >>> if dist.get_rank() == 0:
+        ...     torch.save({"dataloader": state, ...}, path)
+    """
+    state = loader.state_dict()
+    world, _ = _group_size_and_rank(group)
+    if isinstance(loader, StreamLoader):
+        if world == 1:
+            return state
+        gathered: list[Any] = [None] * world
+        dist.all_gather_object(gathered, state, group=group)
+        return StreamLoader.merge_states(gathered)
+    require_agreement(state, group=group, what=f"{type(loader).__name__} state")
+    return state
+
+
+def check_world_size(state: Mapping[str, Any], world_size: int) -> None:
+    """Refuse a data state saved at another world size, for jobs that must not change it.
+
+    Resuming at another world size is exact in the sense that the rest of the epoch is read
+    exactly once, but batches are cut differently; call this when that is not acceptable.
+
+    Raises:
+        ResumeError: naming both sizes.
+    """
+    state = require_mapping(state, "data")
+    saved = state.get(keys.WORLD_SIZE)
+    if saved != world_size:
+        raise ResumeError(
+            f"world size changed: the checkpoint was written by {saved!r} data-parallel ranks, this job has "
+            f"{world_size}; restart with {saved!r} ranks (torchrun --nproc_per_node ...), or allow the change "
+            "(DataLoaderState(..., allow_world_size_change=True)) to continue the epoch exactly once over the new ranks"
+        )
+
+
+class DataLoaderState:
+    """A ``Stateful`` for ``torch.distributed.checkpoint`` whose keys never depend on the world size.
+
+    ``state_dict()`` is a collective (see :func:`global_state`): DCP calls it on every rank in
+    ``dcp.save``/``dcp.async_save`` (at call time, so an async save keeps the position of the
+    call) and in ``dcp.load`` (for the template). The global state is stored as one JSON string,
+    identical on every rank, so DCP's deduplication keeps the right value and a checkpoint written
+    at world size W loads at any W'.
+
+    Args:
+        loader: a :class:`~resumable_data.ResumableDataLoader`, a
+            :class:`~resumable_data.StreamLoader`, or any ``Stateful`` with JSON-able state.
+        group: the data-parallel process group (the default group when None).
+        allow_world_size_change: when False, loading a state saved at another world size raises
+            :class:`~resumable_data.ResumeError` naming both sizes.
+
+    Example:
+        >>> import torch.distributed.checkpoint as dcp
+        >>> app = {"model": model_state, "dataloader": DataLoaderState(loader)}
+        >>> dcp.save(app, checkpoint_id=path)      # every rank
+        >>> dcp.load(app, checkpoint_id=path)      # every rank, any world size
+    """
+
+    def __init__(
+        self,
+        loader: Stateful,
+        *,
+        group: dist.ProcessGroup | None = None,
+        allow_world_size_change: bool = True,
+    ) -> None:
+        if not isinstance(loader, Stateful):
+            raise TypeError(f"DataLoaderState takes an object with state_dict/load_state_dict, got {type(loader).__name__}")
+        self.loader = loader
+        self.group = group
+        self.allow_world_size_change = allow_world_size_change
+
+    def state_dict(self) -> dict[str, Any]:
+        """``{"version": 1, "state_json": <the global state as JSON>}``; a collective."""
+        state = global_state(self.loader, group=self.group)
+        try:
+            text = json.dumps(state, sort_keys=True)
+        except (TypeError, ValueError) as e:
+            raise ResumeError(f"{_WHAT}: the loader's state is not JSON-able, so it cannot be stored safely: {e}") from e
+        return {keys.VERSION: DATA_STATE_VERSION, STATE_JSON: text}
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """Parse and check the stored state, then load it into the loader (which validates it too).
+
+        Raises:
+            ResumeError: malformed, another version, or (when refused) another world size; the
+                loader is unchanged.
+        """
+        state_dict = require_mapping(state_dict, _WHAT)
+        check_version(state_dict, DATA_STATE_VERSION, _WHAT)
+        text = state_dict.get(STATE_JSON)
+        if not isinstance(text, str):
+            raise ResumeError(f"{_WHAT} field {STATE_JSON!r} must be a JSON string, got {type(text).__name__}")
+        try:
+            state = json.loads(text)
+        except ValueError as e:
+            raise ResumeError(f"{_WHAT} field {STATE_JSON!r} is not valid JSON: {e}") from e
+        if not self.allow_world_size_change:
+            world, _ = _group_size_and_rank(self.group)
+            check_world_size(require_mapping(state, _WHAT), world)
+        self.loader.load_state_dict(state)
+
+
+@contextlib.contextmanager
+def dcp_errors(action: str, checkpoint_id: Any) -> Iterator[None]:
+    """Turn DCP's ``CheckpointException`` (a ``BaseException``) into a :class:`ResumeError`.
+
+    ``except Exception`` does not catch a ``CheckpointException``; inside this block a failed
+    ``dcp.save``/``dcp.load`` becomes a ``ResumeError`` naming the action, the path and each
+    failing rank's error.
+
+    Example:
+        >>> with dcp_errors("load", path):
+        ...     dcp.load(app, checkpoint_id=path)
+    """
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    try:
+        yield
+    except CheckpointException as e:
+        failures = getattr(e, "failures", {}) or {}
+        detail = "; ".join(f"rank {rank}: {_first_line(err)}" for rank, err in sorted(failures.items())) or str(e)
+        raise ResumeError(f"torch.distributed.checkpoint could not {action} {checkpoint_id}: {detail}") from e
+
+
+def _first_line(error: Any) -> str:
+    exc = error[0] if isinstance(error, tuple) else error
+    return f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
