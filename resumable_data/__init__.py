@@ -19,6 +19,7 @@ from .rng import (
 )
 from .streams import (
     IterableSource,
+    ParquetReader,
     ReplayWarning,
     ShardedIterable,
     Stream,
@@ -34,6 +35,7 @@ __all__ = [
     "CheckpointLockedError",
     "CheckpointManager",
     "IterableSource",
+    "ParquetReader",
     "Permutation",
     "RandomMap",
     "ResumableDataLoader",
