@@ -3,7 +3,7 @@
 The public surface is re-exported here; each name lives in a small module with one job.
 """
 
-from ._state import ResumeError, Stateful
+from ._state import ResumeError, ResumeWarning, Stateful
 from .checkpoint import CheckpointLockedError, CheckpointManager
 from .dataloader import ResumableDataLoader, wrap
 from .permutation import Permutation
@@ -42,6 +42,7 @@ __all__ = [
     "ResumableSampler",
     "ReplayWarning",
     "ResumeError",
+    "ResumeWarning",
     "SampleKey",
     "ShardedIterable",
     "Stateful",

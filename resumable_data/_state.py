@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any, Protocol, runtime_checkable
 
-__all__ = ["ResumeError", "Stateful"]
+__all__ = ["ResumeError", "ResumeWarning", "Stateful"]
 
 # Keys of the sampler / loader state, declared once.
 VERSION = "version"
@@ -31,6 +31,11 @@ class ResumeError(ValueError):
     The message names the field, both values and the remedy. Raised before any mutation: the
     object that refused a state is unchanged.
     """
+
+
+class ResumeWarning(UserWarning):
+    """A resume that will run, but probably not the way the caller meant (e.g. an epoch loop that
+    throws a restored position away). The message says what happens and the fix."""
 
 
 @runtime_checkable

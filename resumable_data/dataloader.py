@@ -5,7 +5,11 @@ How the position stays exact with workers and prefetching, with no messages to w
 every batch but the last of an epoch holds ``batch_size`` indices per rank. So the number of batches
 handed to the caller determines the global position: ``start + world_size * batch_size * k``.
 The loader counts the batches it yields — batches prefetched by workers are not counted, because
-they have not been yielded — and the restored loader simply starts its batch sampler at that position.
+they have not been yielded — and the restored loader simply starts its batch plan at that position.
+
+Each batch travels to its worker as a :class:`~resumable_data._fetch.Ticket` (seed, epoch, position,
+indices), so the worker can seed the global RNGs for exactly that batch (``global_rng``): a batch's
+augmentations do not depend on which process fetched it.
 """
 
 from __future__ import annotations
@@ -20,6 +24,8 @@ from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, Rando
 from torchdata.stateful_dataloader.sampler import BatchSampler as StatefulBatchSampler
 
 from . import _state as keys
+from ._cursor import EpochCursor, Segment
+from ._fetch import BatchFetcher, Ticket, check_global_rng
 from ._hash import hash_ints
 from ._state import ResumeError, check_int_arg
 from .sampler import ResumableSampler
@@ -38,17 +44,26 @@ class ResumableDataLoader(DataLoader):
     """A ``torch.utils.data.DataLoader`` that saves and restores its exact position in O(1).
 
     Args:
-        dataset: a map-style dataset (``__getitem__`` + ``__len__``). A dataset whose class sets
-            ``wants_sample_key = True`` is indexed with :class:`~resumable_data.SampleKey` so it can
-            draw per-sample randomness that resumes exactly.
+        dataset: a map-style dataset (``__getitem__`` + ``__len__``; ``__getitems__`` is used when
+            present). A dataset whose class sets ``wants_sample_key = True`` is indexed with
+            :class:`~resumable_data.SampleKey` so it can draw per-sample randomness.
         batch_size: samples per batch on this rank (>= 1).
         shuffle: shuffle each epoch with a keyed permutation of ``(seed, epoch)``.
-        seed: the order's seed (also seeds worker processes); the global RNG is never consumed.
-        rank: this rank; defaults to ``torch.distributed``'s when initialized, else 0.
-        world_size: data-parallel size; defaults to ``torch.distributed``'s when initialized, else 1.
+        seed: the order's seed (also the global-RNG seeds' and the workers'); the global RNG is never
+            consumed. ``None`` takes ``torch.initial_seed()`` and adopts a checkpoint's seed on load.
+        rank: this rank; defaults to ``group``'s rank when ``torch.distributed`` is initialized, else 0.
+        world_size: data-parallel size; defaults to ``group``'s size when initialized, else 1.
+        group: the data-parallel process group (``None``: the default group). Ranks outside a
+            data-parallel split (tensor parallel peers) share a group rank and get the same batches.
         drop_last: drop the last partial batch and trim the uneven tail across ranks.
         sampler: a :class:`ResumableSampler` to use instead of building one; then ``shuffle``,
-            ``seed``, ``rank`` and ``world_size`` must be left at their defaults.
+            ``seed``, ``rank``, ``world_size`` and ``group`` must be left at their defaults.
+        global_rng: ``"batch"`` (default) seeds torch's, numpy's and python's global RNGs from
+            ``(seed, epoch, position)`` before each batch is fetched, so augmentation drawn from them
+            (torchvision transforms) resumes bitwise with any ``num_workers`` (for the same batch
+            size and world size); ``"sample"`` seeds them from ``(seed, epoch, index)`` before each
+            sample (also independent of batch size and world size; costs ~25 µs per sample);
+            ``None`` leaves them alone.
         **dataloader_kwargs: any other ``DataLoader`` keyword (``num_workers``, ``collate_fn``,
             ``pin_memory``, ``prefetch_factor``, ``persistent_workers``, ``worker_init_fn``, ...).
 
@@ -59,13 +74,19 @@ class ResumableDataLoader(DataLoader):
     is then consumed exactly once across the new ranks (batches are cut differently, so only the
     sequence of global positions is the same as before, not the batches).
 
+    ``loader.dataset`` is the fetcher the workers use; the dataset passed in is
+    ``loader.dataset.dataset`` (attribute access falls through to it).
+
     Example:
-        >>> loader = ResumableDataLoader(dataset, batch_size=32, seed=0, num_workers=2)
-        >>> if checkpoint: loader.load_state_dict(checkpoint["dataloader"])
-        >>> for batch in loader:
-        ...     train_step(batch)
-        ...     if step % 1000 == 0:
-        ...         save({"dataloader": loader.state_dict(), ...})
+        >>> data = torch.arange(10)
+        >>> loader = ResumableDataLoader(data, batch_size=4, seed=0)
+        >>> for epoch in loader.epochs(2):
+        ...     for batch in loader:
+        ...         state = loader.state_dict()  # save it with the model
+        >>> resumed = ResumableDataLoader(data, batch_size=4, seed=0)
+        >>> resumed.load_state_dict(state)
+        >>> (resumed.epoch, resumed.position)
+        (1, 10)
     """
 
     def __init__(
@@ -74,11 +95,13 @@ class ResumableDataLoader(DataLoader):
         batch_size: int = 1,
         *,
         shuffle: bool = True,
-        seed: int = 0,
+        seed: int | None = 0,
         rank: int | None = None,
         world_size: int | None = None,
+        group: dist.ProcessGroup | None = None,
         drop_last: bool = False,
         sampler: ResumableSampler | None = None,
+        global_rng: str | None = "batch",
         **dataloader_kwargs: Any,
     ) -> None:
         if isinstance(dataset, torch.utils.data.IterableDataset):
@@ -87,6 +110,7 @@ class ResumableDataLoader(DataLoader):
                 "resumable_data's stream pipelines (ShardedIterable and its wrappers)"
             )
         check_int_arg("batch_size", batch_size, minimum=1)
+        check_global_rng(global_rng)
         for name in _OWNED:
             if dataloader_kwargs.get(name) is not None:
                 raise ResumeError(
@@ -100,7 +124,7 @@ class ResumableDataLoader(DataLoader):
                 "position cannot be resumed exactly; leave in_order=True"
             )
         if sampler is None:
-            default_rank, default_world = _distributed_defaults()
+            default_rank, default_world = distributed_defaults(group)
             sampler = ResumableSampler(
                 dataset,
                 shuffle=shuffle,
@@ -114,50 +138,64 @@ class ResumableDataLoader(DataLoader):
                 f"sampler must be a ResumableSampler, got {type(sampler).__name__}; "
                 "pass shuffle=/seed=/rank=/world_size= instead"
             )
-        elif (shuffle, seed, rank, world_size) != (True, 0, None, None):
-            raise ResumeError("pass either sampler= or shuffle/seed/rank/world_size, not both")
+        elif (shuffle, seed, rank, world_size, group) != (True, 0, None, None, None):
+            raise ResumeError(
+                "pass either sampler= or shuffle=/seed=/rank=/world_size=/group=, not both; the "
+                "sampler already fixes them"
+            )
         elif sampler.dataset_length != len(dataset):
             raise ResumeError(
-                f"sampler covers {sampler.dataset_length} samples but the dataset has {len(dataset)}"
+                f"sampler covers {sampler.dataset_length} samples but the dataset has {len(dataset)}; "
+                f"build the sampler as ResumableSampler(dataset, ...)"
             )
-        sampler._driven = True
-        sampler._yield_keys = bool(getattr(dataset, "wants_sample_key", False))
         # A private generator: torch draws each iterator's worker base seed from it, which would
         # otherwise consume the global RNG (and change model randomness after a resume).
         self._seed_generator = torch.Generator()
+        self._resumable = sampler
+        self._cursor = sampler.cursor
+        self._plan = _BatchPlan(sampler, batch_size, drop_last)
+        fetcher = BatchFetcher(
+            dataset, global_rng=global_rng, sample_keys=bool(getattr(dataset, "wants_sample_key", False))
+        )
         super().__init__(
-            dataset,
+            fetcher,
             batch_size=batch_size,
             sampler=sampler,
             drop_last=drop_last,
             generator=self._seed_generator,
             **dataloader_kwargs,
         )
-        self._resumable = sampler
-        # Only the newest iterator moves the position. A counter, not a reference: a reference
-        # would form a cycle (loader <-> iterator) that keeps abandoned worker processes alive
-        # until the garbage collector happens to run.
-        self._generation = 0
+
+    @property
+    def _index_sampler(self) -> _BatchPlan:  # type: ignore[override]
+        # DataLoader's hook for what its iterators draw from: our batch tickets, cut from the
+        # sampler's order for the segment the current iteration covers.
+        return self._plan
 
     # -- read-only views ---------------------------------------------------------------------
     @property
     def epoch(self) -> int:
         """The current epoch."""
-        return self._resumable.epoch
+        return self._cursor.epoch
 
     @property
     def position(self) -> int:
         """Global samples handed out in the current epoch (all ranks together)."""
-        return self._resumable.position
+        return self._cursor.position
 
     def set_epoch(self, epoch: int) -> None:
         """As :meth:`ResumableSampler.set_epoch`: the restored epoch keeps its position."""
-        self._resumable.set_epoch(epoch)
+        self._cursor.set_epoch(epoch)
 
-    def _batches_from(self, start: int) -> int:
-        """Batches this rank yields when the epoch continues from global position ``start``."""
-        samples = self._resumable.rank_samples(start)
-        return samples // self.batch_size if self.drop_last else -(-samples // self.batch_size)
+    def epochs(self, num_epochs: int) -> Iterator[int]:
+        """The epochs still to run, each already ``set_epoch``-ed; starts at the restored epoch.
+
+        Example:
+            >>> loader = ResumableDataLoader(torch.arange(6), batch_size=3, shuffle=False)
+            >>> [(epoch, [b.tolist() for b in loader]) for epoch in loader.epochs(2)]
+            [(0, [[0, 1, 2], [3, 4, 5]]), (1, [[0, 1, 2], [3, 4, 5]])]
+        """
+        return self._cursor.epochs(num_epochs)
 
     def peek_indices(self, n_batches: int = 1) -> list[list[int]]:
         """Dataset indices of the next ``n_batches`` batches iteration would yield (changes nothing).
@@ -165,16 +203,16 @@ class ResumableDataLoader(DataLoader):
         Useful to fingerprint the next batch in a checkpoint and check it after a resume.
         """
         check_int_arg("n_batches", n_batches, minimum=1)
-        epoch, start = self._resumable._next_segment()
-        count = min(n_batches, self._batches_from(start)) * self.batch_size
+        epoch, start = self._cursor.next_segment()
+        count = min(n_batches, self._plan.batch_count(start)) * self.batch_size
         flat = [i for chunk in self._resumable.index_chunks(epoch, start, count) for i in chunk.tolist()]
         return [flat[i : i + self.batch_size] for i in range(0, len(flat), self.batch_size)]
 
     def __iter__(self) -> Iterator[Any]:
-        epoch, start = self._resumable._begin()
-        self._seed_generator.manual_seed(hash_ints(self._resumable.seed, epoch, start) >> 1)
-        self._generation += 1
-        return _ResumableIterator(self, super().__iter__(), start, self._batches_from(start))
+        segment = self._cursor.begin()
+        self._plan.select(segment)
+        self._seed_generator.manual_seed(hash_ints(self._resumable.seed, segment.epoch, segment.start) >> 1)
+        return _ResumableIterator(super().__iter__(), self._cursor, self._plan, segment)
 
     # -- state ---------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -193,20 +231,60 @@ class ResumableDataLoader(DataLoader):
         Raises:
             ResumeError: malformed or mismatching state; the loader is unchanged.
         """
-        self._resumable._restore(state_dict, strict=strict, what=_WHAT)
-        self._generation += 1  # an iterator from before the load no longer moves the position
+        self._resumable.check_state(state_dict, strict=strict, what=_WHAT)()
+
+
+class _BatchPlan(torch.utils.data.Sampler[Ticket]):
+    """The batches of one segment of an epoch, as tickets; what the DataLoader's iterators draw."""
+
+    def __init__(self, sampler: ResumableSampler, batch_size: int, drop_last: bool) -> None:
+        self.sampler = sampler
+        self.batch_size = batch_size
+        self.drop_last = drop_last
+        self._segment = Segment(0, 0, 0)
+
+    def select(self, segment: Segment) -> None:
+        """Make ``segment`` the stretch the next ``iter()`` covers."""
+        self._segment = segment
+
+    def batch_count(self, start: int) -> int:
+        """Batches this rank yields when the epoch continues from global position ``start``."""
+        samples = self.sampler.rank_samples(start)
+        return samples // self.batch_size if self.drop_last else -(-samples // self.batch_size)
+
+    def __len__(self) -> int:
+        return self.batch_count(0)
+
+    def __iter__(self) -> Iterator[Ticket]:
+        sampler, size = self.sampler, self.batch_size
+        epoch, start, _ = self._segment
+        batches = self.batch_count(start)
+        chunks = sampler.index_chunks(epoch, start, batches * size)
+        first, stride = start + sampler.rank, sampler.world_size * size
+        buffer: list[int] = []
+        offset = 0
+        for batch in range(batches):
+            if len(buffer) - offset < size:
+                buffer, offset = buffer[offset:], 0
+                for chunk in chunks:
+                    buffer.extend(chunk.tolist())
+                    if len(buffer) >= size:
+                        break
+            yield Ticket(sampler.seed, epoch, first + batch * stride, buffer[offset : offset + size])
+            offset += size
 
 
 class _ResumableIterator(Iterator[Any]):
-    """Wraps the DataLoader's iterator and advances the position as each batch is handed out."""
+    """Wraps the DataLoader's iterator and advances the cursor as each batch is handed out."""
 
-    def __init__(self, loader: ResumableDataLoader, inner: Iterator[Any], start: int, n_batches: int) -> None:
-        self._loader = loader
+    def __init__(self, inner: Iterator[Any], cursor: EpochCursor, plan: _BatchPlan, segment: Segment) -> None:
         self._inner = inner
-        self._start = start
-        self._n_batches = n_batches
+        self._cursor = cursor
+        self._sampler = plan.sampler
+        self._batch_size = plan.batch_size
+        self._segment = segment
+        self._n_batches = plan.batch_count(segment.start)
         self._yielded = 0
-        self._generation = loader._generation
 
     def __iter__(self) -> _ResumableIterator:
         return self
@@ -215,39 +293,53 @@ class _ResumableIterator(Iterator[Any]):
         return self._n_batches - self._yielded
 
     def __next__(self) -> Any:
-        sampler = self._loader._resumable
+        start = self._segment.start
         try:
             batch = next(self._inner)
         except StopIteration:
-            if self._loader._generation == self._generation:
-                sampler._position = sampler.end_position(self._start)
+            self._cursor.advance(self._segment, self._sampler.end_position(start), True)
             raise
         self._yielded += 1
-        if self._loader._generation == self._generation:
-            taken = self._yielded * self._loader.batch_size
-            if self._yielded >= self._n_batches:
-                sampler._position = sampler.end_position(self._start)
-            else:
-                sampler._position = sampler.position_after(self._start, taken)
+        if self._yielded >= self._n_batches:
+            position = self._sampler.end_position(start)
+        else:
+            position = self._sampler.position_after(start, self._yielded * self._batch_size)
+        self._cursor.advance(self._segment, position, self._sampler.is_end(position))
         return batch
 
 
-def _distributed_defaults() -> tuple[int, int]:
+def distributed_defaults(group: dist.ProcessGroup | None = None) -> tuple[int, int]:
+    """``(rank, world_size)`` in ``group`` when torch.distributed is initialized, else ``(0, 1)``."""
     if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
+        return dist.get_rank(group), dist.get_world_size(group)
+    if group is not None:
+        raise ResumeError("group= was given but torch.distributed is not initialized; call init_process_group first")
     return 0, 1
 
 
-def wrap(dataloader: DataLoader, *, seed: int = 0) -> ResumableDataLoader:
+def wrap(dataloader: DataLoader, *, seed: int | None = None, global_rng: str | None = "batch") -> ResumableDataLoader:
     """Make an existing ``DataLoader`` resumable, keeping its dataset, batch size and settings.
 
     The sampler decides the order: ``SequentialSampler`` → no shuffle; ``RandomSampler`` →
-    shuffled by ``seed``; ``DistributedSampler`` → its shuffle, seed, rank, world size and
-    drop_last. The shuffled order is resumable_data's keyed order, not the one the original
-    sampler would have drawn.
+    shuffled; ``DistributedSampler`` → its shuffle, seed, rank, world size and drop_last. The
+    shuffled order is resumable_data's keyed order, not the one the original sampler would have
+    drawn.
+
+    Args:
+        dataloader: the loader to take over.
+        seed: the order's seed. ``None`` (default): the original sampler's seed if it has one (a
+            ``RandomSampler``'s generator, a ``DistributedSampler``'s ``seed``), else
+            ``torch.initial_seed()`` — so runs that differ in ``torch.manual_seed`` differ in order
+            too; and since that seed was not chosen here, ``load_state_dict`` adopts a checkpoint's
+            seed (with a :class:`~resumable_data.ResumeWarning` saying so). An explicit seed that
+            differs from a checkpoint's is refused.
+        global_rng: as for :class:`ResumableDataLoader`.
 
     Example:
-        >>> loader = resumable_data.wrap(DataLoader(ds, batch_size=64, shuffle=True, num_workers=4))
+        >>> from torch.utils.data import DataLoader
+        >>> loader = wrap(DataLoader(list(range(8)), batch_size=4, shuffle=True), seed=0)
+        >>> sorted(i for batch in loader for i in batch.tolist())
+        [0, 1, 2, 3, 4, 5, 6, 7]
 
     Raises:
         ResumeError: the loader's order cannot be resumed exactly (sampling with replacement, a
@@ -271,8 +363,9 @@ def wrap(dataloader: DataLoader, *, seed: int = 0) -> ResumableDataLoader:
         )
     source = dataloader.sampler
     world, rank, drop_tail = 1, 0, dataloader.drop_last
+    own_seed: int | None = None
     if isinstance(source, DistributedSampler):
-        shuffle, seed = source.shuffle, source.seed
+        shuffle, own_seed = source.shuffle, source.seed
         world, rank, drop_tail = source.num_replicas, source.rank, source.drop_last
     elif isinstance(source, RandomSampler):
         if source.replacement or source.num_samples != len(dataset):
@@ -282,6 +375,8 @@ def wrap(dataloader: DataLoader, *, seed: int = 0) -> ResumableDataLoader:
                 "ResumableDataLoader(dataset, shuffle=True, seed=...) for a shuffled epoch"
             )
         shuffle = True
+        if source.generator is not None:
+            own_seed = source.generator.initial_seed()
     elif isinstance(source, SequentialSampler):
         shuffle = False
     else:
@@ -289,7 +384,15 @@ def wrap(dataloader: DataLoader, *, seed: int = 0) -> ResumableDataLoader:
             f"wrap() cannot resume a custom sampler ({type(source).__name__}); build a "
             "ResumableSampler (or ResumableDataLoader with shuffle=/seed=) instead"
         )
-    sampler = ResumableSampler(dataset, shuffle=shuffle, seed=seed, rank=rank, world_size=world, drop_last=drop_tail)
+    sampler = ResumableSampler(
+        dataset,
+        shuffle=shuffle,
+        seed=seed if seed is not None else own_seed if own_seed is not None else torch.initial_seed(),
+        rank=rank,
+        world_size=world,
+        drop_last=drop_tail,
+        adopt_checkpoint_seed=seed is None,
+    )
     kwargs: dict[str, Any] = {
         "num_workers": dataloader.num_workers,
         "collate_fn": dataloader.collate_fn,
@@ -305,6 +408,11 @@ def wrap(dataloader: DataLoader, *, seed: int = 0) -> ResumableDataLoader:
     if hasattr(dataloader, "in_order"):
         kwargs["in_order"] = dataloader.in_order
     return ResumableDataLoader(
-        dataset, batch_size=dataloader.batch_size, drop_last=dataloader.drop_last, sampler=sampler, **kwargs
+        dataset,
+        batch_size=dataloader.batch_size,
+        drop_last=dataloader.drop_last,
+        sampler=sampler,
+        global_rng=global_rng,
+        **kwargs,
     )
 

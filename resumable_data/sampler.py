@@ -10,20 +10,36 @@ ranks interleave the *rest* of the same global order.
 
 The uneven tail is handled as ``torch.utils.data.DistributedSampler`` does: padded by wrapping to the
 start of the epoch's order, or trimmed with ``drop_last=True``.
+
+Where the sampler stands is an :class:`~resumable_data._cursor.EpochCursor` (the epoch rules live
+there). Each ``iter()`` returns an iterator that owns its stretch of the epoch and is itself
+stateful, so a consumer that snapshots iterators (torchdata's ``StatefulDataLoader``) gets the state
+of the very iterator whose indices it handed out, and an iterator it creates and throws away on a
+restore moves nothing.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping, Sized
+import warnings
+from collections.abc import Callable, Iterator, Mapping, Sized
 from typing import Any
 
 import numpy as np
+import torch
 import torch.utils.data
 
 from . import _state as keys
-from ._state import ResumeError, check_int_arg, check_version, require_bool, require_int, require_mapping
+from ._cursor import EpochCursor, Segment
+from ._state import (
+    ResumeError,
+    ResumeWarning,
+    check_int_arg,
+    check_version,
+    require_bool,
+    require_int,
+    require_mapping,
+)
 from .permutation import Permutation
-from .rng import SampleKey
 
 __all__ = ["ResumableSampler"]
 
@@ -41,26 +57,38 @@ class ResumableSampler(torch.utils.data.Sampler[int]):
     Args:
         data_source: a ``Sized`` dataset or its length as an int (>= 1).
         shuffle: shuffle each epoch with a keyed permutation of ``(seed, epoch)``.
-        seed: the shuffle seed; the order never depends on the global RNG.
+        seed: the shuffle seed; the order never depends on the global RNG. ``None`` takes
+            ``torch.initial_seed()`` and, on ``load_state_dict``, adopts the checkpoint's seed.
         rank: this process's rank in ``[0, world_size)``.
         world_size: number of data-parallel processes.
         drop_last: trim the uneven tail so every rank gets the same number of samples, instead of
             padding it with the start of the epoch's order.
+        adopt_checkpoint_seed: the seed is a default rather than a choice: ``load_state_dict``
+            takes the checkpoint's seed (with a :class:`ResumeWarning` saying so) instead of
+            refusing a different one. Implied by ``seed=None``.
 
     Epochs: ``set_epoch(e)`` selects epoch ``e`` (from position 0, unless ``e`` is the epoch the
     sampler is already in, e.g. just restored: then the position is kept, so loops that call
     ``set_epoch(epoch)`` at the top of every epoch resume mid-epoch). Without ``set_epoch``, an
-    ``iter()`` after an exhausted epoch starts the next epoch by itself.
+    ``iter()`` after an exhausted epoch starts the next epoch by itself. ``epochs(n)`` yields the
+    epochs still to run.
 
-    Used on its own (e.g. as ``sampler=`` of a plain ``DataLoader`` or of torchdata's
-    ``StatefulDataLoader``), the position advances as indices are *drawn*. A plain ``DataLoader``
-    with workers draws ahead of what it has yielded; ``StatefulDataLoader`` accounts for that, and
-    :class:`~resumable_data.ResumableDataLoader` counts only the batches it handed out.
+    Used on its own, the position advances as the newest iterator's indices are *drawn*.
+    torchdata's ``StatefulDataLoader`` snapshots the iterator when it sends indices to a worker, so
+    its state is exact at every point (mid-epoch, after the loop, with workers and prefetching). A
+    plain ``DataLoader`` with workers draws ahead of what it has yielded: use
+    :class:`~resumable_data.ResumableDataLoader` there, which counts only batches handed out.
 
     Example:
-        >>> sampler = ResumableSampler(dataset, seed=0, rank=rank, world_size=world)
-        >>> loader = torchdata.stateful_dataloader.StatefulDataLoader(dataset, sampler=sampler)
-        >>> ...  # save loader.state_dict(); later loader.load_state_dict(state): O(1)
+        >>> from torchdata.stateful_dataloader import StatefulDataLoader
+        >>> data = list(range(10))
+        >>> loader = StatefulDataLoader(data, sampler=ResumableSampler(data, seed=0), batch_size=4)
+        >>> first = next(iter(loader)).tolist()
+        >>> state = loader.state_dict()
+        >>> resumed = StatefulDataLoader(data, sampler=ResumableSampler(data, seed=0), batch_size=4)
+        >>> resumed.load_state_dict(state)
+        >>> [b.tolist() for b in resumed] == [b.tolist() for b in loader]
+        True
     """
 
     def __init__(
@@ -68,10 +96,11 @@ class ResumableSampler(torch.utils.data.Sampler[int]):
         data_source: Sized | int,
         *,
         shuffle: bool = True,
-        seed: int = 0,
+        seed: int | None = 0,
         rank: int = 0,
         world_size: int = 1,
         drop_last: bool = False,
+        adopt_checkpoint_seed: bool = False,
     ) -> None:
         length = data_source if isinstance(data_source, int) else len(data_source)
         self._length = check_int_arg("dataset length", length, minimum=1)
@@ -79,32 +108,33 @@ class ResumableSampler(torch.utils.data.Sampler[int]):
         check_int_arg("rank", rank, minimum=0)
         if rank >= world_size:
             raise ResumeError(f"rank should be in [0, world_size), but got rank={rank}, world_size={world_size}")
+        if seed is None:
+            seed, adopt_checkpoint_seed = torch.initial_seed(), True
         if isinstance(seed, bool) or not isinstance(seed, int):
-            raise ResumeError(f"seed should be an int, but got seed={seed!r}")
+            raise ResumeError(f"seed should be an int or None, but got seed={seed!r}")
         self._rank = rank
         self._shuffle = bool(shuffle)
         self._seed = seed
+        self._adopt_seed = bool(adopt_checkpoint_seed)
         self._drop_last = bool(drop_last)
-        self._epoch = 0
-        self._position = 0
-        self._pinned = False  # set_epoch() was called: the next iter() must not auto-advance
+        self._cursor = EpochCursor("sampler")
         self._permutation: Permutation | None = None
-        # When a ResumableDataLoader drives this sampler, it fixes the stretch to iterate and
-        # tracks the position itself (only batches handed out count).
-        self._driven = False
-        self._segment = (0, 0)
-        self._yield_keys = False
 
     # -- read-only views ---------------------------------------------------------------------
     @property
     def epoch(self) -> int:
         """The current epoch."""
-        return self._epoch
+        return self._cursor.epoch
 
     @property
     def position(self) -> int:
         """Global samples consumed in the current epoch (all ranks together)."""
-        return self._position
+        return self._cursor.position
+
+    @property
+    def cursor(self) -> EpochCursor:
+        """Where the sampler stands; a loader that drives this sampler advances it."""
+        return self._cursor
 
     @property
     def dataset_length(self) -> int:
@@ -133,15 +163,15 @@ class ResumableSampler(torch.utils.data.Sampler[int]):
     # -- epochs --------------------------------------------------------------------------------
     def set_epoch(self, epoch: int) -> None:
         """Select ``epoch``; keeps the position if it is already the current (e.g. restored) epoch."""
-        check_int_arg("epoch", epoch, minimum=0)
-        if epoch != self._epoch:
-            self._epoch = epoch
-            self._position = 0
-        self._pinned = True
+        self._cursor.set_epoch(epoch)
+
+    def epochs(self, num_epochs: int) -> Iterator[int]:
+        """``for epoch in sampler.epochs(n)``: the epochs still to run, each already ``set_epoch``-ed."""
+        return self._cursor.epochs(num_epochs)
 
     def __len__(self) -> int:
         """This rank's samples in a full epoch."""
-        return self._length // self._world_size if self._drop_last else -(-self._length // self._world_size)
+        return self.rank_samples(0)
 
     # -- the arithmetic of a stretch of an epoch -----------------------------------------------
     def rank_samples(self, start: int) -> int:
@@ -159,18 +189,9 @@ class ResumableSampler(torch.utils.data.Sampler[int]):
             return self.end_position(start)
         return start + self._world_size * taken
 
-    def _next_segment(self) -> tuple[int, int]:
-        """(epoch, start) the next ``iter()`` covers, without changing anything."""
-        if not self._pinned and self._position >= self._length:
-            return self._epoch + 1, 0
-        return self._epoch, self._position
-
-    def _begin(self) -> tuple[int, int]:
-        """Enter the stretch the next ``iter()`` covers (advancing an exhausted epoch)."""
-        self._epoch, self._position = self._next_segment()
-        self._pinned = False
-        self._segment = (self._epoch, self._position)
-        return self._segment
+    def is_end(self, position: int) -> bool:
+        """Whether ``position`` means the epoch is exhausted."""
+        return position >= self._length
 
     def index_chunks(self, epoch: int, start: int, count: int | None = None) -> Iterator[np.ndarray]:
         """This rank's indices for epoch ``epoch`` from global ``start``, as int64 chunks.
@@ -192,44 +213,30 @@ class ResumableSampler(torch.utils.data.Sampler[int]):
         if not self._shuffle:
             return None
         cached = self._permutation
-        if cached is None or cached.epoch != epoch:
+        if cached is None or cached.epoch != epoch or cached.seed != self._seed:
             cached = self._permutation = Permutation(self._length, self._seed, epoch)
         return cached
 
     def __iter__(self) -> Iterator[int]:
-        if self._driven:
-            epoch, start = self._segment
-            for chunk in self.index_chunks(epoch, start):
-                if self._yield_keys:
-                    yield from (SampleKey(i, epoch, self._seed) for i in chunk.tolist())
-                else:
-                    yield from chunk.tolist()
-            return
-        # Standalone: the position advances as indices are drawn. It is computed lazily (on the
-        # first next()) so that a load_state_dict() between iter() and next() is honoured.
-        epoch, start = self._begin()
-        total = self.rank_samples(start)
-        taken = 0
-        for chunk in self.index_chunks(epoch, start):
-            for index in chunk.tolist():
-                taken += 1
-                self._position = self.end_position(start) if taken == total else start + self._world_size * taken
-                yield index
-        self._position = self.end_position(start)
+        return _SamplerIterator(self)
 
     # -- state ---------------------------------------------------------------------------------
-    def state_dict(self) -> dict[str, Any]:
-        """A small plain dict: ``version``, ``epoch``, ``position`` and what fixes the order."""
+    def state_for(self, epoch: int, position: int) -> dict[str, Any]:
+        """The state dict of this sampler's configuration at ``(epoch, position)``."""
         return {
             keys.VERSION: SAMPLER_STATE_VERSION,
-            keys.EPOCH: self._epoch,
-            keys.POSITION: self._position,
+            keys.EPOCH: epoch,
+            keys.POSITION: position,
             keys.DATASET_LENGTH: self._length,
             keys.SEED: self._seed,
             keys.SHUFFLE: self._shuffle,
             keys.WORLD_SIZE: self._world_size,
             keys.DROP_LAST: self._drop_last,
         }
+
+    def state_dict(self) -> dict[str, Any]:
+        """A small plain dict: ``version``, ``epoch``, ``position`` and what fixes the order."""
+        return self.state_for(self._cursor.epoch, self._cursor.position)
 
     def load_state_dict(self, state_dict: Mapping[str, Any], *, strict: bool = True) -> None:
         """Continue from ``state_dict`` (a sampler's or a ResumableDataLoader's state).
@@ -243,15 +250,15 @@ class ResumableSampler(torch.utils.data.Sampler[int]):
         Raises:
             ResumeError: the state is malformed or does not match; nothing was changed.
         """
-        self._restore(state_dict, strict=strict, what=_WHAT)
+        self.check_state(state_dict, strict=strict, what=_WHAT)()
 
-    def _restore(self, state: Mapping[str, Any], *, strict: bool, what: str) -> None:
-        """Validate ``state`` (errors name ``what``), then apply it."""
-        epoch, position = self._validated(state, strict=strict, what=what)
-        self._epoch, self._position, self._pinned = epoch, position, False
+    def check_state(self, state: Mapping[str, Any], *, strict: bool, what: str) -> Callable[[], Segment]:
+        """Validate ``state`` (errors name ``what``); return a thunk that restores it.
 
-    def _validated(self, state: Mapping[str, Any], *, strict: bool, what: str) -> tuple[int, int]:
-        """Check a state against this configuration; return its (epoch, position)."""
+        The thunk moves the cursor to the state's position and returns that as the current
+        segment. Nothing changes until it is called, so a caller can validate its own fields too
+        before anything moves.
+        """
         state = require_mapping(state, what)
         check_version(state, SAMPLER_STATE_VERSION, what)
         epoch = require_int(state, keys.EPOCH, what, minimum=0)
@@ -263,18 +270,26 @@ class ResumableSampler(torch.utils.data.Sampler[int]):
         require_bool(state, keys.DROP_LAST, what)
         if keys.BATCH_SIZE in state:
             require_int(state, keys.BATCH_SIZE, what, minimum=1)
+        adopt = seed != self._seed and self._adopt_seed
         if strict:
-            for field, saved, mine in (
-                (keys.DATASET_LENGTH, length, self._length),
-                (keys.SEED, seed, self._seed),
-                (keys.SHUFFLE, shuffle, self._shuffle),
-            ):
-                if saved != mine:
-                    raise ResumeError(
-                        f"{field.replace('_', ' ')} changed: checkpoint has {saved!r}, {what} has {mine!r}; "
-                        f"build the {what} with {field}={saved!r} to resume exactly, or pass "
-                        f"strict=False to keep the position in the new order"
-                    )
+            if length != self._length:
+                raise ResumeError(
+                    f"dataset length changed: checkpoint has {length}, {what} has {self._length}; resume "
+                    f"with the dataset the checkpoint was taken on ({length} samples), or pass "
+                    "strict=False to load_state_dict to keep the position in the new order"
+                )
+            if seed != self._seed and not adopt:
+                raise ResumeError(
+                    f"seed changed: checkpoint has {seed}, {what} has {self._seed}; build the {what} "
+                    f"with seed={seed} to resume exactly, or pass strict=False to load_state_dict to "
+                    "keep the position in the new order"
+                )
+            if shuffle != self._shuffle:
+                raise ResumeError(
+                    f"shuffle changed: checkpoint has {shuffle}, {what} has {self._shuffle}; build the "
+                    f"{what} with shuffle={shuffle} to resume exactly, or pass strict=False to "
+                    "load_state_dict to keep the position in the new order"
+                )
         # The largest position a run can reach is the padded end: length + world_size - 1.
         limit = length + saved_world - 1
         if position > limit:
@@ -282,5 +297,65 @@ class ResumableSampler(torch.utils.data.Sampler[int]):
                 f"{what} state field 'position' is {position}, past the end of an epoch of "
                 f"{length} samples over {saved_world} ranks (at most {limit})"
             )
-        return epoch, position
 
+        def apply() -> Segment:
+            if adopt:
+                warnings.warn(
+                    f"{what}: adopting the checkpoint's seed {seed} (this {what} was built without an "
+                    f"explicit seed and had {self._seed}); pass seed= to pin it",
+                    ResumeWarning,
+                    stacklevel=4,
+                )
+                self._seed = seed
+            return self._cursor.restore(epoch, position, self.is_end(position))
+
+        return apply
+
+
+class _SamplerIterator(Iterator[int]):
+    """One pass of a standalone sampler over its stretch of an epoch; itself stateful.
+
+    The stretch is entered lazily, on the first ``next()``, so that a ``load_state_dict`` between
+    ``iter()`` and ``next()`` (what StatefulDataLoader does on a restore) decides it.
+    """
+
+    def __init__(self, sampler: ResumableSampler) -> None:
+        self._sampler = sampler
+        self._segment: Segment | None = None
+        self._indices: Iterator[int] = iter(())
+        self._taken = 0
+        self._total = 0
+
+    def __iter__(self) -> _SamplerIterator:
+        return self
+
+    def _enter(self, segment: Segment) -> Segment:
+        sampler = self._sampler
+        self._segment, self._taken = segment, 0
+        self._total = sampler.rank_samples(segment.start)
+        chunks = sampler.index_chunks(segment.epoch, segment.start)
+        self._indices = (index for chunk in chunks for index in chunk.tolist())
+        return segment
+
+    def __next__(self) -> int:
+        sampler = self._sampler
+        segment = self._segment or self._enter(sampler.cursor.begin())
+        if self._taken >= self._total:
+            sampler.cursor.advance(segment, sampler.end_position(segment.start), True)
+            raise StopIteration
+        index = next(self._indices)
+        self._taken += 1
+        position = sampler.position_after(segment.start, self._taken)
+        sampler.cursor.advance(segment, position, sampler.is_end(position))
+        return index
+
+    def state_dict(self) -> dict[str, Any]:
+        """The sampler's state after the indices this iterator has drawn (before any: where it will start)."""
+        if self._segment is None:
+            return self._sampler.state_for(*self._sampler.cursor.next_segment())
+        position = self._sampler.position_after(self._segment.start, self._taken)
+        return self._sampler.state_for(self._segment.epoch, position)
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """Continue this iterator (and the sampler) from ``state_dict``."""
+        self._enter(self._sampler.check_state(state_dict, strict=True, what=_WHAT)())

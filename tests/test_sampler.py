@@ -141,6 +141,7 @@ def test_restore_in_stateful_dataloader_computes_only_the_next_batch(monkeypatch
     # Move the position as a resumed run would find it: 90% into the epoch.
     state["_index_sampler_state"] = None
     state["_sampler_iter_state"]["sampler_state"]["position"] = 900_000_000
+    state["_sampler_iter_state"]["sampler_iter_state"]["position"] = 900_000_000
     computed = []
     original = permutation_module.Permutation.__call__
 

@@ -42,9 +42,10 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
+from .._cursor import EpochCursor
 from .._hash import hash_ints
 from .._state import VERSION, ResumeError, check_int_arg, check_version, require_bool, require_int, require_mapping
-from ..dataloader import _distributed_defaults
+from ..dataloader import distributed_defaults
 from .base import EPOCH, Stream
 from .batch import Batch
 
@@ -70,8 +71,10 @@ class StreamLoader:
         drop_last: drop each slot's last partial batch.
         collate_fn: how a list of records becomes a batch (``default_collate`` when None).
         num_workers: worker processes per rank.
-        rank: this rank; defaults to ``torch.distributed``'s when initialized, else 0.
-        world_size: number of ranks; defaults to ``torch.distributed``'s when initialized, else 1.
+        rank: this rank; defaults to ``group``'s rank when ``torch.distributed`` is initialized, else 0.
+        world_size: number of ranks; defaults to ``group``'s size when initialized, else 1.
+        group: the data-parallel process group (``None``: the default group); ranks that share a
+            group rank (tensor-parallel peers) get the same batches.
         **dataloader_kwargs: other ``DataLoader`` keywords (``pin_memory``, ``prefetch_factor``,
             ``worker_init_fn``, ``multiprocessing_context``, ...).
 
@@ -94,6 +97,7 @@ class StreamLoader:
         num_workers: int = 0,
         rank: int | None = None,
         world_size: int | None = None,
+        group: Any = None,
         **dataloader_kwargs: Any,
     ) -> None:
         if not isinstance(pipeline, Stream):
@@ -108,7 +112,7 @@ class StreamLoader:
             )
         if dataloader_kwargs.get("in_order", True) is False:
             raise ResumeError("in_order=False hands out batches in completion order, which cannot resume exactly")
-        default_rank, default_world = _distributed_defaults()
+        default_rank, default_world = distributed_defaults(group)
         self.world_size = check_int_arg("world_size", default_world if world_size is None else world_size, minimum=1)
         self.rank = check_int_arg("rank", default_rank if rank is None else rank, minimum=0)
         if self.rank >= self.world_size:
@@ -117,9 +121,8 @@ class StreamLoader:
         self._stream = pipeline if batch_size is None else Batch(pipeline, batch_size, drop_last=drop_last, collate_fn=collate_fn)
         self._dataloader_kwargs = dataloader_kwargs
         self._local = max(1, self.num_workers)
-        self._epoch = 0
-        self._epoch_done = False
-        self._pinned = False  # set_epoch() chose the epoch: the next iter() must not advance it
+        # The epoch rules; the position itself is the slot states (the cursor's position is unused).
+        self._cursor = EpochCursor("stream_loader")
         self._fresh = True  # the slot states are an epoch's start, not a position inside it
         self._next_worker = 0
         self._states: list[dict[str, Any]] = []
@@ -128,7 +131,7 @@ class StreamLoader:
     @property
     def epoch(self) -> int:
         """The current epoch."""
-        return self._epoch
+        return self._cursor.epoch
 
     @property
     def num_slots(self) -> int:
@@ -140,38 +143,43 @@ class StreamLoader:
         for local in range(self._local):
             self._stream._reset(epoch, (self.rank * self._local + local, self.num_slots))
             states.append(self._stream.state_dict())
-        self._epoch, self._states, self._next_worker = epoch, states, 0
-        self._epoch_done, self._fresh = False, True
+        self._states, self._next_worker, self._fresh = states, 0, True
 
     def set_epoch(self, epoch: int) -> None:
         """Select ``epoch``; keeps the position if it is already the current (e.g. restored) epoch."""
-        check_int_arg("epoch", epoch, minimum=0)
-        if epoch != self._epoch:
+        if epoch != self._cursor.epoch:
             self._start_epoch(epoch)
-        self._pinned = True
+        self._cursor.set_epoch(epoch)
+
+    def epochs(self, num_epochs: int) -> Iterator[int]:
+        """The epochs still to run, each already ``set_epoch``-ed; starts at the restored epoch."""
+        return self._cursor.epochs(num_epochs)
 
     def __iter__(self) -> Iterator[Any]:
-        if self._epoch_done and not self._pinned:
-            self._start_epoch(self._epoch + 1)
-        pinned, fresh, self._pinned = self._pinned, self._fresh, False
+        epoch = self._cursor.next_segment()[0]
+        if epoch != self._cursor.epoch:
+            self._start_epoch(epoch)
+        pinned, fresh = self._cursor.pinned, self._fresh
+        segment = self._cursor.begin()
         yielded = False
-        for local, state, batch in self._dataloader():
+        for local, state, batch in self._dataloader(segment.epoch):
             self._states[local] = state
             self._next_worker = (local + 1) % self._local
             self._fresh, yielded = False, True
+            self._cursor.advance(segment, 0, False)
             yield batch
-        self._epoch_done = True
+        self._cursor.advance(segment, 0, True)
         if not yielded and not fresh and not pinned:
             # Restored right after the epoch's last batch: go on with the next epoch rather than
             # hand the caller an empty one.
             yield from self
 
-    def _dataloader(self) -> DataLoader:
+    def _dataloader(self, epoch: int) -> DataLoader:
         dataset = _SlotDataset(self._stream, list(self._states), self._next_worker)
         # A private generator: torch draws the workers' base seed from it, which would otherwise
         # consume the global RNG (and change model randomness after a resume).
         generator = torch.Generator()
-        generator.manual_seed(hash_ints(self._epoch, self.rank) >> 1)
+        generator.manual_seed(hash_ints(epoch, self.rank) >> 1)
         return DataLoader(
             dataset,
             batch_size=None,
@@ -186,8 +194,8 @@ class StreamLoader:
         """This rank's slots, each as the pipeline state after its last batch handed out."""
         return {
             VERSION: LOADER_STATE_VERSION,
-            EPOCH: self._epoch,
-            EPOCH_DONE: self._epoch_done,
+            EPOCH: self._cursor.epoch,
+            EPOCH_DONE: self._cursor.done,
             WORLD_SIZE: self.world_size,
             NUM_WORKERS: self.num_workers,
             NEXT_WORKER: {str(self.rank): self._next_worker},
@@ -239,8 +247,8 @@ class StreamLoader:
             next_worker = 0
         for s in states:
             self._stream._check(s)
-        self._epoch, self._epoch_done, self._states, self._next_worker = epoch, epoch_done, states, next_worker
-        self._pinned, self._fresh = False, False
+        self._states, self._next_worker, self._fresh = states, next_worker, False
+        self._cursor.restore(epoch, 0, epoch_done)
 
     @staticmethod
     def merge_states(states: Sequence[Mapping[str, Any]]) -> dict[str, Any]:

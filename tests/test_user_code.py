@@ -1,0 +1,365 @@
+"""Exactness for code users already have: augmentation from the global RNGs, their own epoch loop,
+torchdata's StatefulDataLoader with workers, wrap() of their loader, and every remedy we print.
+
+Each test builds the uninterrupted reference run the way the user's code runs and compares the
+resumed run with it, bitwise.
+"""
+
+from __future__ import annotations
+
+import random
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from harness import assert_batches_equal, checkpoint_roundtrip
+from torch.utils.data import DataLoader, DistributedSampler, RandomSampler
+from torchdata.stateful_dataloader import StatefulDataLoader
+
+from resumable_data import ResumableDataLoader, ResumableSampler, ResumeError, ResumeWarning, wrap
+
+pytestmark = pytest.mark.filterwarnings("ignore:'set_vital' is deprecated")
+
+
+# -- StatefulDataLoader + ResumableSampler ----------------------------------------------------------
+def test_stateful_dataloader_state_after_the_epoch_loop_resumes_the_next_epoch_in_full() -> None:
+    # The reproduction from the bug report: the resumed loader skipped prefetch_factor x num_workers
+    # batches of the next epoch (21 batches starting at [16..19] instead of 25 from [0..3]).
+    ds = list(range(100))
+
+    def make() -> StatefulDataLoader:
+        return StatefulDataLoader(ds, sampler=ResumableSampler(ds, shuffle=False), batch_size=4, num_workers=2)
+
+    loader = make()
+    for _ in loader:
+        pass
+    state = loader.state_dict()
+    expected = [b.tolist() for b in loader]
+    resumed = make()
+    resumed.load_state_dict(state)
+    got = [b.tolist() for b in resumed]
+    assert len(got) == 25 and got[0] == [0, 1, 2, 3]
+    assert got == expected
+
+
+def _run_with_snapshots(make: Callable[[], Any], epochs: int, cuts: set[tuple[str, int]]) -> tuple[list, dict]:
+    """Iterate ``epochs`` epochs like a user loop; snapshot the state at the given points.
+
+    ("in", k): inside the loop right after the k-th batch (k = 0: before the first iteration);
+    ("after", e): after the ``for`` loop of epoch e has ended.
+    """
+    loader = make()
+    batches: list[Any] = []
+    states: dict[tuple[str, int], Any] = {}
+    if ("in", 0) in cuts:
+        states[("in", 0)] = checkpoint_roundtrip(loader.state_dict())
+    for epoch in range(epochs):
+        for batch in loader:
+            batches.append(batch)
+            if ("in", len(batches)) in cuts:
+                states[("in", len(batches))] = checkpoint_roundtrip(loader.state_dict())
+        if ("after", epoch) in cuts:
+            states[("after", epoch)] = checkpoint_roundtrip(loader.state_dict())
+    return batches, states
+
+
+def _resume(make: Callable[[], Any], state: Any, count: int) -> list[Any]:
+    """A fresh loader restored from ``state``, iterated epoch loop by epoch loop for ``count`` batches."""
+    loader = make()
+    loader.load_state_dict(state)
+    out: list[Any] = []
+    while len(out) < count:
+        before = len(out)
+        for batch in loader:
+            out.append(batch)
+            if len(out) == count:
+                break
+        if len(out) == before:
+            raise AssertionError("the resumed loader yielded an empty epoch")
+    return out
+
+
+@pytest.mark.parametrize(
+    ("num_workers", "persistent", "prefetch", "shuffle"),
+    [
+        (0, False, None, True),
+        (0, False, None, False),
+        (2, False, 2, True),
+        (2, True, 1, False),
+        (2, True, 4, True),
+        (3, False, 3, True),
+        (3, True, 2, False),
+    ],
+)
+def test_stateful_dataloader_resumes_exactly_at_every_checkpoint_point(
+    num_workers: int, persistent: bool, prefetch: int | None, shuffle: bool
+) -> None:
+    data = torch.arange(23)
+    kwargs: dict[str, Any] = {"num_workers": num_workers, "persistent_workers": persistent}
+    if prefetch is not None:
+        kwargs["prefetch_factor"] = prefetch
+
+    def make() -> StatefulDataLoader:
+        sampler = ResumableSampler(data, shuffle=shuffle, seed=5)
+        return StatefulDataLoader(data, sampler=sampler, batch_size=4, **kwargs)
+
+    per_epoch = 6
+    cuts = {("in", 0), ("in", 3), ("after", 0), ("in", per_epoch + 2), ("after", 1)}
+    reference, states = _run_with_snapshots(make, 3, cuts)
+    assert len(reference) == 3 * per_epoch
+    offsets = {("in", 0): 0, ("in", 3): 3, ("after", 0): per_epoch, ("in", per_epoch + 2): per_epoch + 2,
+               ("after", 1): 2 * per_epoch}
+    for cut, offset in offsets.items():
+        resumed = _resume(make, states[cut], len(reference) - offset)
+        assert_batches_equal(reference[offset:], resumed)
+
+
+# -- augmentation that draws from the global RNGs ---------------------------------------------------
+class GlobalRandomAugment(torch.utils.data.Dataset):
+    """A torchvision-style dataset: crop and flip from torch's global RNG, plus numpy and random draws."""
+
+    def __init__(self, length: int) -> None:
+        self.images = torch.arange(length * 3 * 8 * 8, dtype=torch.float32).reshape(length, 3, 8, 8)
+
+    def __len__(self) -> int:
+        return len(self.images)
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        image = self.images[index]
+        top, left = torch.randint(0, 3, (2,)).tolist()
+        image = image[:, top : top + 6, left : left + 6]
+        if torch.rand(()) < 0.5:
+            image = image.flip(-1)
+        image = image * float(np.random.uniform(0.9, 1.1)) + random.gauss(0.0, 0.01)
+        return image, torch.tensor(index)
+
+
+def _augmented(num_workers: int, persistent: bool = False, **kwargs: Any) -> Callable[[], ResumableDataLoader]:
+    def make() -> ResumableDataLoader:
+        return ResumableDataLoader(
+            GlobalRandomAugment(21), batch_size=4, seed=11, num_workers=num_workers,
+            persistent_workers=persistent, **kwargs,
+        )
+
+    return make
+
+
+@pytest.mark.parametrize(
+    ("before", "after"),
+    [((0, False), (0, False)), ((2, False), (2, False)), ((2, True), (2, True)), ((3, False), (3, False)),
+     ((2, False), (0, False)), ((0, False), (2, True))],
+    ids=["w0", "w2", "w2-persistent", "w3", "w2-to-w0", "w0-to-w2-persistent"],
+)
+def test_global_rng_augmentation_resumes_bitwise(before: tuple[int, bool], after: tuple[int, bool]) -> None:
+    # Every configuration, uninterrupted, gives the same stream; a resume (also into another
+    # num_workers) continues it bitwise: mid-epoch, at the epoch's end, and into the next epoch.
+    reference, states = _run_with_snapshots(_augmented(0), 3, {("in", 4), ("after", 0)})
+    uninterrupted, _ = _run_with_snapshots(_augmented(*before), 3, set())
+    assert_batches_equal(reference, uninterrupted)
+    _, states = _run_with_snapshots(_augmented(*before), 1, {("in", 4), ("after", 0)})
+    for cut, offset in (((("in", 4)), 4), (("after", 0), 6)):
+        assert_batches_equal(reference[offset:], _resume(_augmented(*after), states[cut], len(reference) - offset))
+
+
+def test_global_rng_none_leaves_worker_augmentation_unreproducible() -> None:
+    # Why the default is on: without it a resume with workers changes the augmentations (the
+    # indices stay the same). This is the bug report's failure, kept visible.
+    make = _augmented(2, global_rng=None)
+    reference, states = _run_with_snapshots(make, 1, {("in", 2)})
+    resumed = _resume(make, states[("in", 2)], len(reference) - 2)
+    assert [b[1].tolist() for b in resumed] == [b[1].tolist() for b in reference[2:]]
+    assert any(not torch.equal(a[0], b[0]) for a, b in zip(reference[2:], resumed))
+
+
+def test_per_sample_global_rng_is_independent_of_batch_size() -> None:
+    def samples(batch_size: int) -> dict[int, torch.Tensor]:
+        loader = ResumableDataLoader(GlobalRandomAugment(10), batch_size=batch_size, seed=2, global_rng="sample")
+        return {int(i): image for images, indices in loader for image, i in zip(images, indices)}
+
+    three, five = samples(3), samples(5)
+    assert three.keys() == five.keys() and all(torch.equal(three[i], five[i]) for i in three)
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_loading_data_leaves_the_main_process_rngs_where_they_were(num_workers: int) -> None:
+    # The model's randomness (dropout, sampling in the training loop) must not depend on the data.
+    loader = _augmented(num_workers)()
+    torch.manual_seed(0), np.random.seed(0), random.seed(0)
+    np.random.standard_normal()  # leave numpy's Gaussian cache filled: it must survive too
+    expected = (torch.rand(3), np.random.standard_normal(3), random.random())
+    torch.manual_seed(0), np.random.seed(0), random.seed(0)
+    np.random.standard_normal()
+    for _ in loader:
+        pass
+    got = (torch.rand(3), np.random.standard_normal(3), random.random())
+    assert torch.equal(expected[0], got[0]) and np.array_equal(expected[1], got[1]) and expected[2] == got[2]
+
+
+def test_global_rng_is_validated() -> None:
+    with pytest.raises(ResumeError, match="global_rng should be one of"):
+        ResumableDataLoader(torch.arange(4), global_rng="epoch")
+
+
+# -- the user's epoch loop ----------------------------------------------------------------------------
+def _restored(position_batches: int) -> tuple[list, ResumableDataLoader, int]:
+    """A reference over 3 epochs and a loader restored after ``position_batches`` batches."""
+    make = _augmented(0)
+    cut = ("in", position_batches) if position_batches % 6 else ("after", position_batches // 6 - 1)
+    reference, states = _run_with_snapshots(make, 3, {cut})
+    loader = make()
+    loader.load_state_dict(states[cut])
+    return reference, loader, position_batches
+
+
+def test_set_epoch_from_zero_after_a_restore_warns_and_names_the_fix() -> None:
+    _, loader, _ = _restored(8)
+    with pytest.warns(ResumeWarning, match=r"set_epoch\(0\) discards the restored position.*epoch 1, at position 8"):
+        loader.set_epoch(0)
+
+
+@pytest.mark.parametrize("cut", [8, 6, 12], ids=["mid-epoch", "epoch-end", "second-epoch-end"])
+def test_the_documented_epoch_loop_resumes_exactly(cut: int) -> None:
+    reference, loader, _ = _restored(cut)
+    resumed = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ResumeWarning)
+        for epoch in range(loader.epoch, 3):
+            loader.set_epoch(epoch)
+            resumed.extend(loader)
+    assert_batches_equal(reference[cut:], resumed)
+
+
+@pytest.mark.parametrize("cut", [8, 6], ids=["mid-epoch", "epoch-end"])
+def test_epochs_helper_resumes_exactly(cut: int) -> None:
+    reference, loader, _ = _restored(cut)
+    resumed = [batch for _ in loader.epochs(3) for batch in loader]
+    assert_batches_equal(reference[cut:], resumed)
+
+
+def test_epochs_helper_goes_back_into_an_epoch_left_by_break() -> None:
+    loader = ResumableDataLoader(torch.arange(8), batch_size=2, shuffle=False)
+    seen = []
+    for epoch in loader.epochs(2):
+        for batch in loader:
+            seen.append((epoch, batch.tolist()))
+            if len(seen) == 2:
+                break
+    assert seen == [(0, [0, 1]), (0, [2, 3]), (0, [4, 5]), (0, [6, 7])] + [(1, [i, i + 1]) for i in range(0, 8, 2)]
+
+
+# -- wrap() and the seed ------------------------------------------------------------------------------
+def _order(loader: DataLoader) -> list[int]:
+    return [i for batch in loader for i in batch.tolist()]
+
+
+def test_wrap_takes_the_global_seed_when_none_is_given() -> None:
+    data = list(range(50))
+    torch.manual_seed(1)
+    first = _order(wrap(DataLoader(data, batch_size=5, shuffle=True)))
+    torch.manual_seed(2)
+    second = _order(wrap(DataLoader(data, batch_size=5, shuffle=True)))
+    torch.manual_seed(1)
+    again = _order(wrap(DataLoader(data, batch_size=5, shuffle=True)))
+    assert first != second and first == again
+
+
+def test_wrap_takes_the_original_samplers_seed() -> None:
+    data = list(range(50))
+    generator = torch.Generator().manual_seed(7)
+    from_generator = wrap(DataLoader(data, batch_size=5, sampler=RandomSampler(data, generator=generator)))
+    assert from_generator.sampler.seed == 7
+    distributed = DistributedSampler(data, num_replicas=2, rank=1, seed=9)
+    assert wrap(DataLoader(data, batch_size=5, sampler=distributed)).sampler.seed == 9
+    assert wrap(DataLoader(data, batch_size=5, shuffle=True), seed=4).sampler.seed == 4
+
+
+def test_wrap_without_a_seed_adopts_the_checkpoints_seed_and_says_so() -> None:
+    data = list(range(50))
+    torch.manual_seed(1)
+    original = wrap(DataLoader(data, batch_size=5, shuffle=True))
+    head = [next(iter(original)).tolist()]
+    state = checkpoint_roundtrip(original.state_dict())
+    rest = _order(original)
+    torch.manual_seed(2)  # the relaunched job seeds differently
+    resumed = wrap(DataLoader(data, batch_size=5, shuffle=True))
+    with pytest.warns(ResumeWarning, match="adopting the checkpoint's seed"):
+        resumed.load_state_dict(state)
+    assert head and _order(resumed) == rest
+
+
+def test_wrap_with_an_explicit_different_seed_is_refused() -> None:
+    data = list(range(50))
+    state = wrap(DataLoader(data, batch_size=5, shuffle=True), seed=1).state_dict()
+    resumed = wrap(DataLoader(data, batch_size=5, shuffle=True), seed=2)
+    with pytest.raises(ResumeError, match="seed changed: checkpoint has 1"):
+        resumed.load_state_dict(state)
+
+
+# -- every remedy we print can be followed --------------------------------------------------------------
+def _saved(length: int = 21, **kwargs: Any) -> dict[str, Any]:
+    loader = ResumableDataLoader(torch.arange(length), batch_size=4, **kwargs)
+    iterator = iter(loader)
+    next(iterator)
+    return checkpoint_roundtrip(loader.state_dict())
+
+
+def test_remedy_for_a_changed_dataset_length() -> None:
+    state = _saved(21)
+    with pytest.raises(ResumeError, match=r"resume with the dataset the checkpoint was taken on \(21 samples\)"):
+        ResumableDataLoader(torch.arange(20), batch_size=4).load_state_dict(state)
+    ResumableDataLoader(torch.arange(21), batch_size=4).load_state_dict(state)  # the first remedy
+    changed = ResumableDataLoader(torch.arange(20), batch_size=4)
+    changed.load_state_dict(state, strict=False)  # the second
+    assert changed.position == 4
+
+
+@pytest.mark.parametrize(("field", "saved", "current"), [("seed", 3, 4), ("shuffle", False, True)])
+def test_remedy_for_a_changed_seed_or_shuffle(field: str, saved: Any, current: Any) -> None:
+    state = _saved(**{field: saved})
+    with pytest.raises(ResumeError, match=rf"build the ResumableDataLoader with {field}={saved}") as error:
+        ResumableDataLoader(torch.arange(21), batch_size=4, **{field: current}).load_state_dict(state)
+    assert "strict=False" in str(error.value)
+    ResumableDataLoader(torch.arange(21), batch_size=4, **{field: saved}).load_state_dict(state)
+    ResumableDataLoader(torch.arange(21), batch_size=4, **{field: current}).load_state_dict(state, strict=False)
+
+
+def test_remedy_for_a_sampler_of_the_wrong_length() -> None:
+    data = torch.arange(10)
+    with pytest.raises(ResumeError, match=r"build the sampler as ResumableSampler\(dataset, ...\)"):
+        ResumableDataLoader(data, batch_size=2, sampler=ResumableSampler(9))
+    ResumableDataLoader(data, batch_size=2, sampler=ResumableSampler(data))
+
+
+def test_remedy_for_sampler_and_order_arguments_together() -> None:
+    data = torch.arange(10)
+    with pytest.raises(ResumeError, match="pass either sampler= or shuffle=/seed="):
+        ResumableDataLoader(data, sampler=ResumableSampler(data), seed=3)
+    ResumableDataLoader(data, sampler=ResumableSampler(data, seed=3))
+    ResumableDataLoader(data, seed=3)
+
+
+def test_remedy_for_owned_dataloader_arguments() -> None:
+    data = torch.arange(10)
+    with pytest.raises(ResumeError, match=r"remove generator=\.\.\. and pass shuffle=/seed= instead"):
+        ResumableDataLoader(data, generator=torch.Generator())
+    with pytest.raises(ResumeError, match="sampler must be a ResumableSampler.*pass shuffle=/seed="):
+        ResumableDataLoader(data, sampler=RandomSampler(data))  # type: ignore[arg-type]
+    ResumableDataLoader(data, shuffle=True, seed=0)
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda data: DataLoader(data, batch_size=2, sampler=RandomSampler(data, replacement=True)),
+        lambda data: DataLoader(data, batch_sampler=[[0, 1], [2, 3]]),
+    ],
+    ids=["replacement", "batch_sampler"],
+)
+def test_remedy_for_loaders_wrap_cannot_take(make: Callable[[Any], DataLoader]) -> None:
+    data = list(range(10))
+    with pytest.raises(ResumeError, match=r"ResumableDataLoader\(dataset"):
+        wrap(make(data))
+    assert sorted(_order(ResumableDataLoader(data, batch_size=2, shuffle=True, seed=0))) == data
