@@ -24,7 +24,7 @@ from .._state import ResumeError, check_int_arg
 
 __all__ = ["ParquetReader"]
 
-# Rows converted to Python objects at a time: bounds the memory of the Python copy of a large group.
+# Most rows converted to Python objects at a time: bounds the memory of the Python copy of a group.
 _CONVERT_ROWS = 1024
 
 
@@ -141,9 +141,13 @@ class ParquetReader:
                 table = self._row_group(shard, parquet, g)
                 if skip:
                     table, skip = table.slice(skip), 0
-                for batch in table.to_batches(max_chunksize=_CONVERT_ROWS):
-                    for row in batch.to_pylist():
+                # Rows become Python objects in chunks that start at one row and double up to
+                # _CONVERT_ROWS: a single-row fetch converts one row, a full read few large chunks.
+                offset, size = 0, 1
+                while offset < table.num_rows:
+                    for row in table.slice(offset, size).to_pylist():
                         yield row if self.parse is None else self.parse(row)
+                    offset, size = offset + size, min(2 * size, _CONVERT_ROWS)
         finally:  # when the shard is done or the iterator is dropped (a single-row fetch)
             parquet.close(force=True)
 
