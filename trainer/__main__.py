@@ -58,7 +58,11 @@ DEFAULT_THREADS = 1
 
 
 def _add_threads_flag(parser: argparse.ArgumentParser) -> None:
-    default = int(os.environ.get(THREADS_ENV, DEFAULT_THREADS))
+    raw = os.environ.get(THREADS_ENV)
+    try:
+        default = DEFAULT_THREADS if raw is None else int(raw)
+    except ValueError:
+        parser.error(f"${THREADS_ENV} should be an integer, but got {raw!r}")
     parser.add_argument(
         "--threads",
         type=int,
