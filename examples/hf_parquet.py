@@ -8,7 +8,7 @@
 
 (A ``datasets.IterableDataset`` cannot seek; see the README's "Use it with" section for it.)
 
-    python examples/hf_parquet.py            # a few seconds on a laptop CPU
+    python examples/hf_parquet.py            # CPU only, under a minute
     python examples/hf_parquet.py --smoke    # what the test suite runs
 """
 

@@ -5,7 +5,7 @@ The state saved in the checkpoint is a few cursors per shard plus the *keys* of 
 shuffle buffer holds (never their tokens); a restore seeks into each shard and re-reads only the
 buffered windows.
 
-    python examples/token_streaming.py            # a few seconds on a laptop CPU
+    python examples/token_streaming.py            # CPU only, under a minute
     python examples/token_streaming.py --smoke    # what the test suite runs
 """
 

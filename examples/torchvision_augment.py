@@ -7,7 +7,7 @@ RNG inside the DataLoader workers, as users write them: no generator anywhere. T
 ``num_workers``. A small CNN is trained on ``torchvision.datasets.FakeData``; the per-step losses
 and final weights of a straight run and a stopped-and-resumed run are compared bitwise.
 
-    python examples/torchvision_augment.py            # a few seconds on a laptop CPU
+    python examples/torchvision_augment.py            # CPU only, under a minute
     python examples/torchvision_augment.py --smoke    # what the test suite runs
 """
 
@@ -79,7 +79,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--smoke", action="store_true", help="a smaller run, for the test suite")
     args = parser.parse_args()
-    images, num_epochs = (64, 2) if args.smoke else (512, 3)
+    images, num_epochs = (64, 2) if args.smoke else (192, 3)
     steps_per_epoch = images // 16
     stop_at = steps_per_epoch + steps_per_epoch // 2  # in the middle of the second epoch
 
