@@ -20,7 +20,7 @@ instead of each keeping ``epoch``/``position`` fields and re-implementing the ru
 from __future__ import annotations
 
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import NamedTuple
 
 from ._state import ResumeWarning, check_int_arg
@@ -122,17 +122,18 @@ class EpochCursor:
         self._pinned = True
         self._restored = False
 
-    def epochs(self, num_epochs: int) -> Iterator[int]:
+    def epochs(self, num_epochs: int, set_epoch: Callable[[int], None] | None = None) -> Iterator[int]:
         """Yield the epochs still to run, ``set_epoch`` applied to each: the loop that can't go wrong.
 
         Starts with the epoch the next iteration covers (the restored one, or the one after an
         exhausted epoch) and ends before ``num_epochs``. An epoch left by a ``break`` is yielded
-        again, so its rest is consumed.
+        again, so its rest is consumed. ``set_epoch`` is the owner's, when it has more to do than
+        move the cursor (the stream loader resets its slots).
         """
         check_int_arg("num_epochs", num_epochs, minimum=0)
         while True:
             epoch = self.next_segment()[0]
             if epoch >= num_epochs:
                 return
-            self.set_epoch(epoch)
+            (set_epoch or self.set_epoch)(epoch)
             yield epoch

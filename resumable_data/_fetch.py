@@ -24,7 +24,7 @@ from __future__ import annotations
 import ctypes
 import random
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Protocol
 
 import numpy as np
 import torch
@@ -34,12 +34,20 @@ from ._hash import hash_ints
 from ._state import ResumeError
 from .rng import SampleKey
 
-__all__ = ["GLOBAL_RNG_MODES", "BatchFetcher", "Ticket", "fork_global_rngs", "seed_global_rngs"]
+__all__ = ["GLOBAL_RNG_MODES", "BatchFetcher", "MapDataset", "Ticket", "fork_global_rngs", "seed_global_rngs"]
 
 GLOBAL_RNG_MODES = ("batch", "sample")
 # Domain separation: the global-RNG seeds must not coincide with the order's or sample_generator's.
 _BATCH_SALT = 0x6261746368  # "batch"
 _SAMPLE_SALT = 0x73616D706C  # "sampl"
+
+
+class MapDataset(Protocol):
+    """What a ResumableDataLoader can load from: a sized, indexable dataset (a ``Dataset``, a list, a tensor)."""
+
+    def __len__(self) -> int: ...
+
+    def __getitem__(self, index: Any, /) -> Any: ...
 
 
 class Ticket(NamedTuple):
@@ -67,7 +75,7 @@ class _NumpyGlobalState:
         self._fast: bool | None = None  # decided on first use
 
     def _address(self) -> int:
-        return int(np.random.get_bit_generator().ctypes.state_address)
+        return int(np.random.mtrand.get_bit_generator().ctypes.state_address)
 
     def _check_layout(self) -> bool:
         """Whether the raw struct reads as ``get_state`` says (numpy internals could change)."""
@@ -95,8 +103,8 @@ class _NumpyGlobalState:
         probe = float(np.random.standard_normal())
         if ctypes.string_at(address, self._SIZE) == raw:
             words = np.frombuffer(raw, dtype=np.uint32)
-            state = ("MT19937", words[:624].copy(), int(words[624]), 1, probe)
-            return lambda: np.random.set_state(state)
+            cached = ("MT19937", words[:624].copy(), int(words[624]), 1, probe)
+            return lambda: np.random.set_state(cached)
 
         def restore() -> None:
             np.random.seed(0)  # clears the Gaussian cache; the words are overwritten next
@@ -136,7 +144,7 @@ class BatchFetcher(torch.utils.data.Dataset):
     the user's dataset too (``loader.dataset.classes``), which is ``loader.dataset.dataset``.
     """
 
-    def __init__(self, dataset: Any, *, global_rng: str | None, sample_keys: bool) -> None:
+    def __init__(self, dataset: MapDataset, *, global_rng: str | None, sample_keys: bool) -> None:
         self.dataset = dataset
         self.global_rng = global_rng
         self.sample_keys = sample_keys

@@ -14,18 +14,18 @@ augmentations do not depend on which process fetched it.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
-from typing import Any
+from collections.abc import Iterator, Mapping, Sized
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
 import torch.utils.data
 from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, RandomSampler, SequentialSampler
-from torchdata.stateful_dataloader.sampler import BatchSampler as StatefulBatchSampler
+from torchdata.stateful_dataloader.sampler import BatchSampler as StatefulBatchSampler  # type: ignore[import-untyped]
 
 from . import _state as keys
 from ._cursor import EpochCursor, Segment
-from ._fetch import BatchFetcher, Ticket, check_global_rng
+from ._fetch import BatchFetcher, MapDataset, Ticket, check_global_rng
 from ._hash import hash_ints
 from ._state import ResumeError, check_int_arg
 from .sampler import ResumableSampler
@@ -91,7 +91,7 @@ class ResumableDataLoader(DataLoader):
 
     def __init__(
         self,
-        dataset: torch.utils.data.Dataset,
+        dataset: MapDataset,
         batch_size: int = 1,
         *,
         shuffle: bool = True,
@@ -204,11 +204,12 @@ class ResumableDataLoader(DataLoader):
         """
         check_int_arg("n_batches", n_batches, minimum=1)
         epoch, start = self._cursor.next_segment()
-        count = min(n_batches, self._plan.batch_count(start)) * self.batch_size
+        size = self._plan.batch_size
+        count = min(n_batches, self._plan.batch_count(start)) * size
         flat = [i for chunk in self._resumable.index_chunks(epoch, start, count) for i in chunk.tolist()]
-        return [flat[i : i + self.batch_size] for i in range(0, len(flat), self.batch_size)]
+        return [flat[i : i + size] for i in range(0, len(flat), size)]
 
-    def __iter__(self) -> Iterator[Any]:
+    def __iter__(self) -> Iterator[Any]:  # type: ignore[override]  # ours wraps DataLoader's iterator
         segment = self._cursor.begin()
         self._plan.select(segment)
         self._seed_generator.manual_seed(hash_ints(self._resumable.seed, segment.epoch, segment.start) >> 1)
@@ -222,7 +223,7 @@ class ResumableDataLoader(DataLoader):
         world size or number of workers.
         """
         state = self._resumable.state_dict()
-        state[keys.BATCH_SIZE] = self.batch_size
+        state[keys.BATCH_SIZE] = self._plan.batch_size
         return state
 
     def load_state_dict(self, state_dict: Mapping[str, Any], *, strict: bool = True) -> None:
@@ -349,12 +350,17 @@ def wrap(dataloader: DataLoader, *, seed: int | None = None, global_rng: str | N
         raise ResumeError("this loader is already a ResumableDataLoader; use it as it is")
     if not isinstance(dataloader, DataLoader):
         raise ResumeError(f"wrap() takes a torch DataLoader, got {type(dataloader).__name__}")
-    dataset = dataloader.dataset
-    if isinstance(dataset, torch.utils.data.IterableDataset):
+    if isinstance(dataloader.dataset, torch.utils.data.IterableDataset):
         raise ResumeError(
             "wrap() takes loaders over map-style datasets; the order of an IterableDataset is its own. "
             "Build it from resumable_data's stream pipelines instead"
         )
+    if not isinstance(dataloader.dataset, Sized):
+        raise ResumeError(
+            f"wrap() needs a dataset with __len__ (the order is a permutation of its length); "
+            f"{type(dataloader.dataset).__name__} has none: add __len__ to it"
+        )
+    dataset = cast(MapDataset, dataloader.dataset)
     if dataloader.batch_size is None or type(dataloader.batch_sampler) not in _PLAIN_BATCH_SAMPLERS:
         raise ResumeError(
             "wrap() supports loaders built with batch_size= (a plain BatchSampler); a custom "

@@ -7,19 +7,26 @@ resumed run with it, bitwise.
 
 from __future__ import annotations
 
+import json
 import random
+import signal
+import subprocess
+import sys
 import warnings
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 import torch
 from harness import assert_batches_equal, checkpoint_roundtrip
+from streams_harness import write_token_shards
 from torch.utils.data import DataLoader, DistributedSampler, RandomSampler
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from resumable_data import ResumableDataLoader, ResumableSampler, ResumeError, ResumeWarning, wrap
+from resumable_data.streams import ShardedIterable, StreamLoader, TokenShardReader
 
 pytestmark = pytest.mark.filterwarnings("ignore:'set_vital' is deprecated")
 
@@ -363,3 +370,73 @@ def test_remedy_for_loaders_wrap_cannot_take(make: Callable[[Any], DataLoader]) 
     with pytest.raises(ResumeError, match=r"ResumableDataLoader\(dataset"):
         wrap(make(data))
     assert sorted(_order(ResumableDataLoader(data, batch_size=2, shuffle=True, seed=0))) == data
+
+
+# -- a user's training script, SIGKILLed mid-epoch --------------------------------------------------
+_SCRIPT = Path(__file__).parent / "user_scripts" / "augmented_cnn.py"
+
+
+def _train(run_dir: Path, *flags: str, expect_kill: bool = False) -> None:
+    run_dir.mkdir(exist_ok=True)
+    result = subprocess.run(
+        [sys.executable, str(_SCRIPT), "--run-dir", str(run_dir), *flags],
+        capture_output=True, text=True, timeout=120, check=False,
+    )
+    expected = -signal.SIGKILL if expect_kill else 0
+    assert result.returncode == expected, result.stderr[-2000:]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> tuple[list[float], dict[str, torch.Tensor]]:
+    run_dir = tmp_path_factory.mktemp("uninterrupted")
+    _train(run_dir)
+    return json.loads((run_dir / "losses.json").read_text()), torch.load(run_dir / "final.pt", weights_only=True)
+
+
+@pytest.mark.parametrize(
+    ("before", "after"),
+    [([], []), (["--workers", "2"], ["--workers", "2"]),
+     (["--workers", "2", "--persistent"], ["--workers", "2", "--persistent"]), (["--workers", "2"], [])],
+    ids=["w0", "w2", "w2-persistent", "w2-to-w0"],
+)
+def test_user_script_killed_mid_epoch_ends_bitwise_equal(
+    tmp_path: Path, uninterrupted: tuple[list[float], dict[str, torch.Tensor]], before: list[str], after: list[str]
+) -> None:
+    # 10 batches an epoch; killed after step 14 (mid-epoch 1), it resumes from step 12's checkpoint.
+    _train(tmp_path, *before, "--kill-at", "14", expect_kill=True)
+    _train(tmp_path, *after)
+    losses, weights = uninterrupted
+    assert json.loads((tmp_path / "losses.json").read_text()) == losses
+    final = torch.load(tmp_path / "final.pt", weights_only=True)
+    assert final.keys() == weights.keys() and all(torch.equal(final[k], weights[k]) for k in weights)
+
+
+# -- the same epoch loop over a StreamLoader ------------------------------------------------------------
+def _stream_loader(paths: list[Path]) -> StreamLoader:
+    source = ShardedIterable(paths, read_shard=TokenShardReader(5), seed=3)
+    return StreamLoader(source.shuffle_buffer(4, seed=4), batch_size=3)
+
+
+@pytest.mark.parametrize("cut", [2, "end"], ids=["mid-epoch", "epoch-end"])
+def test_stream_loader_epoch_loops_resume_exactly(tmp_path: Path, cut: int | str) -> None:
+    paths = write_token_shards(tmp_path, [40, 23, 31])
+    reference, states = _run_with_snapshots(lambda: _stream_loader(paths), 3, {("in", 2), ("after", 0)})
+    offset = 2 if cut == 2 else len(reference) // 3
+    state = states[("in", 2) if cut == 2 else ("after", 0)]
+    for style in ("range", "epochs"):
+        loader = _stream_loader(paths)
+        loader.load_state_dict(state)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", ResumeWarning)
+            if style == "range":
+                resumed = []
+                for epoch in range(loader.epoch, 3):
+                    loader.set_epoch(epoch)
+                    resumed.extend(loader)
+            else:
+                resumed = [batch for _ in loader.epochs(3) for batch in loader]
+        assert_batches_equal(reference[offset:], resumed)
+    loader = _stream_loader(paths)
+    loader.load_state_dict(states[("in", 2)])
+    with pytest.warns(ResumeWarning, match=r"stream_loader.set_epoch\(2\) discards the restored position"):
+        loader.set_epoch(2)

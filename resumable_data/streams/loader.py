@@ -153,7 +153,7 @@ class StreamLoader:
 
     def epochs(self, num_epochs: int) -> Iterator[int]:
         """The epochs still to run, each already ``set_epoch``-ed; starts at the restored epoch."""
-        return self._cursor.epochs(num_epochs)
+        return self._cursor.epochs(num_epochs, self.set_epoch)
 
     def __iter__(self) -> Iterator[Any]:
         epoch = self._cursor.next_segment()[0]
