@@ -20,11 +20,7 @@ Run: ``python benchmarks/bench_parquet.py`` (``--quick``: a few seconds).
 
 from __future__ import annotations
 
-import itertools
-import json
-import statistics
 import tempfile
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -34,6 +30,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 from _common import format_seconds, machine_header, markdown_table, parse_args, write_report
+from bench_streams import measure  # the same replay-vs-restore timing as the token-shard rows
 
 from resumable_data.streams import ParquetReader, ShardedIterable, Stream, StreamLoader
 
@@ -68,29 +65,6 @@ def pipelines(paths: list[Path]) -> dict[str, Callable[[], StreamLoader]]:
         "parquet source": lambda: StreamLoader(source(), batch_size=BATCH),
         f"parquet, shuffle buffer {BUFFER}": lambda: StreamLoader(source().shuffle_buffer(BUFFER, seed=1), batch_size=BATCH),
     }
-
-
-def measure(make: Callable[[], StreamLoader], position: int) -> tuple[float, float, int]:
-    """(replay seconds, median restore seconds, state bytes) at ``position`` batches."""
-    loader = make()
-    start = time.perf_counter()
-    batches = iter(loader)
-    for _ in itertools.islice(batches, position):
-        pass
-    state = json.loads(json.dumps(loader.state_dict()))
-    expected = next(batches)
-    replay = time.perf_counter() - start
-    del batches
-    restores = []
-    for _ in range(3):
-        restored = make()
-        start = time.perf_counter()
-        restored.load_state_dict(state)
-        first = next(iter(restored))
-        restores.append(time.perf_counter() - start)
-        if not torch.equal(first, expected):
-            raise SystemExit("restored batch differs from the uninterrupted run's: not exact")
-    return replay, statistics.median(restores), len(json.dumps(state))
 
 
 def parquet_rows(num_shards: int, rows: int) -> list[list[str]]:
