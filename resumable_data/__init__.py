@@ -20,6 +20,7 @@ from .rng import (
 )
 from .streams import (
     IterableSource,
+    ParquetReader,
     ReplayWarning,
     ShardedIterable,
     Stream,
@@ -36,6 +37,7 @@ __all__ = [
     "CheckpointManager",
     "DataLoaderState",
     "IterableSource",
+    "ParquetReader",
     "Permutation",
     "RandomMap",
     "ResumableDataLoader",

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import statistics
 import sys
@@ -50,6 +51,36 @@ VERIFY_DEFAULTS = {
 }
 VERIFY_KILL_AT = 37
 
+# Intra-op threads. One by default: on our shared 2-core machines the default run's steps were
+# several times faster with one thread than with torch's default of one per core (see README), and
+# a run resumed with another thread count is not guaranteed bitwise equal on CPU. The variable
+# carries the choice to the runs verify-resume starts.
+THREADS_ENV = "TRAINER_THREADS"
+DEFAULT_THREADS = 1
+
+
+def _add_threads_flag(parser: argparse.ArgumentParser) -> None:
+    raw = os.environ.get(THREADS_ENV)
+    try:
+        default = DEFAULT_THREADS if raw is None else int(raw)
+    except ValueError:
+        parser.error(f"${THREADS_ENV} should be an integer, but got {raw!r}")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=default,
+        help=f"torch intra-op CPU threads (default: %(default)s; ${THREADS_ENV} overrides). Keep it the same "
+        "across a resume for bitwise equal CPU runs; 0 lets torch choose (one per core)",
+    )
+
+
+def _set_threads(threads: int) -> None:
+    if threads < 0:
+        raise ValueError(f"--threads should be >= 0, but got --threads {threads}")
+    os.environ[THREADS_ENV] = str(threads)  # the runs verify-resume starts use the same count
+    if threads:
+        torch.set_num_threads(threads)
+
 
 def _add_train_flags(parser: argparse.ArgumentParser, defaults: Mapping[str, Any]) -> None:
     """One ``--flag`` per TrainConfig field, typed and documented from the dataclass.
@@ -85,11 +116,13 @@ def _parser() -> argparse.ArgumentParser:
 
     train_cmd = commands.add_parser("train", help="train (resumes from RUN_DIR's newest checkpoint by default)")
     _add_train_flags(train_cmd, {})
+    _add_threads_flag(train_cmd)
 
     verify = commands.add_parser("verify-resume", help="check that a SIGKILLed and resumed run equals an uninterrupted one")
     _add_train_flags(verify, VERIFY_DEFAULTS)
     verify.add_argument("--kill-at-step", type=int, default=VERIFY_KILL_AT, help="the step during which to SIGKILL the run")
     verify.add_argument("--nproc", type=int, default=None, help="run each job under torchrun with this many ranks, plus elastic resumes on 1 and NPROC+1 ranks")
+    _add_threads_flag(verify)
 
     plot = commands.add_parser("plot", help="write a PNG of loss and lr over steps, marking resume points")
     plot.add_argument("run_dir", help="a run folder (holds metrics.jsonl)")
@@ -147,6 +180,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         argv.insert(0, "train")
     args = _parser().parse_args(argv)
     try:
+        if args.command in ("train", "verify-resume"):
+            _set_threads(args.threads)
         if args.command == "train":
             train(_config(args))
             return 0

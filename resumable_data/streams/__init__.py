@@ -3,7 +3,7 @@
 Build a pipeline from a source and the fluent wrappers of :class:`Stream`, then iterate it
 directly or through :class:`StreamLoader`::
 
-    stream = ShardedIterable(paths, read_shard=TokenShardReader(1025), seed=0)
+    stream = ShardedIterable(paths, read_shard=TokenShardReader(1025), seed=0)  # or ParquetReader()
     stream = stream.shuffle_buffer(1000, seed=0).map(augment, seed=0)
     loader = StreamLoader(stream, batch_size=32, num_workers=2)
 
@@ -18,6 +18,7 @@ from .foreign import IterableSource, ReplayWarning
 from .loader import StreamLoader
 from .map import Map
 from .mix import Mix, mix
+from .parquet import ParquetReader
 from .readers import TextLineReader, TokenShardReader
 from .repeat import Repeat
 from .sharded import ShardedIterable
@@ -30,6 +31,7 @@ __all__ = [
     "IterableSource",
     "Map",
     "Mix",
+    "ParquetReader",
     "Repeat",
     "ReplayWarning",
     "ShardedIterable",

@@ -1,0 +1,171 @@
+"""ParquetReader: rows of Parquet files (Hugging Face Hub datasets, Arrow exports) with an O(1) seek.
+
+The cursor is a row number. A Parquet file is stored in *row groups*, and its footer says how many
+rows each one holds, so a restore at row ``r`` reads the footer, finds the row group that holds
+``r``, reads that one row group and slices it at ``r``: no row group before it is read, and the
+cost of a restore is at most one row group (decoding the rows of that group that precede ``r``)
+whatever the position in the file. Later row groups are read one at a time as the iteration
+reaches them.
+
+Records are rows as ``{column: value}`` dicts of Python values (``table.to_pylist()``), restricted
+to ``columns`` when given, or whatever ``parse(row)`` returns. A shuffle buffer restores by
+re-reading single rows by key; the last few row groups read are kept decoded
+(``cache_row_groups``), so re-reading a buffer's rows costs a few row groups, not one per row.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import OrderedDict
+from collections.abc import Callable, Iterator, Sequence
+from typing import IO, Any
+
+from .._state import ResumeError, check_int_arg
+
+__all__ = ["ParquetReader"]
+
+# Most rows converted to Python objects at a time: bounds the memory of the Python copy of a group.
+_CONVERT_ROWS = 1024
+
+
+def _pyarrow_parquet() -> Any:
+    """Import ``pyarrow.parquet`` on first use, so the library itself never needs pyarrow."""
+    try:
+        import pyarrow.parquet as pq
+    except ImportError as exc:  # pragma: no cover - exercised only without the extra
+        raise ImportError(
+            "ParquetReader needs pyarrow: pip install 'resumable-data[parquet]' (or pip install pyarrow)"
+        ) from exc
+    return pq
+
+
+class ParquetReader:
+    """Rows of a Parquet shard; the cursor is a row number and a restore reads one row group.
+
+    Use it as ``read_shard`` of a :class:`ShardedIterable`, one shard per Parquet file. Works with
+    every stream stage (``shuffle_buffer``, ``mix``, ``map``...), :class:`StreamLoader` workers and
+    ranks, and a change of layout on resume, like the other readers.
+
+    Args:
+        columns: columns to read (all when None); only these are decoded.
+        parse: applied to each row dict (e.g. to make tensors); the dict itself when None.
+        opener: ``opener(shard)`` returns a binary file object to read the shard from (e.g.
+            ``lambda url: fsspec.open(url, "rb").open()`` for remote storage); pyarrow opens the
+            path itself when None.
+        cache_row_groups: decoded row groups kept (least recently used dropped first) for the
+            single-row re-reads of a shuffle buffer's restore; set it to at least the number of
+            row groups a buffer spans (about ``buffer size / rows per group + 1``) so each is
+            decoded once. 0 disables the cache. Each entry holds one row group's columns in memory.
+
+    Example:
+        >>> shards = sorted(glob("my_dataset/data/train-*.parquet"))   # a Hub dataset's files
+        >>> reader = ParquetReader(["input_ids"], parse=lambda row: torch.tensor(row["input_ids"]))
+        >>> stream = ShardedIterable(shards, read_shard=reader, seed=0).shuffle_buffer(10_000)
+        >>> stream.state_dict()["source"]["remaining"]   # [[shard index, name, row], ...]
+    """
+
+    def __init__(
+        self,
+        columns: Sequence[str] | None = None,
+        *,
+        parse: Callable[[dict[str, Any]], Any] | None = None,
+        opener: Callable[[Any], IO[bytes]] | None = None,
+        cache_row_groups: int = 4,
+    ) -> None:
+        if isinstance(columns, str):
+            raise TypeError(f"columns must be a list of column names, got the string {columns!r}; pass [{columns!r}]")
+        self.columns = None if columns is None else list(columns)
+        if parse is not None and not callable(parse):
+            raise TypeError(f"parse must be callable, got {type(parse).__name__}")
+        self.parse = parse
+        self.opener = opener
+        self.cache_row_groups = check_int_arg("cache_row_groups", cache_row_groups, minimum=0)
+        self._cache: OrderedDict[tuple[Any, ...], Any] = OrderedDict()
+        _pyarrow_parquet()  # fail at construction, not in a worker, when pyarrow is missing
+
+    def __getstate__(self) -> dict[str, Any]:
+        # Worker processes get the reader without the decoded row groups of the main process.
+        state = self.__dict__.copy()
+        state["_cache"] = OrderedDict()
+        return state
+
+    # -- opening ----------------------------------------------------------------------------------
+    def _open(self, shard: Any) -> Any:
+        """The shard's ``pyarrow.parquet.ParquetFile`` (reads only its footer)."""
+        pq = _pyarrow_parquet()
+        name = str(shard)
+        try:
+            # Closed with close(force=True): the file is ours whether pyarrow or the opener opened it.
+            source = os.fspath(shard) if self.opener is None else self.opener(shard)
+            parquet = pq.ParquetFile(source)
+        except FileNotFoundError as exc:
+            raise ResumeError(f"parquet shard {name!r} is missing: {exc}") from exc
+        except (OSError, ValueError) as exc:  # pyarrow's ArrowInvalid is a ValueError
+            raise ResumeError(f"parquet shard {name!r} is not a readable Parquet file (truncated or replaced?): {exc}") from exc
+        if self.columns is not None:
+            names = parquet.schema_arrow.names
+            missing = [c for c in self.columns if c not in names]
+            if missing:
+                parquet.close(force=True)
+                raise ResumeError(f"parquet shard {name!r} lacks the column(s) {missing}; its columns are {names}")
+        return parquet
+
+    def num_records(self, shard: Any) -> int:
+        """Rows in the shard (from its footer)."""
+        parquet = self._open(shard)
+        try:
+            return parquet.metadata.num_rows
+        finally:
+            parquet.close(force=True)
+
+    # -- reading ----------------------------------------------------------------------------------
+    def __call__(self, shard: Any, start: int) -> Iterator[Any]:
+        """Rows from row number ``start``; reads nothing before the row group that holds it."""
+        parquet = self._open(shard)
+        metadata = parquet.metadata
+        if start > metadata.num_rows:
+            parquet.close(force=True)
+            raise ResumeError(
+                f"parquet shard {str(shard)!r} has {metadata.num_rows} rows but the cursor is at row {start}: "
+                "the shard is shorter than when the checkpoint was written (truncated or replaced?)"
+            )
+        group, first = 0, 0  # the row group holding `start`, and its first row number
+        while group < metadata.num_row_groups and first + metadata.row_group(group).num_rows <= start:
+            first += metadata.row_group(group).num_rows
+            group += 1
+        return self._rows(shard, parquet, group, start - first)
+
+    def _rows(self, shard: Any, parquet: Any, group: int, skip: int) -> Iterator[Any]:
+        try:
+            for g in range(group, parquet.metadata.num_row_groups):
+                table = self._row_group(shard, parquet, g)
+                if skip:
+                    table, skip = table.slice(skip), 0
+                # Rows become Python objects in chunks that start at one row and double up to
+                # _CONVERT_ROWS: a single-row fetch converts one row, a full read few large chunks.
+                offset, size = 0, 1
+                while offset < table.num_rows:
+                    for row in table.slice(offset, size).to_pylist():
+                        yield row if self.parse is None else self.parse(row)
+                    offset, size = offset + size, min(2 * size, _CONVERT_ROWS)
+        finally:  # when the shard is done or the iterator is dropped (a single-row fetch)
+            parquet.close(force=True)
+
+    def _row_group(self, shard: Any, parquet: Any, group: int) -> Any:
+        """Row group ``group``, decoded (from the cache when it holds it)."""
+        metadata = parquet.metadata
+        # The footer's sizes identify the file version, so a replaced file is not served from cache.
+        key = (str(shard), group, metadata.num_rows, metadata.serialized_size, metadata.row_group(group).total_byte_size)
+        table = self._cache.get(key)
+        if table is not None:
+            self._cache.move_to_end(key)
+            return table
+        try:
+            table = parquet.read_row_group(group, columns=self.columns, use_threads=False)
+        except (OSError, ValueError) as exc:
+            raise ResumeError(f"parquet shard {str(shard)!r}: row group {group} is unreadable (truncated or corrupt?): {exc}") from exc
+        if self.cache_row_groups:
+            self._cache[key] = table
+            while len(self._cache) > self.cache_row_groups:
+                self._cache.popitem(last=False)
+        return table
