@@ -153,8 +153,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"wrote {plot_run(args.run_dir, args.out)}")
             return 0
         return 0 if _gpu_smoke(args.steps, args.run_dir) else 1
-    except (ResumeError, ValueError, FileNotFoundError) as e:
-        # ResumeError covers a locked run folder (CheckpointLockedError) and corrupt checkpoints.
+    except (ResumeError, ValueError, OSError) as e:
+        # ResumeError covers a locked run folder (CheckpointLockedError) and corrupt checkpoints;
+        # OSError a checkpoint that cannot be written (disk full, read-only) or a missing file.
         print(f"error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:  # a second Ctrl-C while training: the user chose not to wait for the save
