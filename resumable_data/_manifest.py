@@ -245,21 +245,27 @@ def file_digest(path: Path) -> tuple[str, int]:
     return digest.hexdigest(), size
 
 
-def checkpoint_problem(folder: Path, *, verify: bool) -> str | None:
+def checkpoint_problem(folder: Path, *, verify: bool, check_name: bool = True) -> str | None:
     """What is wrong with a checkpoint folder, or None if it is complete (and, with ``verify``, its
-    payload's sha256 matches the manifest). Never raises for anything found on disk."""
+    payload's sha256 matches the manifest). Never raises for anything found on disk.
+
+    Args:
+        check_name: Require the folder's ``step-N`` name to match the manifest's step (False for a
+            checkpoint copied elsewhere under another name).
+    """
     if not folder.is_dir():
         return "not a checkpoint folder"
     try:
         manifest = read_manifest(folder)
     except ResumeError as e:
         return str(e)
-    try:
-        folder_step = step_of(folder)
-    except ResumeError as e:
-        return str(e)
-    if manifest.step != folder_step:
-        return f"manifest says step {manifest.step} but the folder is {folder.name}"
+    if check_name:
+        try:
+            folder_step = step_of(folder)
+        except ResumeError as e:
+            return str(e)
+        if manifest.step != folder_step:
+            return f"manifest says step {manifest.step} but the folder is {folder.name}"
     payload = folder / PAYLOAD_NAME
     try:
         info = payload.stat()
