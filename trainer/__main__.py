@@ -1,8 +1,9 @@
-"""``python -m trainer``: train (the default), verify-resume, plot, gpu-smoke.
+"""``python -m trainer``: train (the default), verify-resume, chaos, plot, gpu-smoke.
 
     python -m trainer                              # train the default model; Ctrl-C saves; rerun continues
     python -m trainer train --max-steps 1000 --data notes.txt
     python -m trainer verify-resume                # killed + resumed == uninterrupted, bitwise
+    python -m trainer chaos --kills 100            # 100 SIGKILLs (mid-write, mid-prune, with workers...) + relaunches
     python -m trainer plot runs/default            # runs/default/metrics.png
     python -m trainer gpu-smoke                    # on a CUDA machine: default run, step time, verify-resume
 """
@@ -25,6 +26,7 @@ import torch
 
 from resumable_data import ResumeError
 
+from .chaos import chaos
 from .model import ModelConfig
 from .plot import plot_run
 from .train import TrainConfig, read_metrics, train
@@ -88,6 +90,13 @@ def _parser() -> argparse.ArgumentParser:
     _add_train_flags(verify, VERIFY_DEFAULTS)
     verify.add_argument("--kill-at-step", type=int, default=VERIFY_KILL_AT, help="the step during which to SIGKILL the run")
 
+    chaos_cmd = commands.add_parser(
+        "chaos", help="SIGKILL a tiny run again and again (mid-write, mid-prune, with workers), relaunch at once, compare"
+    )
+    chaos_cmd.add_argument("--kills", type=int, default=20, help="SIGKILLs to inject (default: %(default)s)")
+    chaos_cmd.add_argument("--run-dir", default="runs/chaos", help="parent folder of the runs, emptied first (default: %(default)s)")
+    chaos_cmd.add_argument("--seed", type=int, default=0, help="fixes the kill moments, to replay a session (default: %(default)s)")
+
     plot = commands.add_parser("plot", help="write a PNG of loss and lr over steps, marking resume points")
     plot.add_argument("run_dir", help="a run folder (holds metrics.jsonl)")
     plot.add_argument("--out", default=None, help="PNG path (default RUN_DIR/metrics.png)")
@@ -149,6 +158,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 0
         if args.command == "verify-resume":
             return 0 if verify_resume(_config(args), args.kill_at_step) else 1
+        if args.command == "chaos":
+            report = chaos(args.kills, args.run_dir, seed=args.seed)
+            print(report.table())
+            for failure in report.failures:
+                print(f"FAIL: {failure}")
+            print("PASS" if report.ok else "FAIL")
+            return 0 if report.ok else 1
         if args.command == "plot":
             print(f"wrote {plot_run(args.run_dir, args.out)}")
             return 0

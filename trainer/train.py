@@ -103,6 +103,7 @@ class TrainConfig:
     eval_batches: int = _option(8, "validation batches per evaluation")
     checkpoint_every: int = _option(100, "checkpoint every N steps")
     keep_last: int = _option(2, "newest checkpoints to keep (>= 2; the best is kept too)")
+    async_save: bool = _option(False, "write checkpoints in a background thread while training goes on")
     stop_at: int | None = _option(None, "save and exit after this step, as if preempted")
     crash_at_step: int | None = _option(None, "testing: kill -9 this process during this step")
     # System.
@@ -368,7 +369,9 @@ def train(config: TrainConfig) -> TrainResult:
 
     # The manager locks the run folder first, so a second trainer on it stops before touching anything.
     with contextlib.ExitStack() as stack:
-        manager = stack.enter_context(CheckpointManager(run_dir / CHECKPOINT_FOLDER, keep_last=config.keep_last))
+        manager = stack.enter_context(
+            CheckpointManager(run_dir / CHECKPOINT_FOLDER, keep_last=config.keep_last, async_save=config.async_save)
+        )
         resume_path = _find_checkpoint(manager, config.resume)
         # map_location="cpu": nothing lands on the GPU until the model is built and moved there.
         checkpoint = manager.load(resume_path, map_location="cpu") if resume_path is not None else None

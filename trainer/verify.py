@@ -23,7 +23,7 @@ from resumable_data import CheckpointManager
 
 from .train import CHECKPOINT_FOLDER, MODEL, OPTIMIZER, TrainConfig, read_metrics
 
-__all__ = ["config_to_argv", "first_difference", "verify_resume"]
+__all__ = ["child_env", "config_to_argv", "first_difference", "verify_resume"]
 
 
 def config_to_argv(config: TrainConfig) -> list[str]:
@@ -66,17 +66,21 @@ def first_difference(a: Any, b: Any, where: str = "") -> str | None:
     return None if a == b else f"{where}: {a!r} vs {b!r}"
 
 
+def child_env() -> dict[str, str]:
+    """The environment for a trainer subprocess: it must import this very trainer and library,
+    installed or not."""
+    source_root = str(Path(__file__).resolve().parents[1])
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [source_root, os.environ.get("PYTHONPATH")]))}
+
+
 def _run(config: TrainConfig, label: str) -> int:
     """Train ``config`` in a fresh Python process; its output goes to ``RUN_DIR/LABEL.log``."""
     command = [sys.executable, "-m", "trainer", "train", *config_to_argv(config)]
     log = Path(config.run_dir) / f"{label}.log"
     log.parent.mkdir(parents=True, exist_ok=True)
     print(f"  {label}: {' '.join(command[1:])}", flush=True)
-    # The child must import this very trainer and library, installed or not.
-    source_root = str(Path(__file__).resolve().parents[1])
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [source_root, os.environ.get("PYTHONPATH")]))}
     with open(log, "w") as out:
-        return subprocess.run(command, stdout=out, stderr=subprocess.STDOUT, env=env, check=False).returncode
+        return subprocess.run(command, stdout=out, stderr=subprocess.STDOUT, env=child_env(), check=False).returncode
 
 
 def _final_state(run_dir: Path) -> dict[str, Any]:
