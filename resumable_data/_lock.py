@@ -84,8 +84,11 @@ class RunLock:
         self._fd: int | None = fd
         _HELD.add(self)
         record = {PID: os.getpid(), HOST: socket.gethostname(), SINCE: time.time()}
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, json.dumps(record).encode(), 0)
+        try:
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, json.dumps(record).encode(), 0)
+        except OSError:  # e.g. a full disk: the flock is what locks; the record only names the holder
+            pass
 
     @property
     def held(self) -> bool:

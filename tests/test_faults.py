@@ -210,7 +210,7 @@ JSON = st.recursive(
 MANIFEST_FIELDS = ["version", "step", "created", "created_iso", "payload", "sha256", "size", "library_version", "metric"]
 
 
-@settings(max_examples=150, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=100, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(
     replaced=st.dictionaries(st.sampled_from(MANIFEST_FIELDS), JSON, max_size=3),
     dropped=st.sets(st.sampled_from(MANIFEST_FIELDS), max_size=2),

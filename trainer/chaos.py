@@ -46,7 +46,8 @@ CHAOS_DEFAULTS: dict[str, Any] = dict(
 )  # fmt: skip
 CORPUS_BYTES = 4000
 # Kill points in turn: any 3 kills in a row include a checkpoint write, a random moment and a prune;
-# with workers and async alternating on periods 2 and 4, every point meets every combination.
+# with workers and async alternating on periods 2 and 4, every point meets every combination
+# within 44 kills.
 PLAN = (
     "payload-half", "after-seconds", "prune-half", "manifest-synced", "after-seconds", "prune-aside",
     "before-publish", "after-seconds", "payload-synced", "after-publish", "after-seconds",
@@ -152,21 +153,21 @@ def chaos(kills: int, run_dir: str | Path = "runs/chaos", *, seed: int = 0, log:
 
     report = ChaosReport()
     rng = random.Random(seed)
-    plan = itertools.cycle(PLAN)
-    launch_number = 0
     for run_number in itertools.count(1):
         if report.total_kills >= kills or report.failures:
             break
         run = replace(config, run_dir=str(base / f"run-{run_number:03d}"), resume="auto")
         launches: list[Launch] = []
         while True:
-            if report.total_kills < kills:
-                point = next(plan)
-                count = f"{rng.uniform(0.0, 1.2 * train_s):.3f}" if point == "after-seconds" else str(rng.randint(1, 3))
+            # The plan moves on only when a kill lands (a launch may finish first), so the first K kills
+            # are exactly the plan's first K, each with its own workers/async combination.
+            attempt = report.total_kills
+            if attempt < kills:
+                point = PLAN[attempt % len(PLAN)]
+                count = f"{rng.uniform(0.0, train_s):.3f}" if point == "after-seconds" else str(rng.randint(1, 2))
             else:
                 point, count = NO_KILL, "0"
-            launch = Launch(point, count, num_workers=2 * (launch_number % 2), async_save=(launch_number // 2) % 2 == 1)
-            launch_number += 1
+            launch = Launch(point, count, num_workers=2 * (attempt % 2), async_save=(attempt // 2) % 2 == 1)
             report.launches += 1
             launch.first_event = len(_events(run.run_dir))
             process = _launch(replace(run, num_workers=launch.num_workers, async_save=launch.async_save), launch)
