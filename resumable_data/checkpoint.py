@@ -226,12 +226,11 @@ class CheckpointManager:
         try:
             self._publish(step, state, metric, target)
         except OSError as e:
-            reason = e.strerror or str(e)
-            raise OSError(
-                e.errno,
-                f"cannot write checkpoint {target}: {reason}; nothing was written and the earlier "
-                f"checkpoints are intact (free space, fix permissions, or use another folder)",
-            ) from e
+            message = (
+                f"cannot write checkpoint {target}: {e.strerror or e}; nothing was written and the "
+                f"earlier checkpoints are intact (free space, fix permissions, or use another folder)"
+            )
+            raise (OSError(message) if e.errno is None else OSError(e.errno, message)) from e
         self._prune(keep=target)
         return target
 
