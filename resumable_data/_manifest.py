@@ -13,7 +13,6 @@ from __future__ import annotations
 import datetime
 import hashlib
 import json
-import math
 import os
 import re
 import stat
@@ -36,6 +35,7 @@ STEP_RE = re.compile(r"^step-(\d+)$")
 MAX_MANIFEST_BYTES = 64 * 1024
 MAX_DEPTH = 4
 _HASH_CHUNK = 1 << 20
+_LAST_TIMESTAMP = 253402300799  # 9999-12-31T23:59:59Z, the last time datetime can show
 _SHA256_RE = re.compile(r"^[0-9a-f]{64}$")
 _OPENING = frozenset(b"[{")
 _CLOSING = frozenset(b"]}")
@@ -200,7 +200,7 @@ def _typed(record: Mapping[str, Any], path: Path) -> Manifest:
     size = field(SIZE, lambda v: _is_int(v) and v >= 0, "an int >= 0", required=True)
     field(PAYLOAD, lambda v: v == PAYLOAD_NAME, repr(PAYLOAD_NAME), required=False)
     metric = field(METRIC, lambda v: v is None or _is_number(v), "a number or null", required=False)
-    created = field(CREATED, lambda v: _is_number(v) and math.isfinite(v), "a finite number", required=False)
+    created = field(CREATED, lambda v: _is_number(v) and 0 <= v <= _LAST_TIMESTAMP, "a Unix time", required=False)
     field(CREATED_ISO, lambda v: isinstance(v, str), "a string", required=False)
     library = field(LIBRARY_VERSION, lambda v: isinstance(v, str), "a string", required=False)
     return Manifest(

@@ -160,6 +160,7 @@ ODD_MANIFESTS: dict[str, Callable[[dict[str, Any]], bytes]] = {
     "size is huge": lambda m: json.dumps({**m, "size": 10**400}).encode(),
     "sha256 is a number": lambda m: json.dumps({**m, "sha256": 12345}).encode(),
     "sha256 is not hex": lambda m: json.dumps({**m, "sha256": "z" * 64}).encode(),
+    "created is beyond year 9999": lambda m: json.dumps({**m, "created": 1e308}).encode(),
     "version is a string": lambda m: json.dumps({**m, "version": "1"}).encode(),
     "version is unknown": lambda m: json.dumps({**m, "version": 99}).encode(),
     "payload names another file": lambda m: json.dumps({**m, "payload": "../../etc/passwd"}).encode(),
