@@ -4,6 +4,7 @@ The public surface is re-exported here; each name lives in a small module with o
 """
 
 from ._state import ResumeError, ResumeWarning, Stateful
+from ._version import __version__
 from .checkpoint import CheckpointLockedError, CheckpointManager
 from .dataloader import ResumableDataLoader, wrap
 from .distributed import DataLoaderState, check_world_size, dcp_errors, global_state, require_agreement
@@ -29,8 +30,6 @@ from .streams import (
     TokenShardReader,
     mix,
 )
-
-__version__ = "0.1.0"
 
 __all__ = [
     "CheckpointLockedError",

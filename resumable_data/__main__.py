@@ -1,52 +1,42 @@
-"""Command line: ``python -m resumable_data inspect PATH`` and ``python -m resumable_data demo``.
+"""Command line: ``inspect PATH`` and ``demo``.
 
-``inspect`` prints the data-position parts of a checkpoint (every nested dict that carries a
-``version``, ``epoch`` and ``position``) as JSON, without unpickling anything: the file is read with
-``torch.load(weights_only=True)``. ``demo`` shows a loader stopped mid-epoch and resumed exactly.
+``inspect`` verifies a checkpoint (manifest, size, sha256) and prints its step, data position (epoch,
+position, world size) and sizes; it loads with ``torch.load(weights_only=True)`` only, so nothing in
+the file is ever executed, and a bad input gives one ``error:`` line and exit code 1, never a
+traceback. ``demo`` shows a loader stopped mid-epoch and resumed exactly.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
-from collections.abc import Iterator, Mapping
-from typing import Any
 
 import torch
 
-from ._state import EPOCH, POSITION, VERSION
+from ._inspect import inspect_checkpoint
+from ._state import ResumeError
+
+DESCRIPTION = "Inspect resumable_data checkpoints, or watch a loader resume exactly (demo)."
 
 
-def _data_states(obj: Any, path: str = "") -> Iterator[tuple[str, Mapping[str, Any]]]:
-    if isinstance(obj, Mapping):
-        if {VERSION, EPOCH, POSITION} <= obj.keys():
-            yield path or "<root>", obj
-        for key, value in obj.items():
-            yield from _data_states(value, f"{path}/{key}")
-    elif isinstance(obj, (list, tuple)):
-        for i, value in enumerate(obj):
-            yield from _data_states(value, f"{path}/{i}")
+def inspect(path: str, *, as_json: bool = False) -> int:
+    """Print the verified summary of the checkpoint at ``path``; one error line if it is bad.
 
-
-def _plain(obj: Any) -> Any:
-    if isinstance(obj, Mapping):
-        return {str(k): _plain(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [_plain(v) for v in obj]
-    if isinstance(obj, torch.Tensor):
-        return f"<tensor {tuple(obj.shape)} {obj.dtype}>"
-    return obj
-
-
-def inspect(path: str) -> int:
-    """Print every data-position state found in the checkpoint at ``path``."""
-    state = torch.load(path, map_location="cpu", weights_only=True)
-    found = {where: _plain(s) for where, s in _data_states(state)}
-    if not found:
-        print(f"no data-position state (a dict with version, epoch, position) in {path}", file=sys.stderr)
+    Returns:
+        0 for a readable checkpoint, 1 for a bad one.
+    """
+    try:
+        report = inspect_checkpoint(path)
+        text = json.dumps(report.as_json(), indent=2, sort_keys=True) if as_json else "\n".join(report.lines())
+    except ResumeError as e:
+        print(f"error: {e}", file=sys.stderr)
         return 1
-    print(json.dumps(found, indent=2, sort_keys=True))
+    except RecursionError:  # a payload that loads but nests deeper than Python can print
+        print(f"error: {path}: the state nests too deeply to print", file=sys.stderr)
+        return 1
+    print(text)
     return 0
 
 
@@ -71,14 +61,27 @@ def demo() -> int:
     return 0 if identical else 1
 
 
+def _program_name() -> str:
+    """``resumable-data`` when run as the console script, ``python -m resumable_data`` otherwise."""
+    name = os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else ""
+    return "python -m resumable_data" if name in ("", "__main__.py", "-c") else name
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m resumable_data", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog=_program_name(), description=DESCRIPTION)
     commands = parser.add_subparsers(dest="command", required=True)
-    inspect_parser = commands.add_parser("inspect", help="print the data position stored in a checkpoint")
-    inspect_parser.add_argument("path")
+    inspect_parser = commands.add_parser(
+        "inspect",
+        help="verify a checkpoint and print its step, data position and sizes",
+        description="Verify a checkpoint (manifest, size, sha256) and print its step, epoch, position, "
+        "world size and sizes. PATH is a step-N folder or a state file; a bad one gives one error line "
+        "and exit code 1. Loading uses weights_only, so nothing in the file is executed.",
+    )
+    inspect_parser.add_argument("path", metavar="PATH", help="a step-N checkpoint folder or a state.pt file")
+    inspect_parser.add_argument("--json", action="store_true", help="print the report as JSON")
     commands.add_parser("demo", help="stop a loader mid-epoch and resume it exactly")
     args = parser.parse_args(argv)
-    return inspect(args.path) if args.command == "inspect" else demo()
+    return inspect(args.path, as_json=args.json) if args.command == "inspect" else demo()
 
 
 if __name__ == "__main__":

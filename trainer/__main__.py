@@ -1,10 +1,11 @@
-"""``python -m trainer``: train (the default), verify-resume, plot, gpu-smoke.
+"""``python -m trainer``: train (the default), verify-resume, chaos, plot, gpu-smoke.
 
     python -m trainer                              # train the default model; Ctrl-C saves; rerun continues
     python -m trainer train --max-steps 1000 --data notes.txt
     python -m trainer verify-resume                # killed + resumed == uninterrupted, bitwise
     python -m trainer verify-resume --nproc 2      # the same under torchrun, plus elastic 2->1 and 2->3
     torchrun --nproc_per_node 2 -m trainer train   # data-parallel training (DDP; gloo on CPU, NCCL on CUDA)
+    python -m trainer chaos --kills 100            # 100 SIGKILLs (mid-write, mid-prune, with workers...) + relaunches
     python -m trainer plot runs/default            # runs/default/metrics.png
     python -m trainer gpu-smoke                    # on a CUDA machine: default run, step time, verify-resume
 """
@@ -28,6 +29,7 @@ import torch
 
 from resumable_data import ResumeError
 
+from .chaos import chaos
 from .model import ModelConfig
 from .plot import plot_run
 from .train import TrainConfig, read_metrics, train
@@ -124,6 +126,13 @@ def _parser() -> argparse.ArgumentParser:
     verify.add_argument("--nproc", type=int, default=None, help="run each job under torchrun with this many ranks, plus elastic resumes on 1 and NPROC+1 ranks")
     _add_threads_flag(verify)
 
+    chaos_cmd = commands.add_parser(
+        "chaos", help="SIGKILL a tiny run again and again (mid-write, mid-prune, with workers), relaunch at once, compare"
+    )
+    chaos_cmd.add_argument("--kills", type=int, default=20, help="SIGKILLs to inject (default: %(default)s)")
+    chaos_cmd.add_argument("--run-dir", default="runs/chaos", help="parent folder of the runs, emptied first (default: %(default)s)")
+    chaos_cmd.add_argument("--seed", type=int, default=0, help="fixes the kill moments, to replay a session (default: %(default)s)")
+
     plot = commands.add_parser("plot", help="write a PNG of loss and lr over steps, marking resume points")
     plot.add_argument("run_dir", help="a run folder (holds metrics.jsonl)")
     plot.add_argument("--out", default=None, help="PNG path (default RUN_DIR/metrics.png)")
@@ -187,12 +196,20 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 0
         if args.command == "verify-resume":
             return 0 if verify_resume(_config(args), args.kill_at_step, args.nproc) else 1
+        if args.command == "chaos":
+            report = chaos(args.kills, args.run_dir, seed=args.seed)
+            print(report.table())
+            for failure in report.failures:
+                print(f"FAIL: {failure}")
+            print("PASS" if report.ok else "FAIL")
+            return 0 if report.ok else 1
         if args.command == "plot":
             print(f"wrote {plot_run(args.run_dir, args.out)}")
             return 0
         return 0 if _gpu_smoke(args.steps, args.run_dir) else 1
-    except (ResumeError, ValueError, FileNotFoundError) as e:
-        # ResumeError covers a locked run folder (CheckpointLockedError) and corrupt checkpoints.
+    except (ResumeError, ValueError, OSError) as e:
+        # ResumeError covers a locked run folder (CheckpointLockedError) and corrupt checkpoints;
+        # OSError a checkpoint that cannot be written (disk full, read-only) or a missing file.
         print(f"error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:  # a second Ctrl-C while training: the user chose not to wait for the save

@@ -123,6 +123,7 @@ class TrainConfig:
     eval_batches: int = _option(8, "validation batches per evaluation")
     checkpoint_every: int = _option(100, "checkpoint every N steps")
     keep_last: int = _option(2, "newest checkpoints to keep (>= 2; the best is kept too)")
+    async_save: bool = _option(False, "write checkpoints in a background thread while training goes on")
     stop_at: int | None = _option(None, "save and exit after this step, as if preempted")
     crash_at_step: int | None = _option(None, "testing: kill -9 this process during this step")
     # System.
@@ -509,7 +510,9 @@ def _train(config: TrainConfig, ranks: parallel.Parallel) -> TrainResult:
             # Rank 0 locks the run folder first, so a second job on it stops before touching
             # anything, and picks the checkpoint once for every rank.
             nonlocal manager
-            manager = stack.enter_context(CheckpointManager(run_dir / CHECKPOINT_FOLDER, keep_last=config.keep_last))
+            manager = stack.enter_context(
+                CheckpointManager(run_dir / CHECKPOINT_FOLDER, keep_last=config.keep_last, async_save=config.async_save)
+            )
             if store is not None:
                 store.remove_leftovers()
             path = _find_checkpoint(store if store is not None else manager, config.resume)

@@ -33,7 +33,7 @@ from .data import TokenWindows, default_cache_dir, prepare_data
 from .model import ModelConfig
 from .train import CHECKPOINT_FOLDER, MODEL, OPTIMIZER, TrainConfig, read_metrics
 
-__all__ = ["config_to_argv", "first_difference", "verify_resume"]
+__all__ = ["child_env", "config_to_argv", "first_difference", "verify_resume"]
 
 
 def config_to_argv(config: TrainConfig) -> list[str]:
@@ -80,6 +80,13 @@ def first_difference(a: Any, b: Any, where: str = "") -> str | None:
 JOB_TIMEOUT_S = 900
 
 
+def child_env() -> dict[str, str]:
+    """The environment for a trainer subprocess: it must import this very trainer and library,
+    installed or not."""
+    source_root = str(Path(__file__).resolve().parents[1])
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [source_root, os.environ.get("PYTHONPATH")]))}
+
+
 def _run(config: TrainConfig, label: str, nproc: int | None = None) -> int:
     """Train ``config`` in fresh processes (``torchrun`` with ``nproc`` ranks when given); the
     output goes to ``RUN_DIR/LABEL.log``."""
@@ -88,12 +95,11 @@ def _run(config: TrainConfig, label: str, nproc: int | None = None) -> int:
     log = Path(config.run_dir) / f"{label}.log"
     log.parent.mkdir(parents=True, exist_ok=True)
     print(f"  {label}: {' '.join(command[1:])}", flush=True)
-    # The child must import this very trainer and library, installed or not.
-    source_root = str(Path(__file__).resolve().parents[1])
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [source_root, os.environ.get("PYTHONPATH")]))}
     with open(log, "w") as out:
         try:
-            return subprocess.run(command, stdout=out, stderr=subprocess.STDOUT, env=env, check=False, timeout=JOB_TIMEOUT_S).returncode
+            return subprocess.run(
+                command, stdout=out, stderr=subprocess.STDOUT, env=child_env(), check=False, timeout=JOB_TIMEOUT_S
+            ).returncode
         except subprocess.TimeoutExpired:
             print(f"  {label}: no result after {JOB_TIMEOUT_S} s; killed", flush=True)
             return -1

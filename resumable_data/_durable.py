@@ -1,0 +1,88 @@
+"""Durable file operations for checkpoints: fsynced writes, fsynced folders, removal that handles
+symlinks, and OS errors that survive torch's serializer.
+
+``torch.save`` into a file whose ``write`` fails (disk full, quota, file too large, I/O error)
+raises ``RuntimeError: [enforce fail at inline_container.cc ...] unexpected pos``: the OS error, its
+errno and the path are lost. :func:`write_payload` records the first OS error its file raised and
+raises *that* instead, so the caller can say what really happened.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, BinaryIO
+
+import torch
+
+__all__ = ["durable_file", "fsync_dir", "remove_tree", "write_payload"]
+
+
+@contextlib.contextmanager
+def durable_file(path: Path) -> Iterator[BinaryIO]:
+    """Open ``path`` for writing and fsync it on success, so it is on disk before any rename."""
+    with open(path, "wb") as f:
+        yield f
+        f.flush()
+        os.fsync(f.fileno())
+
+
+class _ErrorRecorder(io.RawIOBase):
+    """A write-only view of a file that remembers the first OSError its writes raised."""
+
+    def __init__(self, file: BinaryIO) -> None:
+        super().__init__()
+        self._file = file
+        self.error: OSError | None = None
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, data: Any) -> int:
+        try:
+            return self._file.write(data)
+        except OSError as e:
+            self.error = self.error or e
+            raise
+
+
+def write_payload(state: dict[str, Any], path: Path) -> None:
+    """``torch.save`` the state to ``path`` durably.
+
+    Raises:
+        OSError: The OS refused a write (with its errno), even when torch reports it as a RuntimeError.
+    """
+    with durable_file(path) as f:
+        recorder = _ErrorRecorder(f)
+        try:
+            torch.save(state, recorder)
+        except RuntimeError as e:
+            if recorder.error is not None:
+                raise recorder.error from e
+            raise
+
+
+def fsync_dir(path: Path) -> None:
+    """Make a rename or a new entry in ``path`` durable: fsync the folder itself."""
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def remove_tree(path: Path) -> None:
+    """Remove a folder with its content, or just the link if ``path`` is a symlink (never what it
+    points to), or a plain file.
+
+    Raises:
+        OSError: Something could not be removed.
+    """
+    if path.is_symlink() or not path.is_dir():
+        path.unlink(missing_ok=True)
+    else:
+        shutil.rmtree(path)

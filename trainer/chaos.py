@@ -1,0 +1,303 @@
+"""chaos: SIGKILL the trainer over and over, relaunch it at once, and prove that nothing was lost.
+
+The way storage engines are tested. A tiny model trains once straight through (the reference, every
+checkpoint kept). Then runs of the same configuration are killed with SIGKILL again and again and
+relaunched *at once* with ``--resume auto`` until each finishes. Kills land at random moments and at
+aimed ones (:mod:`trainer.killpoints`): mid payload write, between payload and manifest, just before
+and after the publishing rename, mid prune; launches alternate ``--num-workers`` 0 and 2 (forked
+workers outlive a killed trainer for a few seconds) and sync and async saves. Checked:
+
+- every relaunch starts: none is refused by a lock left by the killed trainer or its workers;
+- no checkpoint lost: after each kill the newest valid checkpoint is at least the newest one the
+  killed process had finished saving (for async saves, the one before the last submitted);
+- no corrupt checkpoint selected: every checkpoint that verifies after a kill holds exactly the
+  reference's state for its step, and the relaunch resumes from the newest of them;
+- every logged loss of every launch and the final state equal the uninterrupted run's, bitwise.
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import warnings
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from resumable_data import CheckpointManager, ResumeError
+
+from .killpoints import KILLPOINTS
+from .train import CHECKPOINT_FOLDER, TrainConfig, read_metrics
+from .verify import child_env, config_to_argv, first_difference
+
+__all__ = ["CHAOS_DEFAULTS", "ChaosReport", "chaos"]
+
+# Small enough that a launch is mostly Python start-up: many kills per minute on 2 cores. Dropout on
+# (so RNG restore matters), a checkpoint every 2 steps (so kills often land in writes and prunes).
+CHAOS_DEFAULTS: dict[str, Any] = dict(
+    n_layer=1, n_head=2, n_embd=16, block_size=16, dropout=0.1, batch_size=4, max_steps=24, lr=1e-2,
+    min_lr=1e-3, warmup_steps=3, eval_every=8, eval_batches=1, checkpoint_every=2, keep_last=2, progress=False,
+)  # fmt: skip
+CORPUS_BYTES = 4000
+# Kill points in turn: any 3 kills in a row include a checkpoint write, a random moment and a prune;
+# with workers and async alternating on periods 2 and 4, every point meets every combination
+# within 44 kills.
+PLAN = (
+    "payload-half", "after-seconds", "prune-half", "manifest-synced", "after-seconds", "prune-aside",
+    "before-publish", "after-seconds", "payload-synced", "after-publish", "after-seconds",
+)  # fmt: skip
+LAUNCH_TIMEOUT_S = 300
+NO_KILL = "none"
+
+
+@dataclass
+class Launch:
+    """One process of a chaos run."""
+
+    killpoint: str
+    count: str
+    num_workers: int
+    async_save: bool
+    exit_code: int | None = None
+    first_event: int = 0  # index of its first event in the run's metrics log
+    snapshot: Path | None = None  # the checkpoint folder as the kill left it
+
+
+@dataclass
+class ChaosReport:
+    """What a chaos session did and found; :attr:`ok` when every check passed."""
+
+    kills: collections.Counter[str] = field(default_factory=collections.Counter)
+    kills_with_workers: int = 0
+    kills_with_async: int = 0
+    runs_completed: int = 0
+    launches: int = 0
+    relaunches_refused: int = 0
+    checkpoints_lost: int = 0
+    checkpoints_checked: int = 0
+    corrupt_selected: int = 0
+    corrupt_valid: int = 0
+    wrong_resume_point: int = 0
+    losses_compared: int = 0
+    loss_mismatches: int = 0
+    final_mismatches: int = 0
+    wall_s: float = 0.0
+    failures: list[str] = field(default_factory=list)
+
+    @property
+    def total_kills(self) -> int:
+        return sum(self.kills.values())
+
+    @property
+    def ok(self) -> bool:
+        return not self.failures
+
+    def table(self) -> str:
+        """The results as a markdown table, then the kills per kill point."""
+        rows = [
+            ("SIGKILLs injected", f"{self.total_kills} ({self.kills_with_workers} with 2 workers, {self.kills_with_async} during async saving runs)"),
+            ("launches / runs completed", f"{self.launches} / {self.runs_completed}"),
+            ("relaunches refused (stale lock)", self.relaunches_refused),
+            ("checkpoints lost", self.checkpoints_lost),
+            ("corrupt checkpoints selected", self.corrupt_selected),
+            ("valid-looking checkpoints that differ from the reference", f"{self.corrupt_valid} of {self.checkpoints_checked} checked"),
+            ("resumed from another than the newest valid checkpoint", self.wrong_resume_point),
+            ("logged losses different from the uninterrupted run", f"{self.loss_mismatches} of {self.losses_compared}"),
+            ("final states different from the uninterrupted run", f"{self.final_mismatches} of {self.runs_completed}"),
+            ("wall time", f"{self.wall_s:.0f} s"),
+        ]
+        lines = ["| check | result |", "|---|---|", *(f"| {name} | {value} |" for name, value in rows)]
+        lines += ["", "| kill point | kills |", "|---|---|"]
+        lines += [f"| {point} | {self.kills[point]} |" for point in KILLPOINTS if self.kills[point]]
+        return "\n".join(lines)
+
+
+def chaos(kills: int, run_dir: str | Path = "runs/chaos", *, seed: int = 0, log: Any = print) -> ChaosReport:
+    """Kill, relaunch and compare until ``kills`` SIGKILLs have landed; see the module docstring.
+
+    Args:
+        kills: how many SIGKILLs to inject (runs are repeated until this many landed).
+        run_dir: parent folder of the reference and the chaos runs (emptied first).
+        seed: fixes the kill moments and counts, so a failing session can be replayed.
+        log: where progress lines go.
+
+    Returns:
+        The report; ``report.ok`` is False if any check failed (``report.failures`` says which).
+    """
+    if kills < 1:
+        raise ValueError(f"--kills should be >= 1, but got {kills}")
+    started = time.perf_counter()
+    base = Path(run_dir)
+    shutil.rmtree(base, ignore_errors=True)
+    base.mkdir(parents=True)
+    corpus = base / "corpus.txt"
+    corpus.write_bytes(Path(random.__file__).read_bytes()[:CORPUS_BYTES])
+    config = TrainConfig(run_dir=str(base / "reference"), data=str(corpus), cache_dir=str(base / "cache"), **CHAOS_DEFAULTS)
+
+    # The reference keeps every checkpoint, so each one a chaos run writes can be compared.
+    reference = replace(config, resume="never", keep_last=10**6)
+    code = _launch(reference, Launch(NO_KILL, "0", 0, False)).wait(timeout=LAUNCH_TIMEOUT_S)
+    if code != 0:
+        raise RuntimeError(f"the reference run failed with exit code {code}; see {base / 'reference' / 'launches.log'}")
+    events = read_metrics(reference.run_dir)
+    expected_losses = {e["step"]: e["loss"] for e in events if e["event"] == "step"}
+    times = [e["time"] for e in events if e["event"] in ("start", "end")]
+    train_s = times[-1] - times[0]
+    log(f"chaos: reference run of {config.max_steps} steps trained in {train_s:.2f} s; now {kills} kills")
+
+    report = ChaosReport()
+    rng = random.Random(seed)
+    for run_number in itertools.count(1):
+        if report.total_kills >= kills or report.failures:
+            break
+        run = replace(config, run_dir=str(base / f"run-{run_number:03d}"), resume="auto")
+        launches: list[Launch] = []
+        while True:
+            # The plan moves on only when a kill lands (a launch may finish first), so the first K kills
+            # are exactly the plan's first K, each with its own workers/async combination.
+            attempt = report.total_kills
+            if attempt < kills:
+                point = PLAN[attempt % len(PLAN)]
+                count = f"{rng.uniform(0.0, train_s):.3f}" if point == "after-seconds" else str(rng.randint(1, 2))
+            else:
+                point, count = NO_KILL, "0"
+            launch = Launch(point, count, num_workers=2 * (attempt % 2), async_save=(attempt // 2) % 2 == 1)
+            report.launches += 1
+            launch.first_event = len(_events(run.run_dir))
+            process = _launch(replace(run, num_workers=launch.num_workers, async_save=launch.async_save), launch)
+            try:
+                launch.exit_code = process.wait(timeout=LAUNCH_TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                launch.exit_code = process.wait()
+                report.failures.append(f"{run.run_dir}: a launch ran over {LAUNCH_TIMEOUT_S} s and was stopped")
+            launches.append(launch)
+            if launch.exit_code == -signal.SIGKILL:
+                report.kills[point] += 1
+                report.kills_with_workers += launch.num_workers > 0
+                report.kills_with_async += launch.async_save
+                # The folder exactly as the kill left it (a few ms); the relaunch follows at once.
+                launch.snapshot = base / "snapshots" / f"{Path(run.run_dir).name}-{len(launches):02d}"
+                shutil.copytree(Path(run.run_dir) / CHECKPOINT_FOLDER, launch.snapshot, symlinks=True)
+                continue
+            if launch.exit_code != 0:
+                output = (Path(run.run_dir) / "launches.log").read_text(errors="replace")
+                if "locked by pid" in output:
+                    report.relaunches_refused += 1
+                report.failures.append(f"{run.run_dir}: launch {len(launches)} exited with {launch.exit_code}; see launches.log")
+            break
+        if not report.failures:
+            report.runs_completed += 1
+            _check_run(run, launches, expected_losses, Path(reference.run_dir), report)
+        log(f"  {Path(run.run_dir).name}: {len(launches)} launches, kills so far {report.total_kills}/{kills}"
+            f"{'' if report.ok else ' FAILED: ' + report.failures[-1]}")  # fmt: skip
+    report.wall_s = time.perf_counter() - started
+    return report
+
+
+def _launch(config: TrainConfig, launch: Launch) -> subprocess.Popen[bytes]:
+    """Start the trainer (armed with a kill point unless ``none``), appending to RUN_DIR/launches.log."""
+    train_argv = ["train", *config_to_argv(config)]
+    if launch.killpoint == NO_KILL:
+        command = [sys.executable, "-m", "trainer", *train_argv]
+    else:
+        command = [sys.executable, "-m", "trainer.killpoints", launch.killpoint, launch.count, *train_argv]
+    log_path = Path(config.run_dir) / "launches.log"
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(log_path, "a") as out:
+        out.write(f"\n$ {launch.killpoint} {launch.count} workers={launch.num_workers} async={launch.async_save}\n")
+        out.flush()
+        # One thread per process: a launch is tiny, and contention on a shared machine only slows it.
+        env = {**child_env(), "OMP_NUM_THREADS": "1"}
+        return subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env)
+
+
+def _events(run_dir: str) -> list[dict[str, Any]]:
+    return read_metrics(run_dir) if (Path(run_dir) / "metrics.jsonl").is_file() else []
+
+
+def _check_run(
+    run: TrainConfig, launches: list[Launch], expected_losses: dict[int, float], reference_dir: Path, report: ChaosReport
+) -> None:
+    """Compare one finished chaos run with the reference; count and describe every difference."""
+    name = Path(run.run_dir).name
+    events = _events(run.run_dir)
+    reference_states: dict[int, dict[str, Any]] = {}
+
+    def reference_state(step: int) -> dict[str, Any]:
+        if step not in reference_states:
+            reference_states[step] = _load(reference_dir / CHECKPOINT_FOLDER / f"step-{step:08d}")
+        return reference_states[step]
+
+    floor = 0  # the newest checkpoint known to be durable so far
+    for i, launch in enumerate(launches):
+        own = events[launch.first_event : launches[i + 1].first_event if i + 1 < len(launches) else len(events)]
+        if i > 0:
+            resumed = [e for e in own if e["event"] == "resume"]
+            started = [e for e in own if e["event"] == "start"]
+            expected = launches[i - 1].snapshot and _newest_valid(launches[i - 1].snapshot)
+            if started and (resumed[0]["step"] if resumed else 0) != (expected or 0):
+                report.wrong_resume_point += 1
+                report.failures.append(f"{name}: launch {i + 1} resumed from {resumed[0]['step'] if resumed else 0}, newest valid was {expected}")
+        if launch.snapshot is None:
+            continue
+        saved = [e["step"] for e in own if e["event"] == "checkpoint"]
+        durable = saved[:-1] if launch.async_save else saved  # an async save is durable once the next one starts
+        floor = max([floor, *durable])
+        newest = _newest_valid(launch.snapshot) or 0
+        if newest < floor:
+            report.checkpoints_lost += 1
+            report.failures.append(f"{name}: after kill {i + 1} ({launch.killpoint}) the newest valid checkpoint is {newest}, but {floor} had been saved")
+        floor = newest
+        for folder in sorted(launch.snapshot.glob("step-*")):
+            state = _verified_state(folder)
+            if state is None:  # incomplete or corrupt: never selected (the resume check above proves it)
+                continue
+            report.checkpoints_checked += 1
+            step = CheckpointManager.step_of(folder)
+            difference = first_difference(reference_state(step), state)
+            if difference is not None:
+                report.corrupt_valid += 1
+                report.corrupt_selected += step == newest
+                report.failures.append(f"{name}: checkpoint {folder} verifies but differs from the reference at {difference}")
+
+    for event in events:
+        if event["event"] == "step":
+            report.losses_compared += 1
+            if event["loss"] != expected_losses.get(event["step"]):
+                report.loss_mismatches += 1
+                report.failures.append(f"{name}: step {event['step']} loss {event['loss']!r}, uninterrupted {expected_losses.get(event['step'])!r}")
+    missing = set(expected_losses) - {e["step"] for e in events if e["event"] == "step"}
+    if missing:
+        report.failures.append(f"{name}: steps {sorted(missing)} were never logged")
+    final = first_difference(reference_state(run.max_steps), _load(Path(run.run_dir) / CHECKPOINT_FOLDER / f"step-{run.max_steps:08d}"))
+    if final is not None:
+        report.final_mismatches += 1
+        report.failures.append(f"{name}: final state differs from the uninterrupted run at {final}")
+
+
+def _newest_valid(folder: Path) -> int | None:
+    """The step of the newest checkpoint in ``folder`` that verifies, as ``--resume auto`` picks it."""
+    with warnings.catch_warnings(), CheckpointManager(folder, lock=False) as manager:
+        warnings.simplefilter("ignore")
+        newest = manager.latest()
+    return None if newest is None else CheckpointManager.step_of(newest)
+
+
+def _verified_state(folder: Path) -> dict[str, Any] | None:
+    """The state of a checkpoint folder if its manifest and checksum verify, else None."""
+    try:
+        return _load(folder)
+    except ResumeError:
+        return None
+
+
+def _load(folder: Path) -> dict[str, Any]:
+    with CheckpointManager(folder.parent, lock=False) as manager:
+        return manager.load(folder)

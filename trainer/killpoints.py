@@ -1,0 +1,154 @@
+"""Kill points: run the trainer and SIGKILL it at a chosen moment of a checkpoint write or prune.
+
+    python -m trainer.killpoints KILLPOINT N train [train flags...]
+
+Like failpoints in storage engines: the process kills itself (SIGKILL, nothing flushed, no handler
+run) at the N-th time it reaches ``KILLPOINT``, so the chaos harness can aim at the few milliseconds
+that random timing rarely hits. The moments are recognized from the outside of the library, by
+wrapping the calls every checkpoint write makes (``torch.save``, ``os.fsync``, ``os.rename``,
+``shutil.rmtree``) and looking at the paths involved, so the library carries no test hooks. Only the
+trainer's own process kills itself: forked DataLoader workers inherit the wrappers but never fire.
+
+Kill points (in the order a save reaches them):
+
+    payload-half      half of state.pt written into the temp folder
+    payload-synced    state.pt complete and fsynced, no manifest yet
+    manifest-synced   manifest.json fsynced, temp folder not yet renamed
+    before-publish    about to rename .tmp-step-N to step-N
+    after-publish     step-N in place, run folder not yet fsynced, nothing pruned
+    prune-aside       an old step folder renamed to .tmp-deleted-*, not yet deleted
+    prune-half        an old step folder half deleted
+    after-seconds     N is a float: that many seconds after the trainer is imported (any moment)
+"""
+
+from __future__ import annotations
+
+import functools
+import io
+import os
+import shutil
+import signal
+import sys
+import threading
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+__all__ = ["KILLPOINTS", "main"]
+
+KILLPOINTS = (
+    "payload-half",
+    "payload-synced",
+    "manifest-synced",
+    "before-publish",
+    "after-publish",
+    "prune-aside",
+    "prune-half",
+    "after-seconds",
+)
+_MAIN_PID = os.getpid()
+
+
+def _die() -> None:
+    if os.getpid() == _MAIN_PID:  # never in a forked DataLoader worker
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+class _Counter:
+    """Fires on the ``n``-th hit of the armed kill point."""
+
+    def __init__(self, armed: str, n: int) -> None:
+        self.armed, self.n, self.hits = armed, n, 0
+        self._lock = threading.Lock()
+
+    def reached(self, point: str) -> bool:
+        if point != self.armed:
+            return False
+        with self._lock:
+            self.hits += 1
+            return self.hits == self.n
+
+
+def _fd_path(fd: int) -> str:
+    try:
+        return os.readlink(f"/proc/self/fd/{fd}")
+    except OSError:
+        return ""
+
+
+def _install(counter: _Counter) -> None:
+    """Wrap the calls a checkpoint write makes; each wrapper dies when its kill point comes due."""
+    real_save, real_fsync, real_rename, real_rmtree = torch.save, os.fsync, os.rename, shutil.rmtree
+
+    @functools.wraps(real_save)
+    def save(obj: Any, f: Any, *args: Any, **kwargs: Any) -> None:
+        if not counter.reached("payload-half"):
+            return real_save(obj, f, *args, **kwargs)
+        buffer = io.BytesIO()
+        real_save(obj, buffer, *args, **kwargs)
+        data = buffer.getvalue()
+        f.write(data[: len(data) // 2])
+        f.flush()
+        _die()
+
+    @functools.wraps(real_fsync)
+    def fsync(fd: Any) -> None:
+        real_fsync(fd)
+        path = _fd_path(fd if isinstance(fd, int) else fd.fileno())
+        if ".tmp-step-" in path:
+            name = Path(path).name
+            if (name == "state.pt" and counter.reached("payload-synced")) or (
+                name == "manifest.json" and counter.reached("manifest-synced")
+            ):
+                _die()
+
+    @functools.wraps(real_rename)
+    def rename(src: Any, dst: Any, *args: Any, **kwargs: Any) -> None:
+        publishing = Path(src).name.startswith(".tmp-step-") and Path(dst).name.startswith("step-")
+        if publishing and counter.reached("before-publish"):
+            _die()
+        real_rename(src, dst, *args, **kwargs)
+        if publishing and counter.reached("after-publish"):
+            _die()
+        if Path(dst).name.startswith(".tmp-deleted-step-") and counter.reached("prune-aside"):
+            _die()
+
+    @functools.wraps(real_rmtree)
+    def rmtree(path: Any, *args: Any, **kwargs: Any) -> None:
+        if Path(path).name.startswith(".tmp-deleted-step-") and counter.reached("prune-half"):
+            entries = sorted(Path(path).iterdir())
+            if entries:
+                entries[0].unlink()
+            _die()
+        real_rmtree(path, *args, **kwargs)
+
+    torch.save, os.fsync, os.rename, shutil.rmtree = save, fsync, rename, rmtree
+
+
+def _arm(point: str, n: str) -> None:
+    if point not in KILLPOINTS:
+        raise SystemExit(f"error: unknown kill point {point!r}; choose one of {', '.join(KILLPOINTS)}")
+    if point == "after-seconds":
+        timer = threading.Timer(float(n), _die)
+        timer.daemon = True
+        timer.start()
+    else:
+        _install(_Counter(point, int(n)))
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Arm ``argv[0]`` at count ``argv[1]``, then run the trainer's command line on the rest."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    if len(args) < 2:
+        raise SystemExit(f"usage: python -m trainer.killpoints KILLPOINT N COMMAND [FLAGS...]\n{__doc__}")
+    # Imported before arming, so "after-seconds" counts from a trainer ready to run, not from imports.
+    from .__main__ import main as trainer_main
+
+    _arm(args[0], args[1])
+    return trainer_main(args[2:])
+
+
+if __name__ == "__main__":
+    sys.exit(main())
