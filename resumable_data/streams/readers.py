@@ -8,7 +8,7 @@ yielding anything.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, BinaryIO
 
 import numpy as np
@@ -78,7 +78,7 @@ class TokenShardReader:
                 f"token shard {os.fspath(shard)!r} has {n} windows but the cursor is at offset {start}: "
                 "the shard is shorter than when the checkpoint was written (truncated or replaced?)"
             )
-        return self._windows(tokens, start, n)
+        return self._windows(tokens.view(np.ndarray), range(start, n))
 
     def read_records(self, shard: Any, offsets: Sequence[int]) -> list[torch.Tensor]:
         """The windows at record ``offsets`` (ascending), with the shard mapped once for all of them.
@@ -87,8 +87,7 @@ class TokenShardReader:
         open and one slice each, not one open each. Each window gets its own tensor storage, as
         from :meth:`__call__`.
         """
-        # A plain ndarray view: slicing a np.memmap subclass costs several times more per window.
-        tokens = self.tokens(shard).view(np.ndarray)
+        tokens = self.tokens(shard)
         n = self._count(len(tokens))
         if offsets and (offsets[0] < 0 or offsets[-1] >= n):
             bad = offsets[-1] if offsets[-1] >= n else offsets[0]
@@ -96,13 +95,14 @@ class TokenShardReader:
                 f"token shard {os.fspath(shard)!r} has {n} windows but the checkpoint needs the one at "
                 f"offset {bad}: the shard is shorter than when the checkpoint was written (truncated or replaced?)"
             )
-        stride, window = self.stride, self.window
-        return [torch.from_numpy(tokens[i * stride : i * stride + window].astype(np.int64)) for i in offsets]
+        return list(self._windows(tokens.view(np.ndarray), offsets))
 
-    def _windows(self, tokens: np.ndarray, start: int, n: int) -> Iterator[torch.Tensor]:
-        for i in range(start, n):
-            begin = i * self.stride
-            yield torch.from_numpy(tokens[begin : begin + self.window].astype(np.int64))
+    def _windows(self, tokens: np.ndarray, offsets: Iterable[int]) -> Iterator[torch.Tensor]:
+        # ``tokens`` is a plain ndarray view of the memmap: slicing the np.memmap subclass itself
+        # costs several times more per window.
+        stride, window = self.stride, self.window
+        for i in offsets:
+            yield torch.from_numpy(tokens[i * stride : i * stride + window].astype(np.int64))
 
 
 class TextLineReader:
