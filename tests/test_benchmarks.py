@@ -62,8 +62,11 @@ def test_bench_overhead_quick(tmp_path: Path) -> None:
     _run_quick("bench_overhead.py", tmp_path)
     rows = _rows(tmp_path, "bench_overhead", "method")
     epochs = [row for row in rows if "coverage" in row]
-    assert {row["method"] for row in epochs} == {"DataLoader", "StatefulDataLoader", "resumable_data"}
+    control = "control: DataLoader fed resumable_data's order"
+    assert {row["method"] for row in epochs} == {"DataLoader", "StatefulDataLoader", "resumable_data", control}
     assert all(row["coverage"] == "ok" for row in epochs), epochs
+    machinery = [row for row in rows if "per batch" in row]
+    assert {row["method"] for row in machinery} == {"DataLoader", "StatefulDataLoader", "resumable_data", control}
     states = [row for row in rows if "pickled size" in row]
     assert {row["method"] for row in states} == {"StatefulDataLoader", "resumable_data"}
     assert all(row["JSON-serializable"] == "yes" for row in states if row["method"] == "resumable_data")
