@@ -23,6 +23,9 @@ position histograms over thousands of seeds are indistinguishable from uniform.
 Cost: the domain is less than twice ``length`` (for ``length > 8``), so cycle walking takes under
 two network evaluations per position on average; each round is eight in-place numpy operations on
 the whole chunk (about 30 ns per index on our 2-core machines, as fast as ``torch.randperm``).
+The last few stragglers of a cycle walk (at most :data:`SCALAR_TAIL`) finish in plain Python
+ints: a numpy pass costs ~100 numpy calls whatever the array size, which would otherwise make the
+tail of a short chunk (a restore's first batch) cost several full passes.
 """
 
 from __future__ import annotations
@@ -37,6 +40,8 @@ __all__ = ["Permutation", "ROUNDS"]
 ROUNDS = 12
 # Below 4 bits (2 per part) a round function has too few inputs to mix tiny domains evenly.
 _MIN_BITS = 4
+SCALAR_TAIL = 16  # stragglers of a cycle walk finished one by one in Python ints (same result)
+_MASK64 = (1 << 64) - 1
 
 
 class Permutation:
@@ -74,6 +79,7 @@ class Permutation:
                 np.uint64(64 - high_bits),
             ))
             low_bits, high_bits = high_bits, low_bits
+        self._scalar_rounds = [tuple(int(v) for v in r) for r in self._rounds]
 
     def _feistel(self, x: np.ndarray) -> np.ndarray:
         """One pass of the network over a uint64 array, in place (returns it)."""
@@ -96,11 +102,21 @@ class Permutation:
                              f"[{positions.min()}, {positions.max()}]")
         out = self._feistel(positions.astype(np.uint64))
         outside = np.flatnonzero(out >= self.length)
-        while outside.size:  # cycle walking: only the stragglers are re-encrypted
+        while outside.size > SCALAR_TAIL:  # cycle walking: only the stragglers are re-encrypted
             walked = self._feistel(out[outside])
             out[outside] = walked
             outside = outside[walked >= self.length]
+        for i in outside.tolist():
+            out[i] = self._walk_scalar(int(out[i]))
         return out.astype(np.int64)
+
+    def _walk_scalar(self, x: int) -> int:
+        """The rest of one value's cycle walk in Python ints: the same network as :meth:`_feistel`."""
+        while x >= self.length:
+            for key, multiplier, low_bits, low_mask, high_bits, drop in self._scalar_rounds:
+                low = x & low_mask
+                x = (x >> low_bits) ^ ((((low ^ key) * multiplier) & _MASK64) >> drop) | (low << high_bits)
+        return x
 
     def __getitem__(self, position: int) -> int:
         """The index at one position."""
