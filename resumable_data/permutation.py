@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ._hash import hash_ints
+from ._hash import hash_ints, hash_more
 from ._state import check_int_arg
 
 __all__ = ["Permutation", "ROUNDS"]
@@ -67,19 +67,20 @@ class Permutation:
         bits = max(_MIN_BITS, (length - 1).bit_length())
         # Round r splits x into (high, low) with `low_bits` low bits, then maps it to
         # (low, high ^ F(low)): the next round's split is the other way round.
-        self._rounds = []
+        # Key hash_ints(seed, epoch, r) and multiplier hash_ints(seed, epoch, r, 1) | 1, sharing
+        # the (seed, epoch) prefix: a restore builds a Permutation, so this is on its path.
+        prefix = hash_ints(seed, epoch)
+        self._scalar_rounds: list[tuple[int, ...]] = []
         low_bits, high_bits = bits // 2, bits - bits // 2
         for r in range(rounds):
-            self._rounds.append((
-                np.uint64(hash_ints(seed, epoch, r)),
-                np.uint64(hash_ints(seed, epoch, r, 1) | 1),
-                np.uint64(low_bits),
-                np.uint64((1 << low_bits) - 1),
-                np.uint64(high_bits),
-                np.uint64(64 - high_bits),
-            ))
+            key = hash_more(prefix, r)
+            self._scalar_rounds.append(
+                (key, hash_more(key, 1) | 1, low_bits, (1 << low_bits) - 1, high_bits, 64 - high_bits)
+            )
             low_bits, high_bits = high_bits, low_bits
-        self._scalar_rounds = [tuple(int(v) for v in r) for r in self._rounds]
+        # The same constants as numpy uint64 scalars, for the vectorized network (one array
+        # conversion rather than a np.uint64() call per constant).
+        self._rounds = [tuple(row) for row in np.array(self._scalar_rounds, dtype=np.uint64)]
 
     def _feistel(self, x: np.ndarray) -> np.ndarray:
         """One pass of the network over a uint64 array, in place (returns it)."""
