@@ -159,8 +159,8 @@ def main() -> None:
             "(`time.process_time`): all of a 0-worker restore, none of the workers' part.",
             "",
             f"- target: {BUFFERED} restore ≤ 5 ms: {format_seconds(restore)} wall clock ({'met' if restore <= 5e-3 else 'missed'}); "
-            f"its CPU time {format_seconds(statistics.median(buffered.restores_cpu))} (the whole restore runs in this process, so "
-            "this is what it costs on an idle machine)",
+            f"its CPU time {format_seconds(statistics.median(buffered.restores_cpu))} (the whole restore runs in this process; CPU "
+            "time is less stretched than the wall clock by other jobs, though not immune: they share the caches and cores)",
             "",
             markdown_table(["pipeline", "position (batches)", "replay", "restore", "restore, CPU time", "fresh start", "speed-up (replay / restore)",
                             "state (JSON)"], rows),
