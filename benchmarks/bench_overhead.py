@@ -198,7 +198,7 @@ def run(plan: Plan, work_iterations: dict[float, int]) -> tuple[Epochs, dict[tup
 
 def _ratios(epochs: Epochs, method: str, cost: float, workers: int, field: str = "seconds") -> list[float]:
     """Per round: this method's epoch ``field`` / the plain DataLoader's in the same round."""
-    pairs = zip(epochs[(method, cost, workers)], epochs[(PLAIN, cost, workers)])
+    pairs = zip(epochs[(method, cost, workers)], epochs[(PLAIN, cost, workers)], strict=True)
     return [mine[field] / plain[field] for mine, plain in pairs if field in mine and field in plain]
 
 

@@ -48,7 +48,7 @@ def run_starts(keys: list[list[int]], names: list[str]) -> list[tuple[str, int]]
     starts = []
     for shard in sorted({key[1] for key in keys}):
         offsets = sorted(key[2] for key in keys if key[1] == shard)
-        starts += [(names[shard], b) for a, b in zip([None, *offsets], offsets) if a is None or b != a + 1]
+        starts += [(names[shard], b) for a, b in zip([None, *offsets[:-1]], offsets, strict=True) if a is None or b != a + 1]
     return starts
 
 
@@ -64,7 +64,7 @@ def state_and_continuation(make, cut: int, tail: int) -> tuple[dict[str, Any], l
 
 def assert_same(got: list[Any], expected: list[Any]) -> None:
     assert len(got) == len(expected)
-    for a, b in zip(got, expected):
+    for a, b in zip(got, expected, strict=True):
         if isinstance(a, torch.Tensor):
             assert torch.equal(a, b)
         else:
@@ -75,8 +75,8 @@ def assert_same(got: list[Any], expected: list[Any]) -> None:
 def test_token_buffer_restore_maps_each_shard_once(tmp_path: Path, buffer: int, cut: int) -> None:
     paths = write_token_shards(tmp_path, [1000] * 6)
 
-    def make(reader: TokenShardReader = TokenShardReader(WINDOW)) -> Stream:
-        return ShardedIterable(paths, read_shard=reader, seed=4).shuffle_buffer(buffer, seed=5)
+    def make(reader: TokenShardReader | None = None) -> Stream:
+        return ShardedIterable(paths, read_shard=reader or TokenShardReader(WINDOW), seed=4).shuffle_buffer(buffer, seed=5)
 
     state, expected = state_and_continuation(make, cut, 200)
     counting = OpenCountingTokenReader(WINDOW)

@@ -51,7 +51,7 @@ class Map(Wrapper):
         return self._call(key, self.source._fetch(key))
 
     def _fetch_many(self, keys: Sequence[Key]) -> list[Any]:
-        return [self._call(key, value) for key, value in zip(keys, self.source._fetch_many(keys))]
+        return [self._call(key, value) for key, value in zip(keys, self.source._fetch_many(keys), strict=True)]
 
     def _own_state(self) -> dict[str, Any]:
         return {SEED: self.seed}

@@ -27,7 +27,7 @@ order of the rest of the epoch differs from an uninterrupted run with the old la
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Generator, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -98,7 +98,7 @@ class ShardedIterable(Stream):
             return list(range(n))
         return Permutation(n, self.seed, epoch)(np.arange(n, dtype=np.int64)).tolist()
 
-    def _records(self, index: int, start: int) -> Iterator[tuple[int, Any]]:
+    def _records(self, index: int, start: int) -> Generator[tuple[int, Any], None, None]:
         """``(next offset, record)`` of shard ``index`` from ``start``; OSError becomes ResumeError."""
         shard = self.shards[index]
         try:

@@ -62,7 +62,7 @@ class ShuffleBuffer(Wrapper):
             # One grouped re-read (each shard opened once), and only then the buffer changes: a
             # failed re-read leaves the restored state as it was.
             records = self.source._fetch_many(self._unread)
-            self._buffer.extend(zip(self._unread, records))
+            self._buffer.extend(zip(self._unread, records, strict=True))
             self._unread = []
         for item in self.source._keyed():
             if len(self._buffer) < self.size:
