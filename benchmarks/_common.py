@@ -58,6 +58,12 @@ def parse_args(description: str, add_arguments: Callable[[argparse.ArgumentParse
     if add_arguments is not None:
         add_arguments(parser)
     args = parser.parse_args()
+    if args.quick:
+        # A smoke test times nothing that matters, so its cells may fork from this process, which
+        # has imported torch already, rather than from a forkserver that imports it a second time
+        # (seconds on a loaded machine).
+        global _start_method
+        _start_method = "fork"
     if args.out is None:
         # A quick run is a smoke test: it must not overwrite the committed results of a full run.
         args.out = Path(tempfile.mkdtemp(prefix="bench-quick-")) if args.quick else RESULTS_DIR
@@ -102,13 +108,15 @@ def machine_header(title: str) -> str:
 # -- isolated cells ------------------------------------------------------------------------------
 
 _context: Any = None
+_start_method = "forkserver"  # "fork" for --quick (see parse_args)
 
 
 def _cell_context() -> Any:
     global _context
     if _context is None:
-        _context = multiprocessing.get_context("forkserver")
-        _context.set_forkserver_preload(_PRELOAD)
+        _context = multiprocessing.get_context(_start_method)
+        if _start_method == "forkserver":
+            _context.set_forkserver_preload(_PRELOAD)
     return _context
 
 
@@ -262,23 +270,26 @@ def seeded_generator(seed: int) -> torch.Generator:
 # checked; that is also what a user who wants to resume has to do.
 
 
-def plain_loader(dataset: Sized, *, batch_size: int, seed: int, workers: int) -> torch.utils.data.DataLoader:
+# ``loader_kwargs`` go to the loader's constructor unchanged (e.g. ``collate_fn``).
+
+
+def plain_loader(dataset: Sized, *, batch_size: int, seed: int, workers: int, **loader_kwargs: Any) -> torch.utils.data.DataLoader:
     sampler = torch.utils.data.RandomSampler(dataset, generator=seeded_generator(seed))
-    return torch.utils.data.DataLoader(dataset, batch_size=batch_size, sampler=sampler, num_workers=workers)
+    return torch.utils.data.DataLoader(dataset, batch_size=batch_size, sampler=sampler, num_workers=workers, **loader_kwargs)
 
 
-def stateful_loader(dataset: Sized, *, batch_size: int, seed: int, workers: int) -> Any:
+def stateful_loader(dataset: Sized, *, batch_size: int, seed: int, workers: int, **loader_kwargs: Any) -> Any:
     from torchdata.stateful_dataloader import StatefulDataLoader
     from torchdata.stateful_dataloader.sampler import RandomSampler
 
     sampler = RandomSampler(dataset, generator=seeded_generator(seed))
-    return StatefulDataLoader(dataset, batch_size=batch_size, sampler=sampler, num_workers=workers)
+    return StatefulDataLoader(dataset, batch_size=batch_size, sampler=sampler, num_workers=workers, **loader_kwargs)
 
 
-def resumable_loader(dataset: Sized, *, batch_size: int, seed: int, workers: int) -> Any:
+def resumable_loader(dataset: Sized, *, batch_size: int, seed: int, workers: int, **loader_kwargs: Any) -> Any:
     from resumable_data import ResumableDataLoader
 
-    return ResumableDataLoader(dataset, batch_size=batch_size, shuffle=True, seed=seed, num_workers=workers)
+    return ResumableDataLoader(dataset, batch_size=batch_size, shuffle=True, seed=seed, num_workers=workers, **loader_kwargs)
 
 
 # -- tables and plots ----------------------------------------------------------------------------

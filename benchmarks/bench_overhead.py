@@ -1,11 +1,20 @@
 """Steady-state cost of being resumable: epoch throughput, and ``state_dict()`` latency and size.
 
 Throughput: one full shuffled epoch per cell, timed from the first batch in hand to the end (so
-worker start-up is left out), for a plain ``DataLoader``, torchdata's ``StatefulDataLoader`` and
-``ResumableDataLoader``, with 0 and 2 workers. Each cell runs in a fresh process; the methods take
-turns within each round, and the overhead is the median over rounds of the time ratio to the plain
-``DataLoader`` of the same round, which cancels most of the drift of a shared machine. Every
-epoch is also checked to hand out each sample exactly once.
+worker start-up is left out), for each method in ``METHODS``: a plain ``DataLoader``, torchdata's
+``StatefulDataLoader``, ``ResumableDataLoader``, and a control (a plain ``DataLoader`` fed
+resumable_data's exact order through a list sampler: the same samples in the same order, none of
+our code), with 0 and 2 workers. Each cell runs in a fresh process; the methods take turns within
+each round, in an order rotated from round to round (so no method always runs first, or always
+after the same one), and the overhead is the median over rounds of the time ratio to the plain
+``DataLoader`` of the same round, given with its min and max. With 0 workers the cell's CPU time
+(``time.process_time``) is reported too: everything runs in that one process, so its ratio is much
+less disturbed by other jobs on a shared machine than the wall-clock one. Every epoch is also
+checked to hand out each sample exactly once.
+
+Machinery: the loader's own cost per batch, without a dataset worth the name (``__getitem__``
+returns the index, the collate function returns the list), so what is left is the sampler, the
+batching and the iterator wrappers: µs per batch, CPU time, median over rounds.
 
 ``state_dict()``: called mid-epoch, timed call by call; size is the pickled size.
 
@@ -15,12 +24,13 @@ epoch is also checked to hand out each sample exactly once.
 
 from __future__ import annotations
 
+import gc
 import json
 import pickle
 import statistics
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sized
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,19 +42,39 @@ from _common import SyntheticDataset, format_count, format_seconds, markdown_tab
 # torchdata 0.11 calls a deprecated torch API on every StatefulDataLoader; the warning is noise here.
 warnings.filterwarnings("ignore", message="'set_vital' is deprecated")
 
-PLAIN = "DataLoader"
-STATEFUL = "StatefulDataLoader"
-OURS = "resumable_data"
-METHODS = (PLAIN, STATEFUL, OURS)
-STATEFUL_METHODS = (STATEFUL, OURS)  # a plain DataLoader has no state_dict()
-BUILDERS: dict[str, Callable[..., Any]] = {
-    PLAIN: _common.plain_loader,
-    STATEFUL: _common.stateful_loader,
-    OURS: _common.resumable_loader,
-}
 BATCH_SIZE = 32
 SEED = 1234
 STATE_DICT_CALLS = 2000
+
+
+def control_loader(dataset: Sized, *, batch_size: int, seed: int, workers: int, **loader_kwargs: Any) -> torch.utils.data.DataLoader:
+    """A plain DataLoader fed resumable_data's exact order (precomputed, outside the timed part)."""
+    from resumable_data import ResumableSampler
+
+    order = list(ResumableSampler(len(dataset), shuffle=True, seed=seed))
+    return torch.utils.data.DataLoader(dataset, batch_size=batch_size, sampler=order, num_workers=workers, **loader_kwargs)
+
+
+@dataclass(frozen=True)
+class Method:
+    """A row of the tables: how to build the loader, and whether it has a ``state_dict()``."""
+
+    name: str
+    build: Callable[..., Any]  # (dataset, *, batch_size, seed, workers, **DataLoader kwargs) -> loader
+    stateful: bool
+
+
+PLAIN = "DataLoader"
+OURS = "resumable_data"
+# The rows, in table order. A variant of resumable_data is one more entry, e.g.
+#   Method("resumable_data global_rng=None", functools.partial(_common.resumable_loader, global_rng=None), True)
+METHODS: list[Method] = [
+    Method(PLAIN, _common.plain_loader, stateful=False),
+    Method("StatefulDataLoader", _common.stateful_loader, stateful=True),
+    Method(OURS, _common.resumable_loader, stateful=True),
+    Method("control: DataLoader fed resumable_data's order", control_loader, stateful=False),
+]
+BY_NAME = {m.name: m for m in METHODS}
 
 
 @dataclass(frozen=True)
@@ -53,31 +83,67 @@ class Plan:
     workers: tuple[int, ...]
     rounds: int
     state_size: int  # dataset size for the state_dict() cells
+    machinery_batches: int  # batches per machinery round
 
 
-FULL = Plan(sizes={0.0: 250_000, 50.0: 40_000}, workers=(0, 2), rounds=4, state_size=10**6)
-QUICK = Plan(sizes={0.0: 2_000, 50.0: 1_000}, workers=(0, 2), rounds=1, state_size=10**3)
+FULL = Plan(sizes={0.0: 200_000, 50.0: 20_000}, workers=(0, 2), rounds=8, state_size=10**6, machinery_batches=3000)
+QUICK = Plan(sizes={50.0: 1_000}, workers=(0, 2), rounds=1, state_size=10**3, machinery_batches=100)
 
 
 def epoch_cell(method: str, n: int, work_iterations: int, workers: int) -> dict[str, Any]:
-    """One full epoch; steady-state seconds (first batch → end) and whether it covered N once."""
+    """One full epoch; steady-state seconds and CPU seconds (first batch → end), and whether it covered N once."""
     torch.set_num_threads(1)
-    loader = BUILDERS[method](SyntheticDataset(n, work_iterations), batch_size=BATCH_SIZE, seed=SEED, workers=workers)
+    loader = BY_NAME[method].build(SyntheticDataset(n, work_iterations), batch_size=BATCH_SIZE, seed=SEED, workers=workers)
     iterator = iter(loader)
     seen = [next(iterator)[:, 0]]
-    start = time.perf_counter()
+    gc.collect()
+    start, start_cpu = time.perf_counter(), time.process_time()
     seen += [batch[:, 0] for batch in iterator]
-    seconds = time.perf_counter() - start
+    seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - start_cpu
     indices = torch.cat(seen)
     covered = len(indices) == n and torch.equal(torch.sort(indices).values, torch.arange(n))
     coverage = "ok" if covered else f"MISMATCH: {len(indices)} samples, {len(torch.unique(indices))} distinct, of {n}"
-    return {"seconds": seconds, "samples": n - len(seen[0]), "coverage": coverage}
+    return {"seconds": seconds, "cpu_seconds": cpu_seconds, "samples": n - len(seen[0]), "coverage": coverage}
+
+
+class IndexDataset(torch.utils.data.Dataset):
+    """``dataset[i] == i``: a dataset that costs nothing, so only the loader's machinery is timed."""
+
+    def __init__(self, length: int) -> None:
+        self.length = length
+
+    def __len__(self) -> int:
+        return self.length
+
+    def __getitem__(self, index: int) -> int:
+        return index
+
+
+def _as_list(samples: list[int]) -> list[int]:
+    return samples
+
+
+def machinery_cell(method: str, batches: int, rounds: int) -> dict[str, Any]:
+    """CPU µs per batch of the loader alone (sampler, batching, iterator wrappers), median over rounds."""
+    torch.set_num_threads(1)
+    n = batches * BATCH_SIZE
+    per_batch = []
+    for _ in range(rounds):
+        loader = BY_NAME[method].build(IndexDataset(n), batch_size=BATCH_SIZE, seed=SEED, workers=0, collate_fn=_as_list)
+        iterator = iter(loader)
+        next(iterator)
+        gc.collect()
+        start = time.process_time()
+        for _ in iterator:
+            pass
+        per_batch.append((time.process_time() - start) / (batches - 1))
+    return {"per_batch_s": statistics.median(per_batch), "min_s": min(per_batch), "max_s": max(per_batch)}
 
 
 def state_dict_cell(method: str, n: int, workers: int) -> dict[str, Any]:
     """Median and 99th percentile of ``state_dict()`` mid-epoch, and the state's size."""
     torch.set_num_threads(1)
-    loader = BUILDERS[method](SyntheticDataset(n), batch_size=BATCH_SIZE, seed=SEED, workers=workers)
+    loader = BY_NAME[method].build(SyntheticDataset(n), batch_size=BATCH_SIZE, seed=SEED, workers=workers)
     iterator = iter(loader)
     for _ in range(5):
         next(iterator)
@@ -100,36 +166,60 @@ def state_dict_cell(method: str, n: int, workers: int) -> dict[str, Any]:
     }
 
 
-def run(plan: Plan, work_iterations: dict[float, int]) -> tuple[dict[tuple[str, float, int], list[dict[str, Any]]], dict[tuple[str, int], dict[str, Any]]]:
-    epochs: dict[tuple[str, float, int], list[dict[str, Any]]] = {}
+Epochs = dict[tuple[str, float, int], list[dict[str, Any]]]
+
+
+def rotated(items: list[Any], shift: int) -> list[Any]:
+    shift %= len(items)
+    return items[shift:] + items[:shift]
+
+
+def run(plan: Plan, work_iterations: dict[float, int]) -> tuple[Epochs, dict[tuple[str, int], dict[str, Any]], dict[str, dict[str, Any]]]:
+    epochs: Epochs = {}
+    names = [m.name for m in METHODS]
     for round_ in range(plan.rounds):
         for cost, n in plan.sizes.items():
             for workers in plan.workers:
-                for method in METHODS:
+                # Rotated each round: no method always runs first, or always right after the same one.
+                for method in rotated(names, round_):
                     kwargs = {"method": method, "n": n, "work_iterations": work_iterations[cost], "workers": workers}
                     result = run_isolated(epoch_cell, kwargs, timeout_s=600)
                     epochs.setdefault((method, cost, workers), []).append(result)
                     shown = format_seconds(result["seconds"]) if "seconds" in result else result["error"]
                     print(f"round {round_ + 1}: {method} {cost:.0f}µs w{workers}: {shown} {result.get('coverage', '')}", flush=True)
+    machinery_kwargs = {"batches": plan.machinery_batches, "rounds": max(3, plan.rounds)}
+    machinery = {name: run_isolated(machinery_cell, {"method": name, **machinery_kwargs}, timeout_s=600) for name in names}
     states = {}
     for workers in plan.workers:
-        for method in STATEFUL_METHODS:
+        for method in (m.name for m in METHODS if m.stateful):
             states[(method, workers)] = run_isolated(state_dict_cell, {"method": method, "n": plan.state_size, "workers": workers}, timeout_s=600)
-    return epochs, states
+    return epochs, states, machinery
 
 
-def _overhead(epochs: dict[tuple[str, float, int], list[dict[str, Any]]], method: str, cost: float, workers: int) -> float | None:
+def _ratios(epochs: Epochs, method: str, cost: float, workers: int, field: str = "seconds") -> list[float]:
+    """Per round: this method's epoch ``field`` / the plain DataLoader's in the same round."""
+    pairs = zip(epochs[(method, cost, workers)], epochs[(PLAIN, cost, workers)], strict=True)
+    return [mine[field] / plain[field] for mine, plain in pairs if field in mine and field in plain]
+
+
+def _overhead(epochs: Epochs, method: str, cost: float, workers: int) -> float | None:
     """Median over rounds of (this method's epoch time / the plain DataLoader's in the same round) - 1."""
-    pairs = zip(epochs[(method, cost, workers)], epochs[(PLAIN, cost, workers)])
-    ratios = [mine["seconds"] / plain["seconds"] for mine, plain in pairs if "seconds" in mine and "seconds" in plain]
+    ratios = _ratios(epochs, method, cost, workers)
     return statistics.median(ratios) - 1 if ratios else None
 
 
-def report(plan: Plan, epochs: dict[tuple[str, float, int], list[dict[str, Any]]], states: dict[tuple[str, int], dict[str, Any]], work_iterations: dict[float, int]) -> str:
+def _spread(ratios: list[float]) -> str:
+    """``+1.2 % (−0.8 … +3.1 %)``: the median overhead and its range over rounds."""
+    if not ratios:
+        return ""
+    return f"{statistics.median(ratios) - 1:+.1%} ({min(ratios) - 1:+.1%} … {max(ratios) - 1:+.1%})"
+
+
+def report(plan: Plan, epochs: Epochs, states: dict[tuple[str, int], dict[str, Any]], machinery: dict[str, dict[str, Any]], work_iterations: dict[float, int]) -> str:
     configs = [(cost, workers) for cost in plan.sizes for workers in plan.workers]
     headers = ["method", *(f"{cost:.0f} µs/sample, N = {format_count(plan.sizes[cost])}, {workers} workers" for cost, workers in configs)]
     rows = []
-    for method in METHODS:
+    for method in (m.name for m in METHODS):
         row: list[str] = [method]
         for cost, workers in configs:
             runs = [r for r in epochs[(method, cost, workers)] if "seconds" in r]
@@ -137,11 +227,20 @@ def report(plan: Plan, epochs: dict[tuple[str, float, int], list[dict[str, Any]]
                 row.append(epochs[(method, cost, workers)][0].get("error", "error"))
                 continue
             rate = statistics.median(r["samples"] / r["seconds"] for r in runs)
-            overhead = _overhead(epochs, method, cost, workers)
-            row.append(f"{rate:,.0f} samples/s" + ("" if method == PLAIN or overhead is None else f" ({overhead:+.1%})"))
+            row.append(f"{rate:,.0f} samples/s" if method == PLAIN else _spread(_ratios(epochs, method, cost, workers)))
         rows.append(row)
+    cpu_configs = [(cost, workers) for cost, workers in configs if workers == 0]
+    cpu_rows = [[method, *(_spread(_ratios(epochs, method, cost, 0, "cpu_seconds")) for cost, _ in cpu_configs)]
+                for method in (m.name for m in METHODS) if method != PLAIN]
+    machinery_rows = []
+    for method in (m.name for m in METHODS):
+        r = machinery[method]
+        if "error" in r:
+            machinery_rows.append([method, r["error"], ""])
+            continue
+        machinery_rows.append([method, format_seconds(r["per_batch_s"]), f"{format_seconds(r['min_s'])} – {format_seconds(r['max_s'])}"])
     state_rows = []
-    for method in STATEFUL_METHODS:
+    for method in (m.name for m in METHODS if m.stateful):
         for workers in plan.workers:
             r = states[(method, workers)]
             if "error" in r:
@@ -152,37 +251,55 @@ def report(plan: Plan, epochs: dict[tuple[str, float, int], list[dict[str, Any]]
     for (method, cost, workers), runs in epochs.items():
         for i, r in enumerate(runs):
             timing = format_seconds(r["seconds"]) if "seconds" in r else r.get("error", "")
-            every.append([method, f"{cost:.0f} µs", workers, i + 1, format_count(plan.sizes[cost]), timing, r.get("coverage", "error")])
-    ours_worst = max((o for cost, workers in configs if (o := _overhead(epochs, OURS, cost, workers)) is not None), default=None)
-    ours_state = max((states[(OURS, w)].get("median_s", float("inf")) for w in plan.workers), default=None)
+            cpu = format_seconds(r["cpu_seconds"]) if "cpu_seconds" in r else ""
+            every.append([method, f"{cost:.0f} µs", workers, i + 1, format_count(plan.sizes[cost]), timing, cpu, r.get("coverage", "error")])
     targets = []
+    worst = max(configs, key=lambda c: _overhead(epochs, OURS, *c) or float("-inf"))
+    ours_worst = _overhead(epochs, OURS, *worst)
     if ours_worst is not None:
-        targets.append(f"- steady-state overhead of resumable_data vs DataLoader, worst configuration: {ours_worst:+.1%} "
-                       f"(target ≤ 2 %: {'met' if ours_worst <= 0.02 else 'missed'})")
+        control = BY_NAME["control: DataLoader fed resumable_data's order"].name
+        targets.append(
+            f"- steady-state overhead of resumable_data vs DataLoader, worst configuration ({worst[0]:.0f} µs/sample, {worst[1]} workers): "
+            f"{_spread(_ratios(epochs, OURS, *worst))} wall-clock (target ≤ 2 %: {'met' if ours_worst <= 0.02 else 'missed'}); "
+            f"in the same rounds the control (the plain DataLoader fed our order) is at {_spread(_ratios(epochs, control, *worst))}"
+        )
+    ours_machinery, plain_machinery = machinery.get(OURS, {}), machinery.get(PLAIN, {})
+    if "per_batch_s" in ours_machinery and "per_batch_s" in plain_machinery:
+        extra = ours_machinery["per_batch_s"] - plain_machinery["per_batch_s"]
+        costs = ", ".join(f"{extra / (BATCH_SIZE * cost * 1e-6):+.2%} at {cost:.0f} µs/sample" for cost in plan.sizes if cost > 0)
+        targets.append(f"- resumable_data's machinery costs {format_seconds(extra)} per batch more than DataLoader's "
+                       f"(sampler, batching, iterator; no dataset): the overhead it can cause is {costs}")
+    ours_state = max((states[(OURS, w)].get("median_s", float("inf")) for w in plan.workers), default=None)
     if ours_state is not None:
         targets.append(f"- resumable_data `state_dict()` median, worst configuration: {format_seconds(ours_state)} "
                        f"(target ≤ 50 µs: {'met' if ours_state <= 50e-6 else 'missed'})")
     return "\n".join([
         _common.machine_header("Steady-state overhead and state_dict() cost"),
-        f"Batch size {BATCH_SIZE}, shuffled, seed {SEED}; {plan.rounds} round(s), methods interleaved in each. Per-sample work: "
+        f"Batch size {BATCH_SIZE}, shuffled, seed {SEED}; {plan.rounds} round(s), methods interleaved in each, in an order rotated "
+        "every round. Per-sample work: "
         + ", ".join(f"{us:.0f} µs ≈ {it} LCG iterations" for us, it in work_iterations.items())
-        + ". Throughput is the median over rounds; the percentage is the median over rounds of the epoch-time ratio "
-        "to the plain DataLoader in the same round (positive = slower).",
+        + ". The percentages are the median over rounds of the epoch-time ratio to the plain DataLoader of the same round, "
+        "then the lowest and highest round (positive = slower). The control is a plain DataLoader fed resumable_data's exact "
+        "order through a list sampler: it runs none of our code, so what it shows is noise, or the order.",
         "", "## Targets", "", *targets, "",
-        "## Epoch throughput (first batch → end of epoch)", "", markdown_table(headers, rows), "",
+        "## Epoch throughput, wall clock (first batch → end of epoch)", "", markdown_table(headers, rows), "",
+        "## Epoch CPU time with 0 workers (the whole epoch runs in the measured process)", "",
+        markdown_table(["method", *(f"{cost:.0f} µs/sample, N = {format_count(plan.sizes[cost])}" for cost, _ in cpu_configs)], cpu_rows), "",
+        f"## Machinery: CPU time per batch without a dataset ({plan.machinery_batches} batches, median of {max(3, plan.rounds)})", "",
+        markdown_table(["method", "per batch", "range"], machinery_rows), "",
         f"## `state_dict()` mid-epoch, N = {format_count(plan.state_size)} ({STATE_DICT_CALLS} calls)", "",
         markdown_table(["method", "workers", "median", "p99", "pickled size", "JSON-serializable"], state_rows), "",
         "## Every epoch", "",
-        markdown_table(["method", "work", "workers", "round", "N", "first batch → end", "coverage"], every),
+        markdown_table(["method", "work", "workers", "round", "N", "first batch → end", "CPU time", "coverage"], every),
     ])
 
 
-def plot(plan: Plan, epochs: dict[tuple[str, float, int], list[dict[str, Any]]], out: Any) -> None:
+def plot(plan: Plan, epochs: Epochs, out: Any) -> None:
     groups: dict[str, dict[str, float]] = {}
     for cost in plan.sizes:
         for workers in plan.workers:
             group = groups.setdefault(f"{cost:.0f} µs/sample\n{workers} workers", {})
-            for method in METHODS:
+            for method in (m.name for m in METHODS):
                 overhead = _overhead(epochs, method, cost, workers)
                 if overhead is not None:
                     group[method] = 1 / (1 + overhead)
@@ -195,8 +312,8 @@ def main() -> None:
     plan = QUICK if args.quick else FULL
     work_iterations = {cost: _common.calibrate_work(cost) for cost in plan.sizes}
     started = time.perf_counter()
-    epochs, states = run(plan, work_iterations)
-    text = report(plan, epochs, states, work_iterations) + f"\n\nTotal run time: {time.perf_counter() - started:.0f} s."
+    epochs, states, machinery = run(plan, work_iterations)
+    text = report(plan, epochs, states, machinery, work_iterations) + f"\n\nTotal run time: {time.perf_counter() - started:.0f} s."
     print(text)
     _common.write_report(args.out, "bench_overhead", text)
     plot(plan, epochs, args.out)

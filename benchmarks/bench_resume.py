@@ -19,6 +19,12 @@ batches would take the naive skip's time again for every cell. The exactness col
 each restore lands on batch k: the resumed batch is compared with batch k of an uninterrupted run of
 the method's own sampler (computed once per sampler and size, outside the timed region).
 
+The floor: in every resumable_data cell with a dataset, the same process also times the first
+batch of a fresh, unshuffled plain ``DataLoader`` over the same dataset with the same workers
+(``DataLoader(dataset, batch_size=32, num_workers=w)``: no state, no permutation), interleaved with
+the restores. It is what any loader pays to hand out a first batch (worker start-up, fetching and
+collating 32 samples); the target is a restore within 2x of it at every N and position.
+
 Every cell runs in a fresh process (see ``_common.run_isolated``), so its peak RSS is its own.
 
     python benchmarks/bench_resume.py            # full run, writes benchmarks/results/
@@ -31,6 +37,7 @@ import argparse
 import functools
 import gc
 import itertools
+import statistics
 import time
 import warnings
 from collections.abc import Callable, Iterator, Mapping, Sized
@@ -109,15 +116,19 @@ FULL = Plan(
     vs_size_position=90,
     max_reps=5,
 )
+# A smoke test of every method, check, table and plot, in few cells: each is a process start.
 QUICK = Plan(
-    index_sizes=(10**3, 10**4, 10**9),
-    index_focus=(10**4, 10**9),
-    data_sizes=(10**3, 4 * 10**3),
-    positions=(0, 10, 50, 90, 99),
+    index_sizes=(10**3, 10**9),
+    index_focus=(10**9,),
+    data_sizes=(10**3,),
+    positions=(90,),
     configs=((0.0, 0), (50.0, 2)),
     vs_size_position=90,
-    max_reps=2,
+    max_reps=1,
 )
+# What a restore is compared with: the first batch of a plain, unshuffled DataLoader.
+FLOOR = "floor: fresh unshuffled DataLoader"
+FLOOR_TARGET = 2.0  # restore ≤ 2× the floor
 
 
 class DeadlineExceeded(Exception):
@@ -258,8 +269,25 @@ def _restore_once(method: str, dataset: SyntheticDataset, workers: int, state: d
     gc.collect()
     start = time.perf_counter()
     loader.load_state_dict(state)
-    batch = next(iter(loader))
-    return time.perf_counter() - start, batch
+    iterator = iter(loader)
+    batch = next(iterator)
+    seconds = time.perf_counter() - start
+    del iterator  # its workers shut down outside the timed part
+    return seconds, batch
+
+
+def _floor_once(dataset: SyntheticDataset, workers: int) -> float:
+    """First batch of a fresh, unshuffled plain DataLoader: timed like a restore, minus the state."""
+    loader = DataLoader(dataset, batch_size=BATCH_SIZE, num_workers=workers)
+    gc.collect()
+    start = time.perf_counter()
+    iterator = iter(loader)
+    batch = next(iterator)
+    seconds = time.perf_counter() - start
+    del iterator
+    if batch[:, 0].tolist() != list(range(min(BATCH_SIZE, len(dataset)))):
+        raise RuntimeError("the unshuffled DataLoader's first batch is not samples 0..31")
+    return seconds
 
 
 def _check(got: list[int], expected: list[int]) -> str:
@@ -291,17 +319,23 @@ def data_cell(
         extrapolated = batch is None
     else:
         batches: list[torch.Tensor] = []
+        floors: list[float] = []
 
         def once() -> float:
             seconds, batch = _restore_once(method, dataset, workers, state)
             batches.append(batch)
+            if method == OURS:  # the floor, interleaved with the restores in this process
+                floors.append(_floor_once(dataset, workers))
             return seconds
 
         seconds, reps = repeat_timed(once, max_reps=max_reps)
         batch, note, extrapolated = batches[-1], "", False
     peak = memory.peak_mb()
     exact = "not reached (deadline)" if batch is None else _check_batch(batch, dataset, expected)
-    return {"seconds": seconds, "reps": reps, "peak_mb": peak, "exact": exact, "extrapolated": extrapolated, "note": note}
+    result = {"seconds": seconds, "reps": reps, "peak_mb": peak, "exact": exact, "extrapolated": extrapolated, "note": note}
+    if method == OURS:
+        result["floor_seconds"] = statistics.median(floors)
+    return result
 
 
 def index_cell(method: str, n: int, k: int, expected: list[int], deadline_s: float, max_reps: int) -> dict[str, Any]:
@@ -477,8 +511,9 @@ def run(plan: Plan, deadline_s: float, work_iterations: dict[float, int]) -> dic
         result = run_isolated(function, kwargs, timeout_s=timeout)
         result["reference"] = reference["how"]
         results[cell] = result
+        floor = f" (floor {format_seconds(result['floor_seconds'])}: {_floor_verdict(result)})" if "floor_seconds" in result else ""
         print(f"[{i + 1}/{len(cells)}] {cell.sweep} {cell.method} N={format_count(cell.n)} {cell.percent}% "
-              f"{cell.cost_us:.0f}µs w{cell.workers}: {_latency(result)} {result.get('exact', '')}", flush=True)
+              f"{cell.cost_us:.0f}µs w{cell.workers}: {_latency(result)} {result.get('exact', '')}{floor}", flush=True)
     return results
 
 
@@ -500,13 +535,34 @@ def _exact(result: Mapping[str, Any]) -> str:
 # -- report -----------------------------------------------------------------------------------------
 
 
-def _wide_table(results: Mapping[Cell, dict[str, Any]], cells: list[Cell], column: Callable[[Cell], str], methods: tuple[str, ...]) -> str:
+def _wide_table(
+    results: Mapping[Cell, dict[str, Any]], cells: list[Cell], column: Callable[[Cell], str], methods: tuple[str, ...], *, floor: bool = False
+) -> str:
+    """One row per method, one column per ``column(cell)``; with ``floor``, the floor and our ratio to it."""
     columns = list(dict.fromkeys(column(c) for c in cells))
     rows = []
     for method in methods:
         by_column = {column(c): results[c] for c in cells if c.method == method}
         rows.append([method, *(_latency(by_column[col]) if col in by_column else "" for col in columns)])
+    if floor:
+        ours = {column(c): results[c] for c in cells if c.method == OURS}
+        floors = {col: r["floor_seconds"] for col, r in ours.items() if "floor_seconds" in r}
+        rows.append([FLOOR, *(format_seconds(floors[col]) if col in floors else "" for col in columns)])
+        rows.append([f"resumable_data / floor (target ≤ {FLOOR_TARGET:.0f}×)", *(_floor_verdict(ours.get(col, {})) for col in columns)])
     return markdown_table(["method", *columns], rows)
+
+
+def _floor_ratio(result: Mapping[str, Any]) -> float | None:
+    if "seconds" not in result or "floor_seconds" not in result:
+        return None
+    return result["seconds"] / result["floor_seconds"]
+
+
+def _floor_verdict(result: Mapping[str, Any]) -> str:
+    ratio = _floor_ratio(result)
+    if ratio is None:
+        return ""
+    return f"{ratio:.2f}× ({'met' if ratio <= FLOOR_TARGET else 'missed'})"
 
 
 def _ratio(results: Mapping[Cell, dict[str, Any]], a: Cell, b: Cell) -> float | None:
@@ -528,6 +584,22 @@ def _targets(results: Mapping[Cell, dict[str, Any]], plan: Plan) -> list[str]:
         if ratio is not None:
             lines.append(f"- resumable_data 90 % / 0 % at N = {format_count(n)} (index generation): "
                          f"{ratio:.2f} (target ≤ 1.5: {'met' if ratio <= 1.5 else 'missed'})")
+    ours_cells = [(c, r) for c, r in results.items() if c.method == OURS and _floor_ratio(r) is not None]
+    if ours_cells:
+        met = [c for c, r in ours_cells if _floor_ratio(r) <= FLOOR_TARGET]
+        worst_cell, worst = max(ours_cells, key=lambda cr: _floor_ratio(cr[1]))
+        lines.append(
+            f"- resumable_data restore / floor (a fresh unshuffled DataLoader's first batch, same process) ≤ {FLOOR_TARGET:.0f}× "
+            f"at every N and position: met in {len(met)} of {len(ours_cells)} cells; worst {_floor_ratio(worst):.2f}× "
+            f"(N = {format_count(worst_cell.n)}, {worst_cell.percent} %, {worst_cell.cost_us:.0f} µs/sample, {worst_cell.workers} workers: "
+            f"{format_seconds(worst['seconds'])} vs {format_seconds(worst['floor_seconds'])})"
+        )
+        for cost, workers in plan.configs:
+            config = [r for c, r in ours_cells if (c.cost_us, c.workers) == (cost, workers)]
+            ratios = sorted(_floor_ratio(r) for r in config)
+            if ratios:
+                verdict = "met" if ratios[-1] <= FLOOR_TARGET else "missed"
+                lines.append(f"  - {cost:.0f} µs/sample, {workers} workers: {ratios[0]:.2f}–{ratios[-1]:.2f}× over {len(ratios)} cells ({verdict})")
     for cost, workers in plan.configs:
         ours = Cell("data", OURS, n_data, 90, cost, workers)
         for baseline in (STATEFUL, NODES, NAIVE):
@@ -552,7 +624,9 @@ def report(results: Mapping[Cell, dict[str, Any]], plan: Plan, deadline_s: float
         + f". Skip baselines stop at a {deadline_s:.0f} s deadline; their latency is then a linear extrapolation, "
         "marked as such. Peak RSS is the growth of the main process's high-water mark during the timed part "
         "(workers' memory not included). Times are medians of up to "
-        f"{plan.max_reps} repetitions for cells under 1 s, one run otherwise.",
+        f"{plan.max_reps} repetitions for cells under 1 s, one run otherwise. The floor is the first batch of a fresh, "
+        "unshuffled plain DataLoader over the same dataset with the same workers, timed in each resumable_data cell's "
+        "process between its restores (median of as many runs).",
         "",
         "## Targets",
         "",
@@ -562,11 +636,11 @@ def report(results: Mapping[Cell, dict[str, Any]], plan: Plan, deadline_s: float
     for cost, workers in plan.configs:
         chosen = [c for c in cells if c.sweep == "data" and c.n == largest and (c.cost_us, c.workers) == (cost, workers)]
         parts += [f"## With a dataset: latency vs position, N = {format_count(largest)}, {cost:.0f} µs/sample, {workers} workers", "",
-                  _wide_table(results, chosen, lambda c: f"{c.percent} %", DATA_METHODS), ""]
+                  _wide_table(results, chosen, lambda c: f"{c.percent} %", DATA_METHODS, floor=True), ""]
     for cost, workers in plan.configs:
         chosen = [c for c in cells if c.sweep == "data" and c.percent == plan.vs_size_position and (c.cost_us, c.workers) == (cost, workers)]
         parts += [f"## With a dataset: latency vs N at {plan.vs_size_position} %, {cost:.0f} µs/sample, {workers} workers", "",
-                  _wide_table(results, chosen, lambda c: f"N = {format_count(c.n)}", DATA_METHODS), ""]
+                  _wide_table(results, chosen, lambda c: f"N = {format_count(c.n)}", DATA_METHODS, floor=True), ""]
     index_cells = [c for c in cells if c.sweep == "index"]
     parts += [f"## Index generation alone: latency vs N at {plan.vs_size_position} %", "",
               _wide_table(results, [c for c in index_cells if c.percent == plan.vs_size_position], lambda c: f"N = {format_count(c.n)}", INDEX_METHODS), ""]
@@ -577,10 +651,12 @@ def report(results: Mapping[Cell, dict[str, Any]], plan: Plan, deadline_s: float
     for cell, result in results.items():
         peak = f"{result['peak_mb']:.0f} MB" if "peak_mb" in result else ""
         note = result.get("not_run") or result.get("note", "")
-        rows.append([cell.method, cell.sweep, format_count(cell.n), f"{cell.percent} %", f"{cell.cost_us:.0f} µs",
-                     cell.workers, _latency(result), peak, _exact(result), result.get("reps", ""), result.get("reference", ""), note])
+        floor = format_seconds(result["floor_seconds"]) if "floor_seconds" in result else ""
+        rows.append([cell.method, cell.sweep, format_count(cell.n), f"{cell.percent} %", f"{cell.cost_us:.0f} µs", cell.workers,
+                     _latency(result), floor, _floor_verdict(result), peak, _exact(result), result.get("reps", ""), result.get("reference", ""), note])
     parts += ["## Every cell", "",
-              markdown_table(["method", "sweep", "N", "position", "work", "workers", "latency", "peak RSS", "exact", "reps", "reference", "note"], rows)]
+              markdown_table(["method", "sweep", "N", "position", "work", "workers", "latency", "floor", "÷ floor", "peak RSS", "exact", "reps",
+                              "reference", "note"], rows)]
     return "\n".join(parts)
 
 
@@ -590,6 +666,8 @@ def _points(results: Mapping[Cell, dict[str, Any]], cells: list[Cell], x: Callab
         result = results[cell]
         if "seconds" in result:
             series[cell.method].append((x(cell), result["seconds"], result["extrapolated"]))
+        if "floor_seconds" in result:
+            series.setdefault(FLOOR, []).append((x(cell), result["floor_seconds"], False))
     return series
 
 

@@ -22,7 +22,12 @@ def mix64(x: int) -> int:
 
 def hash_ints(*values: int) -> int:
     """A 64-bit key that is a pure function of a sequence of (possibly negative) ints."""
-    h = 0x6A09E667F3BCC909
+    return hash_more(0x6A09E667F3BCC909, *values)
+
+
+def hash_more(h: int, *values: int) -> int:
+    """``hash_ints(*prefix, *values)`` given ``h = hash_ints(*prefix)``: many keys sharing a prefix
+    cost one mixing step per extra value instead of re-hashing the prefix each time."""
     for v in values:
         h = mix64(h ^ ((v + _GOLDEN) & _MASK64))
     return h

@@ -23,13 +23,16 @@ position histograms over thousands of seeds are indistinguishable from uniform.
 Cost: the domain is less than twice ``length`` (for ``length > 8``), so cycle walking takes under
 two network evaluations per position on average; each round is eight in-place numpy operations on
 the whole chunk (about 30 ns per index on our 2-core machines, as fast as ``torch.randperm``).
+The last few stragglers of a cycle walk (at most :data:`SCALAR_TAIL`) finish in plain Python
+ints: a numpy pass costs ~100 numpy calls whatever the array size, which would otherwise make the
+tail of a short chunk (a restore's first batch) cost several full passes.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-from ._hash import hash_ints
+from ._hash import hash_ints, hash_more
 from ._state import check_int_arg
 
 __all__ = ["Permutation", "ROUNDS"]
@@ -37,6 +40,8 @@ __all__ = ["Permutation", "ROUNDS"]
 ROUNDS = 12
 # Below 4 bits (2 per part) a round function has too few inputs to mix tiny domains evenly.
 _MIN_BITS = 4
+SCALAR_TAIL = 16  # stragglers of a cycle walk finished one by one in Python ints (same result)
+_MASK64 = (1 << 64) - 1
 
 
 class Permutation:
@@ -62,18 +67,20 @@ class Permutation:
         bits = max(_MIN_BITS, (length - 1).bit_length())
         # Round r splits x into (high, low) with `low_bits` low bits, then maps it to
         # (low, high ^ F(low)): the next round's split is the other way round.
-        self._rounds = []
+        # Key hash_ints(seed, epoch, r) and multiplier hash_ints(seed, epoch, r, 1) | 1, sharing
+        # the (seed, epoch) prefix: a restore builds a Permutation, so this is on its path.
+        prefix = hash_ints(seed, epoch)
+        self._scalar_rounds: list[tuple[int, ...]] = []
         low_bits, high_bits = bits // 2, bits - bits // 2
         for r in range(rounds):
-            self._rounds.append((
-                np.uint64(hash_ints(seed, epoch, r)),
-                np.uint64(hash_ints(seed, epoch, r, 1) | 1),
-                np.uint64(low_bits),
-                np.uint64((1 << low_bits) - 1),
-                np.uint64(high_bits),
-                np.uint64(64 - high_bits),
-            ))
+            key = hash_more(prefix, r)
+            self._scalar_rounds.append(
+                (key, hash_more(key, 1) | 1, low_bits, (1 << low_bits) - 1, high_bits, 64 - high_bits)
+            )
             low_bits, high_bits = high_bits, low_bits
+        # The same constants as numpy uint64 scalars, for the vectorized network (one array
+        # conversion rather than a np.uint64() call per constant).
+        self._rounds = [tuple(row) for row in np.array(self._scalar_rounds, dtype=np.uint64)]
 
     def _feistel(self, x: np.ndarray) -> np.ndarray:
         """One pass of the network over a uint64 array, in place (returns it)."""
@@ -96,11 +103,21 @@ class Permutation:
                              f"[{positions.min()}, {positions.max()}]")
         out = self._feistel(positions.astype(np.uint64))
         outside = np.flatnonzero(out >= self.length)
-        while outside.size:  # cycle walking: only the stragglers are re-encrypted
+        while outside.size > SCALAR_TAIL:  # cycle walking: only the stragglers are re-encrypted
             walked = self._feistel(out[outside])
             out[outside] = walked
             outside = outside[walked >= self.length]
+        for i in outside.tolist():
+            out[i] = self._walk_scalar(int(out[i]))
         return out.astype(np.int64)
+
+    def _walk_scalar(self, x: int) -> int:
+        """The rest of one value's cycle walk in Python ints: the same network as :meth:`_feistel`."""
+        while x >= self.length:
+            for key, multiplier, low_bits, low_mask, high_bits, drop in self._scalar_rounds:
+                low = x & low_mask
+                x = (x >> low_bits) ^ ((((low ^ key) * multiplier) & _MASK64) >> drop) | (low << high_bits)
+        return x
 
     def __getitem__(self, position: int) -> int:
         """The index at one position."""

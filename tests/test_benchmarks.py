@@ -16,7 +16,7 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 
 import _common  # noqa: E402  (the benchmarks' helpers, for parsing their tables)
 
-QUICK_TIMEOUT_S = 240  # --quick aims at < 60 s; the margin is for a loaded CI machine
+QUICK_TIMEOUT_S = 240  # --quick aims at ≤ 15 s; the margin is for a loaded CI machine
 
 
 def _run_quick(script: str, out: Path) -> str:
@@ -39,6 +39,7 @@ def _rows(out: Path, name: str, first_header: str) -> list[dict[str, str]]:
 
 def test_bench_resume_quick(tmp_path: Path) -> None:
     _run_quick("bench_resume.py", tmp_path)
+    text = (tmp_path / "bench_resume.md").read_text()
     rows = [row for row in _rows(tmp_path, "bench_resume", "method") if "exact" in row]
     methods = {(row["sweep"], row["method"]) for row in rows}
     expected = {("data", m) for m in ("naive skip", "index-only skip", "StatefulDataLoader", "torchdata.nodes", "resumable_data")}
@@ -49,6 +50,10 @@ def test_bench_resume_quick(tmp_path: Path) -> None:
     # Baselines are skipped only where they would materialize the whole permutation; ours never is.
     assert all(row["exact"] == "ok" for row in rows if row["method"] == "resumable_data")
     assert all("would materialize" in row["note"] for row in rows if row["exact"].startswith("not run"))
+    # Every resumable_data cell with a dataset has its floor and a verdict against the 2x target.
+    ours = [row for row in rows if row["method"] == "resumable_data" and row["sweep"] == "data"]
+    assert ours and all(row["floor"] and row["÷ floor"].endswith(("(met)", "(missed)")) for row in ours), ours
+    assert "restore / floor" in text
     for plot in ("resume_vs_position.png", "resume_vs_n.png"):
         assert (tmp_path / plot).stat().st_size > 0
 
@@ -57,12 +62,24 @@ def test_bench_overhead_quick(tmp_path: Path) -> None:
     _run_quick("bench_overhead.py", tmp_path)
     rows = _rows(tmp_path, "bench_overhead", "method")
     epochs = [row for row in rows if "coverage" in row]
-    assert {row["method"] for row in epochs} == {"DataLoader", "StatefulDataLoader", "resumable_data"}
+    control = "control: DataLoader fed resumable_data's order"
+    assert {row["method"] for row in epochs} == {"DataLoader", "StatefulDataLoader", "resumable_data", control}
     assert all(row["coverage"] == "ok" for row in epochs), epochs
+    machinery = [row for row in rows if "per batch" in row]
+    assert {row["method"] for row in machinery} == {"DataLoader", "StatefulDataLoader", "resumable_data", control}
     states = [row for row in rows if "pickled size" in row]
     assert {row["method"] for row in states} == {"StatefulDataLoader", "resumable_data"}
     assert all(row["JSON-serializable"] == "yes" for row in states if row["method"] == "resumable_data")
     assert (tmp_path / "overhead_throughput.png").stat().st_size > 0
+
+
+def test_bench_streams_quick(tmp_path: Path) -> None:
+    # The benchmark exits non-zero if a restored batch differs from the uninterrupted run's.
+    _run_quick("bench_streams.py", tmp_path)
+    rows = _rows(tmp_path, "streams", "pipeline")
+    assert [row["pipeline"] for row in rows] == ["source", "realistic (buffer 1000)", "realistic (buffer 1000), 2 workers"]
+    assert all(row["restore"] and row["fresh start"] for row in rows)
+    assert "restore ≤ 5 ms" in (tmp_path / "streams.md").read_text()
 
 
 def test_bench_checkpoint_quick(tmp_path: Path) -> None:

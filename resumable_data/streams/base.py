@@ -27,6 +27,7 @@ a thunk that applies it, so a failed ``load_state_dict`` leaves the pipeline unc
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -87,6 +88,14 @@ class Stream:
     def _fetch(self, key: Key) -> Any:
         """Re-read the record with ``key`` (what this stage would yield for it)."""
         raise TypeError(f"{type(self).__name__} cannot re-read a record from its key")
+
+    def _fetch_many(self, keys: Sequence[Key]) -> list[Any]:
+        """Re-read the records with ``keys``, in that order (what ``_fetch`` gives for each).
+
+        A shuffle buffer's restore re-reads up to its whole buffer at once; stages that can group
+        those reads (one open per shard, contiguous records together) override this.
+        """
+        return [self._fetch(key) for key in keys]
 
     def _rebalance(self, states: Sequence[Mapping[str, Any]], num_slots: int, pending: list[Key]) -> list[dict[str, Any]]:
         """Turn the (validated) states of every old slot into states for ``num_slots`` new slots.
@@ -217,6 +226,9 @@ class Wrapper(Stream):
     def _fetch(self, key: Key) -> Any:
         return self.source._fetch(key)
 
+    def _fetch_many(self, keys: Sequence[Key]) -> list[Any]:
+        return self.source._fetch_many(keys)
+
     def _rebalance(self, states: Sequence[Mapping[str, Any]], num_slots: int, pending: list[Key]) -> list[dict[str, Any]]:
         sources = self.source._rebalance([s[SOURCE] for s in states], num_slots, pending)
         return [{VERSION: STREAM_STATE_VERSION, EPOCH: states[0][EPOCH], **self._own_state_fresh(), SOURCE: s} for s in sources]
@@ -224,6 +236,22 @@ class Wrapper(Stream):
     def _own_state_fresh(self) -> dict[str, Any]:
         """This stage's own fields at the start of an epoch (used after a rebalance)."""
         return {}
+
+
+def fetch_grouped(keys: Sequence[Key], field: int, fetch: Callable[[int, list[int]], list[Any]]) -> list[Any]:
+    """Records for ``keys`` in their order, read one group at a time: what ``_fetch_many`` needs.
+
+    A group is the keys sharing ``key[field]`` (a shard, a source); within it, positions come in
+    ascending order of ``key[field:]`` (for a shard: ascending offsets, so reads go forward).
+    ``fetch(group, positions)`` returns the records of ``keys[p]`` for those positions, in order.
+    """
+    ascending = sorted(range(len(keys)), key=lambda p: keys[p][field:])
+    records: list[Any] = [None] * len(keys)
+    for group, members in itertools.groupby(ascending, key=lambda p: keys[p][field]):
+        positions = list(members)
+        for position, record in zip(positions, fetch(group, positions), strict=True):
+            records[position] = record
+    return records
 
 
 def require_epoch(state: Mapping[str, Any], what: str) -> int:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -49,6 +49,9 @@ class Map(Wrapper):
 
     def _fetch(self, key: Key) -> Any:
         return self._call(key, self.source._fetch(key))
+
+    def _fetch_many(self, keys: Sequence[Key]) -> list[Any]:
+        return [self._call(key, value) for key, value in zip(keys, self.source._fetch_many(keys), strict=True)]
 
     def _own_state(self) -> dict[str, Any]:
         return {SEED: self.seed}

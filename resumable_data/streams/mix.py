@@ -18,7 +18,7 @@ from typing import Any
 
 from .._hash import hash_ints
 from .._state import VERSION, ResumeError, check_int_arg, check_version, require_int, require_mapping
-from .base import EPOCH, SEED, SOURCES, STREAM_STATE_VERSION, Key, Slot, Stream, check_same, require_epoch
+from .base import EPOCH, SEED, SOURCES, STREAM_STATE_VERSION, Key, Slot, Stream, check_same, fetch_grouped, require_epoch
 
 __all__ = ["Mix", "mix"]
 
@@ -83,6 +83,12 @@ class Mix(Stream):
 
     def _fetch(self, key: Key) -> Any:
         return self.streams[key[1]]._fetch((key[0], *key[2:]))
+
+    def _fetch_many(self, keys: Sequence[Key]) -> list[Any]:
+        def fetch(source: int, positions: list[int]) -> list[Any]:
+            return self.streams[source]._fetch_many([(keys[p][0], *keys[p][2:]) for p in positions])
+
+        return fetch_grouped(keys, 1, fetch)
 
     def _reset(self, epoch: int, slot: Slot | None) -> None:
         self._epoch, self._draws, self._exhausted = epoch, 0, [False] * len(self.streams)

@@ -8,8 +8,8 @@ yielding anything.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterator
-from typing import Any
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import Any, BinaryIO
 
 import numpy as np
 import torch
@@ -78,12 +78,31 @@ class TokenShardReader:
                 f"token shard {os.fspath(shard)!r} has {n} windows but the cursor is at offset {start}: "
                 "the shard is shorter than when the checkpoint was written (truncated or replaced?)"
             )
-        return self._windows(tokens, start, n)
+        return self._windows(tokens.view(np.ndarray), range(start, n))
 
-    def _windows(self, tokens: np.ndarray, start: int, n: int) -> Iterator[torch.Tensor]:
-        for i in range(start, n):
-            begin = i * self.stride
-            yield torch.from_numpy(tokens[begin : begin + self.window].astype(np.int64))
+    def read_records(self, shard: Any, offsets: Sequence[int]) -> list[torch.Tensor]:
+        """The windows at record ``offsets`` (ascending), with the shard mapped once for all of them.
+
+        What a shuffle buffer's restore calls: up to a buffer's worth of scattered windows cost one
+        open and one slice each, not one open each. Each window gets its own tensor storage, as
+        from :meth:`__call__`.
+        """
+        tokens = self.tokens(shard)
+        n = self._count(len(tokens))
+        if offsets and (offsets[0] < 0 or offsets[-1] >= n):
+            bad = offsets[-1] if offsets[-1] >= n else offsets[0]
+            raise ResumeError(
+                f"token shard {os.fspath(shard)!r} has {n} windows but the checkpoint needs the one at "
+                f"offset {bad}: the shard is shorter than when the checkpoint was written (truncated or replaced?)"
+            )
+        return list(self._windows(tokens.view(np.ndarray), offsets))
+
+    def _windows(self, tokens: np.ndarray, offsets: Iterable[int]) -> Iterator[torch.Tensor]:
+        # ``tokens`` is a plain ndarray view of the memmap: slicing the np.memmap subclass itself
+        # costs several times more per window.
+        stride, window = self.stride, self.window
+        for i in offsets:
+            yield torch.from_numpy(tokens[i * stride : i * stride + window].astype(np.int64))
 
 
 class TextLineReader:
@@ -109,29 +128,66 @@ class TextLineReader:
     def read_from(self, shard: Any, start: int) -> Iterator[tuple[int, Any]]:
         """``(byte offset after the line, parsed line)`` from byte offset ``start``."""
         path = os.fspath(shard)
-        try:
-            file = open(path, "rb")
-        except FileNotFoundError as exc:
-            raise ResumeError(f"text shard {path!r} is missing (cursor at byte {start}): {exc}") from exc
-        with file:
-            size = os.fstat(file.fileno()).st_size
-            if start > size:
-                raise ResumeError(
-                    f"text shard {path!r} has {size} bytes but the cursor is at byte {start}: "
-                    "it is shorter than when the checkpoint was written (truncated or replaced?)"
-                )
-            if start > 0:
-                file.seek(start - 1)
-                if file.read(1) != b"\n":
-                    raise ResumeError(
-                        f"text shard {path!r}: byte offset {start} is not at the start of a line, so "
-                        "the file changed since the checkpoint was written"
-                    )
+        with self._open(path, start) as file:
+            self._seek_line(file, path, start)
             offset = start
             for line in file:
                 offset += len(line)
-                text = line.decode(self.encoding).rstrip("\r\n")
-                yield offset, text if self.parse is None else self.parse(text)
+                yield offset, self._decode(line)
+
+    def read_records(self, shard: Any, offsets: Sequence[int]) -> list[Any]:
+        """The parsed lines at byte ``offsets`` (ascending), from one open of the file.
+
+        What a shuffle buffer's restore calls; consecutive lines are read without seeking.
+        """
+        path = os.fspath(shard)
+        if not offsets:
+            return []
+        records = []
+        with self._open(path, offsets[0]) as file:
+            position = -1
+            for offset in offsets:
+                if offset != position:
+                    self._seek_line(file, path, offset)
+                line = file.readline()
+                if not line:
+                    raise ResumeError(
+                        f"text shard {path!r} has no line at byte {offset} (it ends there): it is shorter "
+                        "than when the checkpoint was written (truncated or replaced?)"
+                    )
+                position = offset + len(line)
+                records.append(self._decode(line))
+        return records
+
+    @staticmethod
+    def _open(path: str, start: int) -> BinaryIO:
+        try:
+            return open(path, "rb")
+        except FileNotFoundError as exc:
+            raise ResumeError(f"text shard {path!r} is missing (cursor at byte {start}): {exc}") from exc
+
+    @staticmethod
+    def _seek_line(file: BinaryIO, path: str, start: int) -> None:
+        """Seek to byte ``start``, refusing one past the end or inside a line."""
+        size = os.fstat(file.fileno()).st_size
+        if start > size:
+            raise ResumeError(
+                f"text shard {path!r} has {size} bytes but the cursor is at byte {start}: "
+                "it is shorter than when the checkpoint was written (truncated or replaced?)"
+            )
+        if start > 0:
+            file.seek(start - 1)
+            if file.read(1) != b"\n":
+                raise ResumeError(
+                    f"text shard {path!r}: byte offset {start} is not at the start of a line, so "
+                    "the file changed since the checkpoint was written"
+                )
+        else:
+            file.seek(0)
+
+    def _decode(self, line: bytes) -> Any:
+        text = line.decode(self.encoding).rstrip("\r\n")
+        return text if self.parse is None else self.parse(text)
 
     def __call__(self, shard: Any, start: int) -> Iterator[Any]:
         """Parsed lines from byte offset ``start``."""

@@ -27,14 +27,14 @@ order of the rest of the epoch differs from an uninterrupted run with the old la
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Generator, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
 from .._state import VERSION, ResumeError, check_int_arg, check_version, require_bool, require_int, require_mapping
 from ..permutation import Permutation
-from .base import EPOCH, SEED, STREAM_STATE_VERSION, Key, Slot, Stream, check_same, require_epoch
+from .base import EPOCH, SEED, STREAM_STATE_VERSION, Key, Slot, Stream, check_same, fetch_grouped, require_epoch
 
 __all__ = ["ShardedIterable"]
 
@@ -58,7 +58,9 @@ class ShardedIterable(Stream):
         read_shard: ``read_shard(shard, start)`` returns an iterator over the shard's records from
             record offset ``start``. A reader with a ``read_from(shard, start)`` method yielding
             ``(next offset, record)`` pairs keeps its own offsets instead (byte offsets for
-            :class:`TextLineReader`).
+            :class:`TextLineReader`). A reader may also offer ``read_records(shard, offsets)``,
+            the records at those ascending offsets: a shuffle buffer's restore then opens each
+            shard once (both ready-made readers do).
         shuffle: shuffle the shard order each epoch.
         seed: seed of the shard order; only ``(seed, epoch)`` decide it.
 
@@ -96,7 +98,7 @@ class ShardedIterable(Stream):
             return list(range(n))
         return Permutation(n, self.seed, epoch)(np.arange(n, dtype=np.int64)).tolist()
 
-    def _records(self, index: int, start: int) -> Iterator[tuple[int, Any]]:
+    def _records(self, index: int, start: int) -> Generator[tuple[int, Any], None, None]:
         """``(next offset, record)`` of shard ``index`` from ``start``; OSError becomes ResumeError."""
         shard = self.shards[index]
         try:
@@ -109,21 +111,60 @@ class ShardedIterable(Stream):
             raise ResumeError(f"cannot read shard {index} {self._names[index]!r} at offset {start}: {exc}") from exc
 
     def _fetch(self, key: Key) -> Any:
-        _, index, offset = key
-        for _, record in self._records(index, offset):
-            return record
-        raise ResumeError(
-            f"shard {index} {self._names[index]!r} has no record at offset {offset}: it is shorter "
-            "than when the checkpoint was written (truncated or replaced?)"
-        )
+        return self._fetch_many([key])[0]
+
+    def _fetch_many(self, keys: Sequence[Key]) -> list[Any]:
+        """Re-read ``keys`` shard by shard: each shard opened once, its offsets read in ascending order.
+
+        A reader with ``read_records(shard, offsets)`` gets all of a shard's offsets in one call (the
+        ready-made readers open the file once and slice or seek); any other reader is read in runs,
+        one ``read_shard`` call per run of consecutive records.
+        """
+
+        def read(index: int, positions: list[int]) -> list[Any]:
+            return self._read_offsets(index, [keys[p][2] for p in positions])
+
+        return fetch_grouped(keys, 1, read)
+
+    def _read_offsets(self, index: int, offsets: list[int]) -> list[Any]:
+        """The records of shard ``index`` at ``offsets`` (ascending); a missing one is a ResumeError."""
+        read_records = getattr(self.read_shard, "read_records", None)
+        if read_records is not None:
+            try:
+                records = list(read_records(self.shards[index], offsets))
+            except OSError as exc:
+                raise ResumeError(f"cannot read shard {index} {self._names[index]!r} at offsets {offsets[:3]}...: {exc}") from exc
+            if len(records) != len(offsets):
+                raise ResumeError(
+                    f"{type(self.read_shard).__name__}.read_records returned {len(records)} records for "
+                    f"{len(offsets)} offsets of shard {index} {self._names[index]!r}"
+                )
+            return records
+        records = []
+        while len(records) < len(offsets):
+            run = self._records(index, offsets[len(records)])
+            for next_offset, record in run:
+                records.append(record)
+                if len(records) == len(offsets) or offsets[len(records)] != next_offset:
+                    break
+            else:
+                missing = offsets[len(records)]
+                raise ResumeError(
+                    f"shard {index} {self._names[index]!r} has no record at offset {missing}: it is shorter "
+                    "than when the checkpoint was written (truncated or replaced?)"
+                )
+            run.close()  # releases the reader's file now, not at garbage collection
+        return records
 
     def _keyed(self) -> Iterator[tuple[Key, Any]]:
         epoch = self._epoch
-        while self._pending:
-            index, offset = self._pending[0]
-            record = self._fetch((epoch, index, offset))
-            del self._pending[0]
-            yield (epoch, index, offset), record
+        if self._pending:
+            # Records a shuffle buffer held before a layout change: re-read them together.
+            records = self._fetch_many([(epoch, index, offset) for index, offset in self._pending])
+            for record in records:
+                index, offset = self._pending[0]
+                del self._pending[0]
+                yield (epoch, index, offset), record
         while self._remaining:
             entry = self._remaining[0]
             for next_offset, record in self._records(entry[0], entry[1]):

@@ -6,8 +6,9 @@ Choice number ``d`` of epoch ``e`` is ``hash_ints(seed, e, d) % len(buffer)``: a
 the state, so no RNG state needs saving.
 
 State: ``{"epoch", "seed", "size", "draws", "buffer": [[key...], ...], "source": {...}}``. On restore
-the buffered records are re-read by key (at most ``size`` single-record reads, lazily on the first
-``next()``), in the same buffer slots, so the stream continues bitwise identically.
+the buffered records are re-read by key (at most ``size`` records, lazily on the first ``next()``,
+grouped by shard so that each shard is opened once), in the same buffer slots, so the stream
+continues bitwise identically.
 """
 
 from __future__ import annotations
@@ -57,10 +58,12 @@ class ShuffleBuffer(Wrapper):
         return choice
 
     def _keyed(self) -> Iterator[tuple[Key | None, Any]]:
-        while self._unread:
-            key = self._unread[0]
-            self._buffer.append((key, self.source._fetch(key)))
-            del self._unread[0]
+        if self._unread:
+            # One grouped re-read (each shard opened once), and only then the buffer changes: a
+            # failed re-read leaves the restored state as it was.
+            records = self.source._fetch_many(self._unread)
+            self._buffer.extend(zip(self._unread, records, strict=True))
+            self._unread = []
         for item in self.source._keyed():
             if len(self._buffer) < self.size:
                 self._buffer.append(item)
