@@ -310,7 +310,8 @@ class _BatchPlan(torch.utils.data.Sampler[Ticket]):
         sampler, size = self.sampler, self.batch_size
         epoch, start = segment.epoch, sampler.position_after(segment.start, skip * size)
         batches = self.batch_count(start)
-        chunks = sampler.index_chunks(epoch, start, batches * size)
+        # The first chunk is one batch: a restore (or an epoch start) waits for it alone.
+        chunks = sampler.index_chunks(epoch, start, batches * size, first_chunk=size)
         first, stride = start + sampler.rank, sampler.world_size * size
         buffer: list[int] = []
         offset = 0

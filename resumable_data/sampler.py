@@ -193,14 +193,18 @@ class ResumableSampler(torch.utils.data.Sampler[int]):
         """Whether ``position`` means the epoch is exhausted."""
         return position >= self._length
 
-    def index_chunks(self, epoch: int, start: int, count: int | None = None) -> Iterator[np.ndarray]:
+    def index_chunks(
+        self, epoch: int, start: int, count: int | None = None, *, first_chunk: int = _FIRST_CHUNK
+    ) -> Iterator[np.ndarray]:
         """This rank's indices for epoch ``epoch`` from global ``start``, as int64 chunks.
 
-        Pure: reads only the configuration. ``count`` limits how many indices are produced.
+        Pure: reads only the configuration. ``count`` limits how many indices are produced;
+        ``first_chunk`` is the size of the first chunk (a restore needs just one batch), after which
+        chunks double up to 65536.
         """
         total = self.rank_samples(start) if count is None else min(count, self.rank_samples(start))
         permutation = self._permutation_for(epoch)
-        done, size = 0, _FIRST_CHUNK
+        done, size = 0, max(1, first_chunk)
         while done < total:
             n = min(size, total - done)
             positions = start + self._rank + self._world_size * np.arange(done, done + n, dtype=np.int64)
