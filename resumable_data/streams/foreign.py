@@ -8,11 +8,12 @@ so it re-iterates the iterable and discards that many records, and says so with 
 from __future__ import annotations
 
 import itertools
+import sys
 import warnings
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
-from .._state import VERSION, ResumeError, check_version, require_int, require_mapping
+from .._state import VERSION, ResumeError, brief, check_version, require_int, require_mapping
 from .base import EPOCH, STREAM_STATE_VERSION, Key, Slot, Stream, require_epoch
 
 __all__ = ["IterableSource", "ReplayWarning"]
@@ -85,6 +86,8 @@ class IterableSource(Stream):
         check_version(state, STREAM_STATE_VERSION, self.name)
         epoch = require_epoch(state, self.name)
         consumed = require_int(state, CONSUMED, self.name, minimum=0)
+        if consumed > sys.maxsize:  # more records than any iterable can yield (and than islice takes)
+            raise ResumeError(f"{self.name} state field {CONSUMED!r} is {brief(consumed)}, more than {sys.maxsize} records")
 
         def apply() -> None:
             self._epoch, self._consumed = epoch, consumed
