@@ -105,7 +105,7 @@ def check_version(state: Mapping[str, Any], expected: int, what: str) -> None:
     version = require_int(state, VERSION, what)
     if version != expected:
         raise ResumeError(
-            f"{what} state has version {version}, but this resumable_data reads version {expected}; "
+            f"{what} state has version {brief(version)}, but this resumable_data reads version {expected}; "
             f"load the checkpoint with the resumable_data release that wrote it"
         )
 

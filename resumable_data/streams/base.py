@@ -252,9 +252,21 @@ class Wrapper(Stream):
         return {}
 
 
+MAX_COUNT = 2**63 - 1
+"""Largest epoch, cursor, offset or counter a state may hold (an int64; any real run stays far below)."""
+
+
 def require_epoch(state: Mapping[str, Any], what: str) -> int:
     """Read the ``"epoch"`` field."""
-    return require_int(state, EPOCH, what, minimum=0)
+    return require_count(state, EPOCH, what)
+
+
+def require_count(state: Mapping[str, Any], key: str, what: str) -> int:
+    """Read a non-negative int64 counter (epoch, draws, round, ...)."""
+    value = require_int(state, key, what, minimum=0)
+    if value > MAX_COUNT:
+        raise ResumeError(f"{what} state field {key!r} must be at most 2**63 - 1, but got {brief(value)}")
+    return value
 
 
 def check_same(what: str, field: str, saved: Any, current: Any, remedy: str) -> None:

@@ -13,8 +13,8 @@ import warnings
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
-from .._state import VERSION, ResumeError, brief, check_version, require_int, require_mapping
-from .base import EPOCH, STREAM_STATE_VERSION, Key, Slot, Stream, require_epoch
+from .._state import VERSION, ResumeError, brief, check_version, require_mapping
+from .base import EPOCH, STREAM_STATE_VERSION, Key, Slot, Stream, require_count, require_epoch
 
 __all__ = ["IterableSource", "ReplayWarning"]
 
@@ -85,7 +85,7 @@ class IterableSource(Stream):
         state = require_mapping(state, self.name)
         check_version(state, STREAM_STATE_VERSION, self.name)
         epoch = require_epoch(state, self.name)
-        consumed = require_int(state, CONSUMED, self.name, minimum=0)
+        consumed = require_count(state, CONSUMED, self.name)
         if consumed > sys.maxsize:  # more records than any iterable can yield (and than islice takes)
             raise ResumeError(f"{self.name} state field {CONSUMED!r} is {brief(consumed)}, more than {sys.maxsize} records")
 

@@ -47,7 +47,7 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 from .._hash import hash_ints
 from .._state import VERSION, ResumeError, brief, check_int_arg, check_version, require_bool, require_int, require_mapping
 from ..dataloader import _distributed_defaults
-from .base import EPOCH, Stream
+from .base import EPOCH, Stream, require_count
 from .batch import Batch
 
 __all__ = ["StreamLoader"]
@@ -208,10 +208,12 @@ class StreamLoader:
         """
         state = require_mapping(state_dict, _WHAT)
         check_version(state, LOADER_STATE_VERSION, _WHAT)
-        epoch = require_int(state, EPOCH, _WHAT, minimum=0)
+        epoch = require_count(state, EPOCH, _WHAT)
         epoch_done = require_bool(state, EPOCH_DONE, _WHAT)
-        old_world = require_int(state, WORLD_SIZE, _WHAT, minimum=1)
-        old_workers = require_int(state, NUM_WORKERS, _WHAT, minimum=0)
+        old_world = require_count(state, WORLD_SIZE, _WHAT)
+        if old_world < 1:
+            raise ResumeError(f"{_WHAT} state field {WORLD_SIZE!r} must be >= 1, but got {old_world}")
+        old_workers = require_count(state, NUM_WORKERS, _WHAT)
         old_local = max(1, old_workers)
         # The slot count comes from untrusted ints: compare it, never materialize a range of it.
         old_slots = old_world * old_local
@@ -286,7 +288,7 @@ class StreamLoader:
             for key in (EPOCH, WORLD_SIZE, NUM_WORKERS):
                 value = require_int(state, key, _WHAT, minimum=0)
                 if value != first.get(key):
-                    raise ResumeError(f"cannot merge states with different {key!r}: {brief(first.get(key))} and {value}")
+                    raise ResumeError(f"cannot merge states with different {key!r}: {brief(first.get(key))} and {brief(value)}")
             slots = require_mapping(state.get(SLOTS), f"{_WHAT} {SLOTS!r}")
             overlap = set(merged[SLOTS]) & set(slots)
             if overlap:

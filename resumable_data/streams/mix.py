@@ -17,8 +17,8 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 from .._hash import hash_ints
-from .._state import VERSION, ResumeError, brief, check_int_arg, check_version, require_int, require_mapping
-from .base import EPOCH, SEED, SOURCES, STREAM_STATE_VERSION, Key, Slot, Stream, check_same, require_epoch
+from .._state import VERSION, ResumeError, brief, check_int_arg, check_version, require_mapping
+from .base import EPOCH, SEED, SOURCES, STREAM_STATE_VERSION, Key, Slot, Stream, check_same, require_count, require_epoch
 
 __all__ = ["Mix", "mix"]
 
@@ -128,7 +128,7 @@ class Mix(Stream):
         epoch = require_epoch(state, _WHAT)
         check_same(_WHAT, "seed", state.get(SEED), self.seed, "build the mix with the checkpoint's seed")
         check_same(_WHAT, "weights", state.get(WEIGHTS), self.weights, "build the mix with the checkpoint's weights")
-        draws = require_int(state, DRAWS, _WHAT, minimum=0)
+        draws = require_count(state, DRAWS, _WHAT)
         exhausted = state.get(EXHAUSTED)
         if not isinstance(exhausted, list) or len(exhausted) != len(self.streams) or not all(isinstance(e, bool) for e in exhausted):
             raise ResumeError(f"mix state field {EXHAUSTED!r} must be {len(self.streams)} bools, got {brief(exhausted)}")

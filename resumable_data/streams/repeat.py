@@ -5,8 +5,8 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
-from .._state import ResumeError, brief, check_int_arg, require_int
-from .base import EPOCH, SOURCE, Key, Slot, Stream, Wrapper, check_same
+from .._state import ResumeError, brief, check_int_arg
+from .base import EPOCH, SOURCE, Key, Slot, Stream, Wrapper, check_same, require_count
 
 __all__ = ["Repeat"]
 
@@ -53,7 +53,7 @@ class Repeat(Wrapper):
 
     def _check_own(self, state: Mapping[str, Any]) -> Callable[[], None]:
         check_same("repeat", "times", state.get(TIMES), self.times, "build it with the checkpoint's times")
-        round_ = require_int(state, ROUND, "repeat", minimum=0)
+        round_ = require_count(state, ROUND, "repeat")
         if self.times is not None and round_ >= self.times:
             raise ResumeError(f"repeat state is in round {round_} but times is {self.times}")
 

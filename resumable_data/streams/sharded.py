@@ -34,7 +34,7 @@ import numpy as np
 
 from .._state import VERSION, ResumeError, brief, check_int_arg, check_version, require_bool, require_int, require_mapping
 from ..permutation import Permutation
-from .base import EPOCH, SEED, STREAM_STATE_VERSION, Key, Slot, Stream, check_same, require_epoch
+from .base import EPOCH, SEED, MAX_COUNT, STREAM_STATE_VERSION, Key, Slot, Stream, check_same, require_count, require_epoch
 
 __all__ = ["ShardedIterable"]
 
@@ -179,10 +179,10 @@ class ShardedIterable(Stream):
                 current = repr(self._names[index]) if 0 <= index < n else "no such shard"
                 raise ResumeError(
                     f"shard list differs from the checkpoint's: checkpoint's shard {brief(index)} {brief(name)} (cursor "
-                    f"{cursor}) is {current} in this pipeline; pass the checkpoint's shard list, in its order"
+                    f"{brief(cursor)}) is {current} in this pipeline; pass the checkpoint's shard list, in its order"
                 )
-            if cursor < 0:
-                raise ResumeError(f"shard {index} {name!r} has a negative cursor {brief(cursor)} in the checkpoint")
+            if not 0 <= cursor <= MAX_COUNT:
+                raise ResumeError(f"shard {index} {brief(name)} has a cursor {brief(cursor)} outside [0, 2**63) in the checkpoint")
             remaining.append([index, cursor])
         check_same(_WHAT, "number of shards", require_int(state, NUM_SHARDS, _WHAT), n, "pass the checkpoint's shard list")
         check_same(_WHAT, "shard list (digest of the names)", state.get(SHARDS_DIGEST), self._digest, "pass the checkpoint's shard list, in its order")
@@ -197,8 +197,8 @@ class ShardedIterable(Stream):
             pending.append([entry[0], entry[1]])
         if len({(i, o) for i, o in pending}) != len(pending):
             raise ResumeError(f"{_WHAT} state lists a record twice in {PENDING!r}: {brief(pending_raw)}")
-        num_slots = require_int(state, NUM_SLOTS, _WHAT, minimum=1)
-        slot = require_int(state, SLOT, _WHAT, minimum=0)
+        num_slots = require_count(state, NUM_SLOTS, _WHAT)
+        slot = require_count(state, SLOT, _WHAT)
         if slot >= num_slots:
             raise ResumeError(f"{_WHAT} state has slot {slot} but only {num_slots} slots")
         return epoch, (slot, num_slots), remaining, pending
@@ -262,8 +262,8 @@ def _check_record(index: int, offset: int, n: int, cursors: Mapping[int, int], w
     """
     if not 0 <= index < n:
         raise ResumeError(f"{_WHAT} state: {what} names shard {brief(index)}, but there are {n} shards (0..{n - 1})")
-    if offset < 0:
-        raise ResumeError(f"{_WHAT} state: {what} has a negative offset {brief(offset)} in shard {index}")
+    if not 0 <= offset <= MAX_COUNT:
+        raise ResumeError(f"{_WHAT} state: {what} has an offset {brief(offset)} outside [0, 2**63) in shard {index}")
     if index in cursors and offset >= cursors[index]:
         raise ResumeError(
             f"{_WHAT} state: {what} is at offset {brief(offset)} of shard {index}, which is read only up to its "

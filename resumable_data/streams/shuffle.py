@@ -16,8 +16,8 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 from .._hash import hash_ints
-from .._state import ResumeError, brief, check_int_arg, require_int
-from .base import SEED, SOURCE, Key, Stream, Wrapper, check_same, require_key
+from .._state import ResumeError, brief, check_int_arg
+from .base import SEED, SOURCE, Key, Stream, Wrapper, check_same, require_count, require_key
 
 __all__ = ["ShuffleBuffer"]
 
@@ -89,7 +89,7 @@ class ShuffleBuffer(Wrapper):
         what = "shuffle_buffer"
         check_same(what, "seed", state.get(SEED), self.seed, "build it with the checkpoint's seed")
         check_same(what, "size", state.get(SIZE), self.size, "build it with the checkpoint's size")
-        draws = require_int(state, DRAWS, what, minimum=0)
+        draws = require_count(state, DRAWS, what)
         keys = self._buffered_keys(state, self.size)
         if len(set(keys)) != len(keys):
             raise ResumeError(f"{what} state holds a record twice in {BUFFER!r}: {brief(state[BUFFER])}")
