@@ -8,6 +8,7 @@ accepts the state and then yields wrong records, breaks the one promise of the l
 from __future__ import annotations
 
 import itertools
+import json
 import random
 from collections.abc import Callable
 from typing import Any
@@ -17,7 +18,7 @@ import pytest
 import torch
 from streams_harness import MemoryShards
 
-from resumable_data import ResumeError, capture_rng_state, restore_rng_state
+from resumable_data import ResumableSampler, ResumeError, capture_rng_state, restore_rng_state
 from resumable_data.streams import ShardedIterable, Stream, StreamLoader, mix
 
 
@@ -100,6 +101,32 @@ def test_a_bad_rng_error_message_stays_short_for_huge_and_deep_values() -> None:
         assert len(str(info.value)) < 400
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "cuda_state",
+    [torch.zeros(7, dtype=torch.uint8), torch.zeros(16, dtype=torch.int64)],
+    ids=["wrong size", "wrong dtype"],
+)
+def test_a_bad_cuda_state_is_refused_before_any_rng_changes(cuda_state: torch.Tensor) -> None:
+    torch.cuda.manual_seed_all(7)
+    bad = capture_rng_state()
+    bad["cuda"] = [cuda_state] + bad["cuda"][1:]
+    random.seed(21), np.random.seed(22), torch.manual_seed(23), torch.cuda.manual_seed_all(24)
+    before = capture_rng_state()
+    with pytest.raises(ResumeError, match="'cuda'"):
+        restore_rng_state(bad)
+    assert rng_states_equal(capture_rng_state(), before)
+
+
+def test_cuda_states_round_trip_where_there_are_devices() -> None:
+    state = capture_rng_state()  # [] on a machine without CUDA
+    expected = [s.clone() for s in state["cuda"]]
+    if torch.cuda.is_available():
+        torch.cuda.manual_seed_all(99)
+    restore_rng_state(state)
+    assert all(torch.equal(a, b) for a, b in zip(capture_rng_state()["cuda"], expected))
+
+
 # -- shuffle_buffer and ShardedIterable ----------------------------------------------------------
 SHARDS = MemoryShards([6, 6, 6])
 
@@ -140,7 +167,7 @@ SHUFFLE_CASES = {
     "key of 2 ints": (_with_key(lambda s: [s["epoch"], 0]), "record key"),
     "key of 5 ints": (_with_key(lambda s: [s["epoch"], 0, 1, 2, 3]), "record key"),
     "shard out of range": (_with_key(lambda s: [s["epoch"], 3, 0]), "there are 3 shards"),
-    "negative offset": (_with_key(lambda s: [s["epoch"], _finished_shard(s), -1]), "negative offset"),
+    "negative offset": (_with_key(lambda s: [s["epoch"], _finished_shard(s), -1]), r"offset -1 outside \[0, 2\*\*63\)"),
     "another epoch's key": (_with_key(lambda s: [s["epoch"] + 1, _finished_shard(s), 0]), "from epoch"),
     "a record not read yet": (_with_key(lambda s: [s["epoch"], _reading(s)[0], _reading(s)[1]]), "not read yet"),
     "the same record twice": (lambda s: s["buffer"].__setitem__(1, list(s["buffer"][0])), "twice"),
@@ -187,7 +214,7 @@ def test_repeat_refuses_a_key_from_a_round_it_has_not_reached() -> None:
 
 PENDING_CASES = {
     # numpy-style negative indexing would hand out a record from the end of the shard.
-    "negative offset": ([[0, -1]], "negative offset"),
+    "negative offset": ([[0, -1]], r"offset -1 outside \[0, 2\*\*63\)"),
     "shard out of range": ([[3, 0]], "there are 3 shards"),
     "the same record twice": ([[1, 0], [1, 0]], "twice"),
 }
@@ -264,3 +291,35 @@ def test_merge_states_refuses_what_is_not_a_list_of_states() -> None:
     state = midway_loader().state_dict()
     with pytest.raises(ResumeError, match="'epoch' must be an int"):
         StreamLoader.merge_states([state, {**state, "epoch": None}])
+
+
+# -- found by tests/test_fuzz_states.py in the sampler (being redesigned by the lead) ------------------
+# Strict xfails: each turns into a failure (XPASS) once the sampler is fixed; then drop the mark.
+def _sampler_state(**changes: Any) -> dict[str, Any]:
+    return {**ResumableSampler(20, seed=1, world_size=2, rank=1).state_dict(), **changes}
+
+
+@pytest.mark.xfail(strict=True, reason="sampler accepts epoch 10**5000; its state_dict() then fails json.dumps")
+def test_sampler_refuses_an_epoch_no_run_reaches() -> None:
+    sampler = ResumableSampler(20, seed=1, world_size=2, rank=1)
+    try:
+        sampler.load_state_dict(_sampler_state(epoch=10**5000))
+    except ResumeError:
+        return
+    json.dumps(sampler.state_dict())
+
+
+@pytest.mark.xfail(strict=True, reason="sampler's mismatch message repr()s a 5000-digit int: ValueError")
+def test_sampler_mismatch_message_survives_a_huge_int() -> None:
+    with pytest.raises(ResumeError):
+        ResumableSampler(20, seed=1, world_size=2, rank=1).load_state_dict(_sampler_state(dataset_length=10**5000))
+
+
+@pytest.mark.xfail(strict=True, reason="sampler accepts a position past its own epoch's end (bounded by the saved world size only)")
+def test_a_state_the_sampler_accepted_loads_into_its_twin() -> None:
+    sampler = ResumableSampler(20, seed=1, world_size=2, rank=1)
+    try:
+        sampler.load_state_dict(_sampler_state(position=2**32 + 10, world_size=2**32 + 2))
+    except ResumeError:
+        return
+    ResumableSampler(20, seed=1, world_size=2, rank=1).load_state_dict(sampler.state_dict())
