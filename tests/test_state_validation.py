@@ -323,3 +323,19 @@ def test_a_state_the_sampler_accepted_loads_into_its_twin() -> None:
     except ResumeError:
         return
     ResumableSampler(20, seed=1, world_size=2, rank=1).load_state_dict(sampler.state_dict())
+
+
+def test_stream_loader_refuses_a_slot_state_saved_for_another_slot() -> None:
+    # repeat() keeps the source's slot for its next round, which would then read rank 1's shards.
+    def make(rank: int) -> StreamLoader:
+        return StreamLoader(sharded().repeat(2), batch_size=2, rank=rank, world_size=2)
+
+    made = make(0)
+    list(itertools.islice(iter(made), 1))
+    state = made.state_dict()
+    state["slots"]["0"]["source"]["source"]["slot"] = 1  # batch -> repeat -> ShardedIterable
+    target = make(0)
+    before = target.state_dict()
+    with pytest.raises(ResumeError, match="slot 0 holds a pipeline state saved for slot 1 of 2"):
+        target.load_state_dict(state)
+    assert target.state_dict() == before

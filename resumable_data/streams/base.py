@@ -99,6 +99,14 @@ class Stream:
         """
         return _accept_any
 
+    def _saved_slots(self, state: Mapping[str, Any]) -> list[Slot]:
+        """The ``(slot, num_slots)`` that the sources in a checked ``state`` were saved for.
+
+        A loader compares them with the slot it loads the state into: a source that keeps its
+        slot (for the next round of ``repeat``) would otherwise read another slot's shards.
+        """
+        return []
+
     def _rebalance(self, states: Sequence[Mapping[str, Any]], num_slots: int, pending: list[Key]) -> list[dict[str, Any]]:
         """Turn the (validated) states of every old slot into states for ``num_slots`` new slots.
 
@@ -222,7 +230,7 @@ class Wrapper(Stream):
         expected = self._expected_source_epoch(epoch, state)
         if isinstance(source_epoch, int) and source_epoch != expected:
             raise ResumeError(
-                f"{self._what()} state is in epoch {epoch} but its source's state is in epoch {source_epoch} "
+                f"{self._what()} state is in epoch {epoch} but its source's state is in epoch {brief(source_epoch)} "
                 f"(expected {expected}); pass a state_dict() of this pipeline unchanged"
             )
 
@@ -238,6 +246,9 @@ class Wrapper(Stream):
 
     def _key_checker(self, state: Mapping[str, Any] | None) -> Callable[[Key], None]:
         return self.source._key_checker(None if state is None else state[SOURCE])
+
+    def _saved_slots(self, state: Mapping[str, Any]) -> list[Slot]:
+        return self.source._saved_slots(state[SOURCE])
 
     def _expected_source_epoch(self, epoch: int, state: Mapping[str, Any]) -> int:
         """The epoch the source's state must be in when this stage's (checked) state is in ``epoch``."""

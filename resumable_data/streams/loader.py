@@ -222,7 +222,7 @@ class StreamLoader:
             slot_epoch = slot_state.get(EPOCH) if isinstance(slot_state, Mapping) else None
             if isinstance(slot_epoch, int) and slot_epoch != epoch:
                 raise ResumeError(
-                    f"{_WHAT} state is in epoch {epoch} but its slot {g} is in epoch {slot_epoch}; "
+                    f"{_WHAT} state is in epoch {epoch} but its slot {g} is in epoch {brief(slot_epoch)}; "
                     "pass a state_dict() (or merge_states of every rank's) unchanged"
                 )
         mine = range(self.rank * self._local, (self.rank + 1) * self._local)
@@ -257,6 +257,13 @@ class StreamLoader:
             raw = [every[g] for g in mine]
             next_worker = 0
         applies = [self._stream._check(s) for s in raw]
+        for g, s in zip(mine, raw):  # (a redistributed state is built for its slot)
+            wrong = [saved for saved in self._stream._saved_slots(s) if saved != (g, self.num_slots)]
+            if wrong:
+                raise ResumeError(
+                    f"{_WHAT} state: slot {g} holds a pipeline state saved for slot {wrong[0][0]} of "
+                    f"{wrong[0][1]}; pass a state_dict() (or merge_states of every rank's) unchanged"
+                )
         # Keep each slot as the pipeline's own state_dict() after applying it: plain, normalized
         # data that shares nothing with the caller's dict (and drops unknown keys).
         states = []

@@ -100,6 +100,9 @@ class Mix(Stream):
 
         return check
 
+    def _saved_slots(self, state: Mapping[str, Any]) -> list[Slot]:
+        return [slot for stream, sub in zip(self.streams, self._sources_of(state)) for slot in stream._saved_slots(sub)]
+
     def _reset(self, epoch: int, slot: Slot | None) -> None:
         self._epoch, self._draws, self._exhausted = epoch, 0, [False] * len(self.streams)
         for stream in self.streams:
@@ -138,7 +141,7 @@ class Mix(Stream):
             sub_epoch = sub.get(EPOCH) if isinstance(sub, Mapping) else None
             if isinstance(sub_epoch, int) and sub_epoch != epoch:
                 raise ResumeError(
-                    f"mix state is in epoch {epoch} but source {i}'s state is in epoch {sub_epoch}; "
+                    f"mix state is in epoch {epoch} but source {i}'s state is in epoch {brief(sub_epoch)}; "
                     "pass a state_dict() of this pipeline unchanged"
                 )
 

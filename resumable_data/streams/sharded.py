@@ -228,6 +228,9 @@ class ShardedIterable(Stream):
 
         return check
 
+    def _saved_slots(self, state: Mapping[str, Any]) -> list[Slot]:
+        return [self._parse(state)[1]]
+
     def _check(self, state: Any) -> Callable[[], None]:
         epoch, slot, remaining, pending = self._parse(state)
 
