@@ -142,7 +142,7 @@ def damage(data: st.DataObject, state: Any, *, max_steps: int = 3) -> Any:
         elif op == "drop key" and node:
             del node[data.draw(st.sampled_from(_children(node)), label="drop")]
         elif op == "add key":
-            node[data.draw(st.sampled_from(["extra", "0", "1", "epoch"]), label="new key")] = NASTY[
+            node[data.draw(st.sampled_from(["extra", "0", "1", "epoch", 7]), label="new key")] = NASTY[
                 data.draw(st.sampled_from(sorted(NASTY)), label="value")
             ]()
         elif op == "drop item" and node:

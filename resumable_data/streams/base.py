@@ -22,7 +22,10 @@ all of its iteration state on itself, not in the generator: iterating again afte
 continues where the last yielded item left off. One active iterator per stage object.
 
 Loading is validate-then-mutate: :meth:`Stream._check` validates a whole nested state and returns
-a thunk that applies it, so a failed ``load_state_dict`` leaves the pipeline unchanged.
+a thunk that applies it, so a failed ``load_state_dict`` leaves the pipeline unchanged. A state is
+untrusted data: saved keys are vouched for by the source (:meth:`Stream._key_checker`: right shape,
+epoch and shard, already read), each stage's epoch must agree with its source's, and every counter
+is an int64, so an edited or corrupted state is refused rather than yielding wrong records.
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
-from .._state import VERSION, ResumeError, brief, check_int_arg, check_version, require_int, require_mapping
+from .._state import VERSION, ResumeError, brief, check_int_arg, check_version, keys_of, require_int, require_mapping
 
 __all__ = ["Key", "Slot", "Stream"]
 
@@ -222,7 +225,7 @@ class Wrapper(Stream):
         check_version(state, STREAM_STATE_VERSION, self._what())
         epoch = require_epoch(state, self._what())
         if SOURCE not in state:
-            raise ResumeError(f"{self._what()} state is missing the key {SOURCE!r}; got keys {sorted(state)}")
+            raise ResumeError(f"{self._what()} state is missing the key {SOURCE!r}; got keys {keys_of(state)}")
         # The source first: the own fields (a shuffle buffer's keys) are checked against its state.
         apply_source = self.source._check(state[SOURCE])
         apply_own = self._check_own(state)

@@ -252,7 +252,7 @@ class ShardedIterable(Stream):
         records = [entry for p in parsed for entry in p[3]]
         for key in pending:
             if key[0] != epoch or len(key) != 3:
-                raise ResumeError(f"{_WHAT}: pending record {list(key)} is not a record of epoch {epoch}")
+                raise ResumeError(f"{_WHAT}: pending record {brief(list(key))} is not a record of epoch {epoch}")
             records.append([key[1], key[2]])
         return [self._state(epoch, (s, num_slots), remaining[s::num_slots], records[s::num_slots]) for s in range(num_slots)]
 

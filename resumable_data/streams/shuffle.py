@@ -111,7 +111,7 @@ class ShuffleBuffer(Wrapper):
 
         def check(key: Key) -> None:
             if key in held:
-                raise ResumeError(f"shuffle_buffer state: record key {list(key)} is both buffered and handed out")
+                raise ResumeError(f"shuffle_buffer state: record key {brief(list(key))} is both buffered and handed out")
             check_source(key)
 
         return check
