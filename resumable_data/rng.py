@@ -196,6 +196,15 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+def _is_cpu_tensor(value: Any, dtype: torch.dtype) -> bool:
+    return (
+        isinstance(value, torch.Tensor)
+        and value.dtype == dtype
+        and value.device.type == "cpu"
+        and value.layout == torch.strided
+    )
+
+
 def _is_finite_number(value: Any) -> bool:
     if _is_int(value):
         return abs(value) <= 2**53  # exactly a float (a larger int may not even convert)
@@ -241,7 +250,7 @@ def _numpy_state(part: Any) -> tuple[str, np.ndarray, int, int, float]:
     name, keys, pos, has_gauss, cached = (part[k] for k in ("name", "keys", "pos", "has_gauss", "cached_gaussian"))
     if not isinstance(name, str) or name != "MT19937":
         raise _malformed("numpy.name", "'MT19937'", name)
-    if not (isinstance(keys, torch.Tensor) and keys.dtype == torch.int32 and keys.device.type == "cpu" and keys.shape == (_MT_WORDS,)):
+    if not (_is_cpu_tensor(keys, torch.int32) and keys.shape == (_MT_WORDS,)):
         raise _malformed("numpy.keys", f"a CPU int32 tensor of shape ({_MT_WORDS},)", keys)
     if not bool(keys.any()):
         raise _malformed("numpy.keys", "a Mersenne Twister state (all zeros is degenerate)", keys)
@@ -263,7 +272,7 @@ def _numpy_state(part: Any) -> tuple[str, np.ndarray, int, int, float]:
 
 def _torch_state(value: Any) -> torch.Tensor:
     """The torch CPU state, validated by loading it into a scratch generator."""
-    if not (isinstance(value, torch.Tensor) and value.dtype == torch.uint8 and value.device.type == "cpu"):
+    if not _is_cpu_tensor(value, torch.uint8):
         raise _malformed("torch", "a CPU uint8 tensor from torch.get_rng_state()", value)
     try:
         torch.Generator().set_state(value)
@@ -274,7 +283,7 @@ def _torch_state(value: Any) -> torch.Tensor:
 
 def _cuda_states(value: Any, have: int, strict: bool) -> list[torch.Tensor]:
     """The CUDA states to restore (one per device both have), each validated on a scratch generator."""
-    if not (isinstance(value, (list, tuple)) and all(isinstance(s, torch.Tensor) and s.dtype == torch.uint8 and s.device.type == "cpu" and s.dim() == 1 for s in value)):
+    if not (isinstance(value, (list, tuple)) and all(_is_cpu_tensor(s, torch.uint8) and s.dim() == 1 for s in value)):
         raise _malformed("cuda", "a list of CPU uint8 tensors from torch.cuda.get_rng_state(i)", value)
     if strict and value and len(value) != have:
         raise ResumeError(

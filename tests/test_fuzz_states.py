@@ -100,6 +100,8 @@ NASTY: dict[str, Callable[[], Any]] = {
     "deep dict": lambda: {"0": {"0": _deep(50_000)}},
     "uint8 tensor[16]": lambda: torch.zeros(16, dtype=torch.uint8),
     "int32 tensor[624]": lambda: torch.arange(624, dtype=torch.int32),
+    "sparse int32 tensor[624]": lambda: torch.arange(624, dtype=torch.int32).to_sparse(),
+    "meta uint8 tensor[5056]": lambda: torch.empty(5056, dtype=torch.uint8, device="meta"),
     "float tensor[2, 2]": lambda: torch.ones(2, 2),
     "int tensor[2]": lambda: torch.tensor([1, 2]),
     "int tensor scalar": lambda: torch.tensor(3),
