@@ -19,7 +19,7 @@ import torch
 from streams_harness import MemoryShards
 
 from resumable_data import ResumableSampler, ResumeError, capture_rng_state, restore_rng_state
-from resumable_data.streams import ShardedIterable, Stream, StreamLoader, mix
+from resumable_data.streams import IterableSource, ShardedIterable, Stream, StreamLoader, mix
 
 
 # -- restore_rng_state -------------------------------------------------------------------------
@@ -237,6 +237,30 @@ def test_a_pending_record_lies_before_its_shards_cursor() -> None:
     with pytest.raises(ResumeError, match="not read yet"):
         sharded().load_state_dict({**state, "pending": [[index, cursor]]})
     sharded().load_state_dict({**state, "pending": [[index, cursor - 1]]})  # read, then buffered: fine
+
+
+COUNTERS = {
+    "epoch": (lambda: sharded(), ("epoch",)),
+    "cursor": (lambda: sharded(), ("remaining", 0, 2)),
+    "shuffle_buffer draws": (lambda: shuffled(), ("draws",)),
+    "take taken": (lambda: sharded().take(5), ("taken",)),
+    "repeat round": (lambda: sharded().repeat(), ("round",)),
+    "mix draws": (lambda: mix([sharded(), sharded()]), ("draws",)),
+    "IterableSource consumed": (lambda: IterableSource(range(5)), ("consumed",)),
+}
+
+
+@pytest.mark.parametrize("case", sorted(COUNTERS))
+def test_every_stream_counter_is_an_int64(case: str) -> None:
+    # 10**5000 was accepted (or crashed str() in the error): state_dict() then failed json.dumps.
+    make, path = COUNTERS[case]
+    bad = midway(make, 2).state_dict()
+    _set(path, 10**5000)(bad)
+    stream = make()
+    before = stream.state_dict()
+    with pytest.raises(ResumeError, match="2\\*\\*63"):
+        stream.load_state_dict(bad)
+    assert stream.state_dict() == before
 
 
 # -- StreamLoader ---------------------------------------------------------------------------------
