@@ -8,6 +8,8 @@ tensors only where they must be) so it round-trips through ``json.dumps`` and
 
 from __future__ import annotations
 
+import itertools
+import reprlib
 from collections.abc import Mapping
 from typing import Any, Protocol, runtime_checkable
 
@@ -54,25 +56,52 @@ def require_mapping(state: Any, what: str) -> Mapping[str, Any]:
     return state
 
 
+class _Brief(reprlib.Repr):
+    """``repr`` bounded in depth, length and digits: a hostile state must not crash its own error."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.maxlevel, self.maxstring, self.maxother, self.maxlong = 3, 80, 80, 40
+
+    def repr_int(self, x: int, level: int) -> str:
+        if x.bit_length() > 128:  # repr() itself refuses ints of more than 4300 digits
+            return f"<int of {x.bit_length()} bits>"
+        return super().repr_int(x, level)
+
+
+_BRIEF = _Brief()
+
+
+def brief(value: Any) -> str:
+    """A short ``repr`` of untrusted state data, safe for error messages (any nesting, any size)."""
+    return _BRIEF.repr(value)
+
+
+def keys_of(state: Mapping[Any, Any]) -> str:
+    """The (first 20) keys of an untrusted mapping, for an error message; keys may be of any type."""
+    names = sorted(brief(key) for key in itertools.islice(state, 20))
+    return "[" + ", ".join(names) + (", ...]" if len(state) > 20 else "]")
+
+
 def require_int(state: Mapping[str, Any], key: str, what: str, *, minimum: int | None = None) -> int:
     """Read ``state[key]`` as an int (bools refused), optionally at least ``minimum``."""
     if key not in state:
-        raise ResumeError(f"{what} state is missing the key {key!r}; got keys {sorted(state)}")
+        raise ResumeError(f"{what} state is missing the key {key!r}; got keys {keys_of(state)}")
     value = state[key]
     if isinstance(value, bool) or not isinstance(value, int):
-        raise ResumeError(f"{what} state field {key!r} must be an int, but got {value!r}")
+        raise ResumeError(f"{what} state field {key!r} must be an int, but got {brief(value)}")
     if minimum is not None and value < minimum:
-        raise ResumeError(f"{what} state field {key!r} must be >= {minimum}, but got {value}")
+        raise ResumeError(f"{what} state field {key!r} must be >= {minimum}, but got {brief(value)}")
     return value
 
 
 def require_bool(state: Mapping[str, Any], key: str, what: str) -> bool:
     """Read ``state[key]`` as a bool."""
     if key not in state:
-        raise ResumeError(f"{what} state is missing the key {key!r}; got keys {sorted(state)}")
+        raise ResumeError(f"{what} state is missing the key {key!r}; got keys {keys_of(state)}")
     value = state[key]
     if not isinstance(value, bool):
-        raise ResumeError(f"{what} state field {key!r} must be a bool, but got {value!r}")
+        raise ResumeError(f"{what} state field {key!r} must be a bool, but got {brief(value)}")
     return value
 
 
@@ -81,7 +110,7 @@ def check_version(state: Mapping[str, Any], expected: int, what: str) -> None:
     version = require_int(state, VERSION, what)
     if version != expected:
         raise ResumeError(
-            f"{what} state has version {version}, but this resumable_data reads version {expected}; "
+            f"{what} state has version {brief(version)}, but this resumable_data reads version {expected}; "
             f"load the checkpoint with the resumable_data release that wrote it"
         )
 
@@ -89,5 +118,5 @@ def check_version(state: Mapping[str, Any], expected: int, what: str) -> None:
 def check_int_arg(name: str, value: Any, *, minimum: int) -> int:
     """Validate a constructor argument the way PyTorch's samplers word it, as a ResumeError."""
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ResumeError(f"{name} should be an integer >= {minimum}, but got {name}={value!r}")
+        raise ResumeError(f"{name} should be an integer >= {minimum}, but got {name}={brief(value)}")
     return value

@@ -24,7 +24,6 @@ import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
-import torch
 from torch.utils.data._utils.pin_memory import pin_memory
 
 __all__ = ["WarmStart"]

@@ -15,6 +15,7 @@ Two kinds of randomness matter for an exact resume:
 
 from __future__ import annotations
 
+import math
 import random
 from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
@@ -23,7 +24,7 @@ import numpy as np
 import torch
 
 from ._hash import hash_ints
-from ._state import ResumeError, check_version, require_mapping
+from ._state import ResumeError, brief, check_version, keys_of, require_mapping
 
 __all__ = [
     "RandomMap",
@@ -154,6 +155,9 @@ def capture_rng_state() -> dict[str, Any]:
 def restore_rng_state(state: Mapping[str, Any], *, strict: bool = True) -> None:
     """Restore what :func:`capture_rng_state` captured.
 
+    Every part is validated first (the torch and CUDA states by loading them into scratch
+    generators), so a malformed state raises before any global RNG is touched.
+
     Args:
         state: a dict from :func:`capture_rng_state` (possibly after ``torch.load``).
         strict: when True, a checkpoint whose number of CUDA devices differs from this machine's
@@ -166,40 +170,130 @@ def restore_rng_state(state: Mapping[str, Any], *, strict: bool = True) -> None:
     check_version(state, RNG_STATE_VERSION, _WHAT)
     for key in (_PYTHON, _NUMPY, _TORCH, _CUDA):
         if key not in state:
-            raise ResumeError(f"RNG state is missing the key {key!r}; got keys {sorted(state)}")
-    py = require_mapping(state[_PYTHON], "RNG 'python'")
-    try:
-        py_state = (int(py["version"]), tuple(int(v) for v in py["internal"]), py["gauss_next"])
-        np_part = state[_NUMPY]
-        np_state = (
-            str(np_part["name"]),
-            torch.as_tensor(np_part["keys"]).numpy().view(np.uint32).copy(),
-            int(np_part["pos"]),
-            int(np_part["has_gauss"]),
-            float(np_part["cached_gaussian"]),
-        )
-    except (KeyError, TypeError, ValueError) as exc:
-        raise ResumeError(f"RNG state for python/numpy is malformed: {exc!r}") from exc
-    torch_state = state[_TORCH]
-    if not isinstance(torch_state, torch.Tensor) or torch_state.dtype != torch.uint8:
-        raise ResumeError(f"RNG state field 'torch' must be a uint8 tensor, got {type(torch_state).__name__}")
-    cuda_states = list(state[_CUDA])
+            raise ResumeError(f"RNG state is missing the key {key!r}; got keys {keys_of(state)}")
+    py_state = _python_state(state[_PYTHON])
+    np_state = _numpy_state(state[_NUMPY])
+    torch_state = _torch_state(state[_TORCH])
     have = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    if strict and cuda_states and len(cuda_states) != have:
-        raise ResumeError(
-            f"RNG state holds {len(cuda_states)} CUDA device states but this machine has {have}; "
-            "pass strict=False to restore the devices both have"
-        )
-    # Validate numpy's part by loading it into a scratch RandomState before touching globals.
-    scratch = np.random.RandomState()
-    try:
-        scratch.set_state(np_state)
-        random.Random().setstate(py_state)
-    except (TypeError, ValueError) as exc:
-        raise ResumeError(f"RNG state for python/numpy is malformed: {exc!r}") from exc
+    cuda_states = _cuda_states(state[_CUDA], have, strict)
 
     random.setstate(py_state)
     np.random.set_state(np_state)
     torch.set_rng_state(torch_state)
-    for i, cuda_state in enumerate(cuda_states[:have]):
+    for i, cuda_state in enumerate(cuda_states):
         torch.cuda.set_rng_state(cuda_state, i)
+
+
+_MT_WORDS = 624  # words of Mersenne Twister state (python's random and numpy's legacy RNG)
+_REMEDY = "pass the 'rng' part of a checkpoint written by capture_rng_state() unchanged"
+
+
+def _malformed(field: str, expected: str, got: Any) -> ResumeError:
+    return ResumeError(f"RNG state field {field!r} must be {expected}, but got {brief(got)}; {_REMEDY}")
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_cpu_tensor(value: Any, dtype: torch.dtype) -> bool:
+    return (
+        isinstance(value, torch.Tensor)
+        and value.dtype == dtype
+        and value.device.type == "cpu"
+        and value.layout == torch.strided
+    )
+
+
+def _is_finite_number(value: Any) -> bool:
+    if _is_int(value):
+        return abs(value) <= 2**53  # exactly a float (a larger int may not even convert)
+    return isinstance(value, float) and math.isfinite(value)
+
+
+def _python_state(part: Any) -> tuple[int, tuple[int, ...], float | None]:
+    """``random.setstate``'s argument, checked word by word and by a scratch ``random.Random``."""
+    part = require_mapping(part, "RNG 'python'")
+    for key in ("version", "internal", "gauss_next"):
+        if key not in part:
+            raise ResumeError(f"RNG 'python' state is missing the key {key!r}; got keys {keys_of(part)}")
+    version, internal, gauss_next = part["version"], part["internal"], part["gauss_next"]
+    if not _is_int(version):
+        raise _malformed("python.version", "an int", version)
+    # 624 words of 32 bits plus the index of the next word (0..624); python would silently truncate
+    # larger words, so range-check them here.
+    if not (
+        isinstance(internal, (list, tuple))
+        and len(internal) == _MT_WORDS + 1
+        and all(_is_int(w) and 0 <= w < 2**32 for w in internal)
+        and internal[-1] <= _MT_WORDS
+    ):
+        raise _malformed("python.internal", f"{_MT_WORDS} ints in [0, 2**32) and an index in [0, {_MT_WORDS}]", internal)
+    if not any(internal[:-1]):
+        raise _malformed("python.internal", "a Mersenne Twister state (all zeros is degenerate)", internal)
+    if gauss_next is not None and not _is_finite_number(gauss_next):
+        raise _malformed("python.gauss_next", "None or a finite float", gauss_next)
+    py_state = (version, tuple(internal), None if gauss_next is None else float(gauss_next))
+    try:
+        random.Random().setstate(py_state)
+    except (TypeError, ValueError, OverflowError) as exc:
+        raise ResumeError(f"RNG state for python is malformed: {exc}; {_REMEDY}") from exc
+    return py_state
+
+
+def _numpy_state(part: Any) -> tuple[str, np.ndarray, int, int, float]:
+    """``np.random.set_state``'s legacy tuple, checked and loaded into a scratch RandomState."""
+    part = require_mapping(part, "RNG 'numpy'")
+    for key in ("name", "keys", "pos", "has_gauss", "cached_gaussian"):
+        if key not in part:
+            raise ResumeError(f"RNG 'numpy' state is missing the key {key!r}; got keys {keys_of(part)}")
+    name, keys, pos, has_gauss, cached = (part[k] for k in ("name", "keys", "pos", "has_gauss", "cached_gaussian"))
+    if not isinstance(name, str) or name != "MT19937":
+        raise _malformed("numpy.name", "'MT19937'", name)
+    if not (_is_cpu_tensor(keys, torch.int32) and keys.shape == (_MT_WORDS,)):
+        raise _malformed("numpy.keys", f"a CPU int32 tensor of shape ({_MT_WORDS},)", keys)
+    if not bool(keys.any()):
+        raise _malformed("numpy.keys", "a Mersenne Twister state (all zeros is degenerate)", keys)
+    # numpy does not range-check pos, and reads out of its key array with a larger one.
+    if not (_is_int(pos) and 0 <= pos <= _MT_WORDS):
+        raise _malformed("numpy.pos", f"an int in [0, {_MT_WORDS}]", pos)
+    if not (_is_int(has_gauss) and has_gauss in (0, 1)):
+        raise _malformed("numpy.has_gauss", "0 or 1", has_gauss)
+    if not _is_finite_number(cached):
+        raise _malformed("numpy.cached_gaussian", "a finite float", cached)
+    words = keys.detach().contiguous().numpy().view(np.uint32).copy()
+    np_state = (name, words, pos, has_gauss, float(cached))
+    try:
+        np.random.RandomState().set_state(np_state)
+    except (TypeError, ValueError, OverflowError) as exc:
+        raise ResumeError(f"RNG state for numpy is malformed: {exc}; {_REMEDY}") from exc
+    return np_state
+
+
+def _torch_state(value: Any) -> torch.Tensor:
+    """The torch CPU state, validated by loading it into a scratch generator."""
+    if not _is_cpu_tensor(value, torch.uint8):
+        raise _malformed("torch", "a CPU uint8 tensor from torch.get_rng_state()", value)
+    try:
+        torch.Generator().set_state(value)
+    except (RuntimeError, TypeError, ValueError) as exc:
+        raise ResumeError(f"RNG state field 'torch' is not a torch CPU generator state: {exc}; {_REMEDY}") from exc
+    return value
+
+
+def _cuda_states(value: Any, have: int, strict: bool) -> list[torch.Tensor]:
+    """The CUDA states to restore (one per device both have), each validated on a scratch generator."""
+    if not (isinstance(value, (list, tuple)) and all(_is_cpu_tensor(s, torch.uint8) and s.dim() == 1 for s in value)):
+        raise _malformed("cuda", "a list of CPU uint8 tensors from torch.cuda.get_rng_state(i)", value)
+    if strict and value and len(value) != have:
+        raise ResumeError(
+            f"RNG state holds {len(value)} CUDA device states but this machine has {have}; "
+            "pass strict=False to restore the devices both have"
+        )
+    states = list(value[:have])
+    for i, cuda_state in enumerate(states):
+        try:
+            torch.Generator(device=f"cuda:{i}").set_state(cuda_state)
+        except (RuntimeError, TypeError, ValueError) as exc:
+            raise ResumeError(f"RNG state field 'cuda' entry {i} is not a CUDA generator state: {exc}; {_REMEDY}") from exc
+    return states

@@ -22,7 +22,10 @@ all of its iteration state on itself, not in the generator: iterating again afte
 continues where the last yielded item left off. One active iterator per stage object.
 
 Loading is validate-then-mutate: :meth:`Stream._check` validates a whole nested state and returns
-a thunk that applies it, so a failed ``load_state_dict`` leaves the pipeline unchanged.
+a thunk that applies it, so a failed ``load_state_dict`` leaves the pipeline unchanged. A state is
+untrusted data: saved keys are vouched for by the source (:meth:`Stream._key_checker`: right shape,
+epoch and shard, already read), each stage's epoch must agree with its source's, and every counter
+is an int64, so an edited or corrupted state is refused rather than yielding wrong records.
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ import itertools
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
-from .._state import VERSION, ResumeError, check_int_arg, check_version, require_int, require_mapping
+from .._state import VERSION, ResumeError, brief, check_int_arg, check_version, keys_of, require_int, require_mapping
 
 __all__ = ["Key", "Slot", "Stream"]
 
@@ -96,6 +99,25 @@ class Stream:
         those reads (one open per shard, contiguous records together) override this.
         """
         return [self._fetch(key) for key in keys]
+
+    def _key_checker(self, state: Mapping[str, Any] | None) -> Callable[[Key], None]:
+        """A function that refuses a saved record key this stage could not have yielded.
+
+        ``state`` is this stage's part of a state that :meth:`_check` has already accepted: a key
+        must then be one of the records read so far in that state's epoch (a shuffle buffer's
+        saved keys are checked this way before anything is re-read). With ``state=None`` the key
+        may be from another epoch, and only its shape and ranges are checked. A stage that cannot
+        tell accepts every key, and its :meth:`_fetch` must refuse what it cannot read.
+        """
+        return _accept_any
+
+    def _saved_slots(self, state: Mapping[str, Any]) -> list[Slot]:
+        """The ``(slot, num_slots)`` that the sources in a checked ``state`` were saved for.
+
+        A loader compares them with the slot it loads the state into: a source that keeps its
+        slot (for the next round of ``repeat``) would otherwise read another slot's shards.
+        """
+        return []
 
     def _rebalance(self, states: Sequence[Mapping[str, Any]], num_slots: int, pending: list[Key]) -> list[dict[str, Any]]:
         """Turn the (validated) states of every old slot into states for ``num_slots`` new slots.
@@ -212,9 +234,17 @@ class Wrapper(Stream):
         check_version(state, STREAM_STATE_VERSION, self._what())
         epoch = require_epoch(state, self._what())
         if SOURCE not in state:
-            raise ResumeError(f"{self._what()} state is missing the key {SOURCE!r}; got keys {sorted(state)}")
-        apply_own = self._check_own(state)
+            raise ResumeError(f"{self._what()} state is missing the key {SOURCE!r}; got keys {keys_of(state)}")
+        # The source first: the own fields (a shuffle buffer's keys) are checked against its state.
         apply_source = self.source._check(state[SOURCE])
+        apply_own = self._check_own(state)
+        source_epoch = state[SOURCE].get(EPOCH) if isinstance(state[SOURCE], Mapping) else None
+        expected = self._expected_source_epoch(epoch, state)
+        if isinstance(source_epoch, int) and source_epoch != expected:
+            raise ResumeError(
+                f"{self._what()} state is in epoch {epoch} but its source's state is in epoch {brief(source_epoch)} "
+                f"(expected {expected}); pass a state_dict() of this pipeline unchanged"
+            )
 
         def apply() -> None:
             self._epoch = epoch
@@ -228,6 +258,16 @@ class Wrapper(Stream):
 
     def _fetch_many(self, keys: Sequence[Key]) -> list[Any]:
         return self.source._fetch_many(keys)
+
+    def _key_checker(self, state: Mapping[str, Any] | None) -> Callable[[Key], None]:
+        return self.source._key_checker(None if state is None else state[SOURCE])
+
+    def _saved_slots(self, state: Mapping[str, Any]) -> list[Slot]:
+        return self.source._saved_slots(state[SOURCE])
+
+    def _expected_source_epoch(self, epoch: int, state: Mapping[str, Any]) -> int:
+        """The epoch the source's state must be in when this stage's (checked) state is in ``epoch``."""
+        return epoch
 
     def _rebalance(self, states: Sequence[Mapping[str, Any]], num_slots: int, pending: list[Key]) -> list[dict[str, Any]]:
         sources = self.source._rebalance([s[SOURCE] for s in states], num_slots, pending)
@@ -254,15 +294,43 @@ def fetch_grouped(keys: Sequence[Key], field: int, fetch: Callable[[int, list[in
     return records
 
 
+MAX_COUNT = 2**63 - 1
+"""Largest epoch, cursor, offset or counter a state may hold (an int64; any real run stays far below)."""
+
+
 def require_epoch(state: Mapping[str, Any], what: str) -> int:
     """Read the ``"epoch"`` field."""
-    return require_int(state, EPOCH, what, minimum=0)
+    return require_count(state, EPOCH, what)
+
+
+def require_count(state: Mapping[str, Any], key: str, what: str) -> int:
+    """Read a non-negative int64 counter (epoch, draws, round, ...)."""
+    value = require_int(state, key, what, minimum=0)
+    if value > MAX_COUNT:
+        raise ResumeError(f"{what} state field {key!r} must be at most 2**63 - 1, but got {brief(value)}")
+    return value
 
 
 def check_same(what: str, field: str, saved: Any, current: Any, remedy: str) -> None:
     """Refuse a state whose ``field`` differs from this pipeline's, naming both values."""
-    if saved != current:
-        raise ResumeError(f"{what} {field} changed: checkpoint has {saved!r}, pipeline has {current!r}; {remedy}")
+    if not same_value(saved, current):
+        raise ResumeError(f"{what} {field} changed: checkpoint has {brief(saved)}, pipeline has {current!r}; {remedy}")
+
+
+def same_value(saved: Any, current: Any) -> bool:
+    """Whether untrusted ``saved`` equals this pipeline's plain ``current`` value (int, float, bool,
+    str, None or a list of them) without trusting ``saved``'s ``==`` (a tensor's is elementwise)."""
+    if isinstance(current, list):
+        return (
+            isinstance(saved, (list, tuple))
+            and len(saved) == len(current)
+            and all(same_value(s, c) for s, c in zip(saved, current))
+        )
+    if isinstance(current, bool) or isinstance(saved, bool):
+        return type(saved) is type(current) and saved == current
+    if isinstance(current, (int, float)):
+        return isinstance(saved, (int, float)) and saved == current
+    return type(saved) is type(current) and saved == current
 
 
 def require_key(value: Any, what: str) -> Key:
@@ -270,5 +338,9 @@ def require_key(value: Any, what: str) -> Key:
     if not isinstance(value, (list, tuple)) or len(value) < 2 or not all(
         isinstance(v, int) and not isinstance(v, bool) for v in value
     ):
-        raise ResumeError(f"{what}: a record key must be a list of at least 2 ints, but got {value!r}")
+        raise ResumeError(f"{what}: a record key must be a list of at least 2 ints, but got {brief(value)}")
     return tuple(value)
+
+
+def _accept_any(key: Key) -> None:
+    """The key checker of a stage that cannot tell which keys it yields."""

@@ -8,12 +8,13 @@ so it re-iterates the iterable and discards that many records, and says so with 
 from __future__ import annotations
 
 import itertools
+import sys
 import warnings
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
-from .._state import VERSION, ResumeError, check_version, require_int, require_mapping
-from .base import EPOCH, STREAM_STATE_VERSION, Key, Slot, Stream, require_epoch
+from .._state import VERSION, ResumeError, brief, check_version, require_mapping
+from .base import EPOCH, STREAM_STATE_VERSION, Key, Slot, Stream, require_count, require_epoch
 
 __all__ = ["IterableSource", "ReplayWarning"]
 
@@ -84,7 +85,9 @@ class IterableSource(Stream):
         state = require_mapping(state, self.name)
         check_version(state, STREAM_STATE_VERSION, self.name)
         epoch = require_epoch(state, self.name)
-        consumed = require_int(state, CONSUMED, self.name, minimum=0)
+        consumed = require_count(state, CONSUMED, self.name)
+        if consumed > sys.maxsize:  # more records than any iterable can yield (and than islice takes)
+            raise ResumeError(f"{self.name} state field {CONSUMED!r} is {brief(consumed)}, more than {sys.maxsize} records")
 
         def apply() -> None:
             self._epoch, self._consumed = epoch, consumed

@@ -36,6 +36,8 @@ numbers of batches per epoch (shards differ in size).
 from __future__ import annotations
 
 import copy
+import itertools
+import re
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -44,9 +46,9 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from .._cursor import EpochCursor
 from .._hash import hash_ints
-from .._state import VERSION, ResumeError, check_int_arg, check_version, require_bool, require_int, require_mapping
+from .._state import VERSION, ResumeError, brief, check_int_arg, check_version, require_bool, require_int, require_mapping
 from ..dataloader import distributed_defaults
-from .base import EPOCH, Stream
+from .base import EPOCH, Stream, require_count
 from .batch import Batch
 
 __all__ = ["StreamLoader"]
@@ -214,39 +216,68 @@ class StreamLoader:
         """
         state = require_mapping(state_dict, _WHAT)
         check_version(state, LOADER_STATE_VERSION, _WHAT)
-        epoch = require_int(state, EPOCH, _WHAT, minimum=0)
+        epoch = require_count(state, EPOCH, _WHAT)
         epoch_done = require_bool(state, EPOCH_DONE, _WHAT)
-        old_world = require_int(state, WORLD_SIZE, _WHAT, minimum=1)
-        old_local = max(1, require_int(state, NUM_WORKERS, _WHAT, minimum=0))
-        slots = _slots_of(state, old_world * old_local)
+        old_world = require_count(state, WORLD_SIZE, _WHAT)
+        if old_world < 1:
+            raise ResumeError(f"{_WHAT} state field {WORLD_SIZE!r} must be >= 1, but got {old_world}")
+        old_workers = require_count(state, NUM_WORKERS, _WHAT)
+        old_local = max(1, old_workers)
+        # The slot count comes from untrusted ints: compare it, never materialize a range of it.
+        old_slots = old_world * old_local
+        slots = _slots_of(state, old_slots)
+        for g, slot_state in slots.items():
+            slot_epoch = slot_state.get(EPOCH) if isinstance(slot_state, Mapping) else None
+            if isinstance(slot_epoch, int) and slot_epoch != epoch:
+                raise ResumeError(
+                    f"{_WHAT} state is in epoch {epoch} but its slot {g} is in epoch {brief(slot_epoch)}; "
+                    "pass a state_dict() (or merge_states of every rank's) unchanged"
+                )
         mine = range(self.rank * self._local, (self.rank + 1) * self._local)
         if (old_world, old_local) == (self.world_size, self._local):
             missing = [g for g in mine if g not in slots]
             if missing:
                 raise ResumeError(
                     f"{_WHAT} state has no slots {missing} for rank {self.rank} (it holds slots "
-                    f"{sorted(slots)}); load this rank's own state or StreamLoader.merge_states of all ranks'"
+                    f"{sorted(slots)[:20]}); load this rank's own state or StreamLoader.merge_states of all ranks'"
                 )
-            states = [slots[g] for g in mine]
+            raw = [slots[g] for g in mine]
             next_worker = require_mapping(state.get(NEXT_WORKER), f"{_WHAT} {NEXT_WORKER!r}").get(str(self.rank))
-            if not isinstance(next_worker, int) or not 0 <= next_worker < self._local:
-                raise ResumeError(f"{_WHAT} state field {NEXT_WORKER!r} has {next_worker!r} for rank {self.rank}")
+            if not _is_int(next_worker) or not 0 <= next_worker < self._local:
+                raise ResumeError(
+                    f"{_WHAT} state field {NEXT_WORKER!r} has {brief(next_worker)} for rank {self.rank}, "
+                    f"expected an int in [0, {self._local})"
+                )
         else:
-            missing = sorted(set(range(old_world * old_local)) - set(slots))
-            if missing:
+            if len(slots) < old_slots:  # every key is a distinct slot number below old_slots
+                missing = [g for g in itertools.islice(range(old_slots), len(slots) + 10) if g not in slots][:10]
+                more = old_slots - len(slots) - len(missing)
                 raise ResumeError(
                     f"resuming with world_size={self.world_size}, num_workers={self.num_workers} from a checkpoint "
-                    f"with world_size={old_world}, num_workers={state[NUM_WORKERS]} redistributes the unfinished "
-                    f"shards of every old slot, but the state lacks slots {missing}; load "
-                    "StreamLoader.merge_states([state of each rank]) instead"
+                    f"with world_size={old_world}, num_workers={old_workers} redistributes the unfinished "
+                    f"shards of every old slot, but the state lacks slots {missing}"
+                    + (f" and {more} more" if more else "")
+                    + "; load StreamLoader.merge_states([state of each rank]) instead"
                 )
             for g in sorted(slots):
                 self._stream._check(slots[g])
             every = self._stream._rebalance([slots[g] for g in sorted(slots)], self.num_slots, [])
-            states = [every[g] for g in mine]
+            raw = [every[g] for g in mine]
             next_worker = 0
-        for s in states:
-            self._stream._check(s)
+        applies = [self._stream._check(s) for s in raw]
+        for g, s in zip(mine, raw):  # (a redistributed state is built for its slot)
+            wrong = [saved for saved in self._stream._saved_slots(s) if saved != (g, self.num_slots)]
+            if wrong:
+                raise ResumeError(
+                    f"{_WHAT} state: slot {g} holds a pipeline state saved for slot {wrong[0][0]} of "
+                    f"{wrong[0][1]}; pass a state_dict() (or merge_states of every rank's) unchanged"
+                )
+        # Keep each slot as the pipeline's own state_dict() after applying it: plain, normalized
+        # data that shares nothing with the caller's dict (and drops unknown keys).
+        states = []
+        for apply in applies:
+            apply()
+            states.append(self._stream.state_dict())
         self._states, self._next_worker, self._fresh = states, next_worker, False
         self._cursor.restore(epoch, 0, epoch_done)
 
@@ -258,34 +289,49 @@ class StreamLoader:
             >>> gathered = [None] * world_size
             >>> torch.distributed.all_gather_object(gathered, loader.state_dict())
             >>> checkpoint["dataloader"] = StreamLoader.merge_states(gathered)
+
+        Raises:
+            ResumeError: no states, a malformed one, or states that disagree or overlap.
         """
-        if not states:
-            raise ResumeError("merge_states needs at least one state")
+        if not isinstance(states, Sequence) or not states:
+            raise ResumeError(f"merge_states needs a non-empty list of states, but got {brief(states)}")
         first = require_mapping(states[0], _WHAT)
         merged: dict[str, Any] = {**first, EPOCH_DONE: True, NEXT_WORKER: {}, SLOTS: {}}
         for state in states:
             state = require_mapping(state, _WHAT)
             check_version(state, LOADER_STATE_VERSION, _WHAT)
             for key in (EPOCH, WORLD_SIZE, NUM_WORKERS):
-                if state.get(key) != first.get(key):
-                    raise ResumeError(f"cannot merge states with different {key!r}: {first.get(key)!r} and {state.get(key)!r}")
-            overlap = set(merged[SLOTS]) & set(require_mapping(state.get(SLOTS), f"{_WHAT} {SLOTS!r}"))
+                value = require_int(state, key, _WHAT, minimum=0)
+                if value != first.get(key):
+                    raise ResumeError(f"cannot merge states with different {key!r}: {brief(first.get(key))} and {brief(value)}")
+            slots = require_mapping(state.get(SLOTS), f"{_WHAT} {SLOTS!r}")
+            overlap = set(merged[SLOTS]) & set(slots)
             if overlap:
-                raise ResumeError(f"cannot merge states that both hold slots {sorted(overlap)}")
-            merged[SLOTS].update(state[SLOTS])
+                raise ResumeError(f"cannot merge states that both hold slots {sorted(map(brief, overlap))[:20]}")
+            merged[SLOTS].update(slots)
             merged[NEXT_WORKER].update(require_mapping(state.get(NEXT_WORKER), f"{_WHAT} {NEXT_WORKER!r}"))
             merged[EPOCH_DONE] = merged[EPOCH_DONE] and require_bool(state, EPOCH_DONE, _WHAT)
         return merged
 
 
+_SLOT_NAME = re.compile(r"0|[1-9][0-9]*")
+
+
 def _slots_of(state: Mapping[str, Any], num_slots: int) -> dict[int, Any]:
+    """The ``"slots"`` field as ``{slot number: pipeline state}``; names are canonical ASCII decimals."""
     slots = require_mapping(state.get(SLOTS), f"{_WHAT} {SLOTS!r}")
     parsed = {}
-    for key, value in slots.items():
-        if not (isinstance(key, str) and key.isdigit() and int(key) < num_slots):
-            raise ResumeError(f"{_WHAT} state: slot {key!r} is not a slot number below {num_slots}")
-        parsed[int(key)] = value
+    for key in slots:
+        # Canonical decimal only: "²" and "٣" pass str.isdigit(), and "01" would alias slot 1.
+        # Checking the length first bounds int(), which refuses strings of over 4300 digits.
+        if not (isinstance(key, str) and len(key) <= len(str(num_slots)) and _SLOT_NAME.fullmatch(key) and int(key) < num_slots):
+            raise ResumeError(f"{_WHAT} state: slot {brief(key)} is not a slot number below {num_slots}")
+        parsed[int(key)] = slots[key]
     return parsed
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _unchanged(item: Any) -> Any:

@@ -17,8 +17,20 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 from .._hash import hash_ints
-from .._state import VERSION, ResumeError, check_int_arg, check_version, require_int, require_mapping
-from .base import EPOCH, SEED, SOURCES, STREAM_STATE_VERSION, Key, Slot, Stream, check_same, fetch_grouped, require_epoch
+from .._state import VERSION, ResumeError, brief, check_int_arg, check_version, require_mapping
+from .base import (
+    EPOCH,
+    SEED,
+    SOURCES,
+    STREAM_STATE_VERSION,
+    Key,
+    Slot,
+    Stream,
+    check_same,
+    fetch_grouped,
+    require_count,
+    require_epoch,
+)
 
 __all__ = ["Mix", "mix"]
 
@@ -90,6 +102,25 @@ class Mix(Stream):
 
         return fetch_grouped(keys, 1, fetch)
 
+    def _key_checker(self, state: Mapping[str, Any] | None) -> Callable[[Key], None]:
+        subs = [
+            stream._key_checker(None if state is None else sub)
+            for stream, sub in zip(self.streams, [None] * len(self.streams) if state is None else self._sources_of(state))
+        ]
+
+        def check(key: Key) -> None:
+            # (epoch, source, *where): the source's own key is (epoch, *where).
+            if len(key) < 3 or not 0 <= key[1] < len(self.streams):
+                raise ResumeError(
+                    f"mix: a record key is [epoch, source < {len(self.streams)}, ...], but got {brief(list(key))}"
+                )
+            subs[key[1]]((key[0], *key[2:]))
+
+        return check
+
+    def _saved_slots(self, state: Mapping[str, Any]) -> list[Slot]:
+        return [slot for stream, sub in zip(self.streams, self._sources_of(state)) for slot in stream._saved_slots(sub)]
+
     def _reset(self, epoch: int, slot: Slot | None) -> None:
         self._epoch, self._draws, self._exhausted = epoch, 0, [False] * len(self.streams)
         for stream in self.streams:
@@ -109,7 +140,7 @@ class Mix(Stream):
     def _sources_of(self, state: Mapping[str, Any]) -> list[Any]:
         sources = state.get(SOURCES)
         if not isinstance(sources, list) or len(sources) != len(self.streams):
-            raise ResumeError(f"mix state field {SOURCES!r} must list {len(self.streams)} source states, got {sources!r}")
+            raise ResumeError(f"mix state field {SOURCES!r} must list {len(self.streams)} source states, got {brief(sources)}")
         return sources
 
     def _check(self, state: Any) -> Callable[[], None]:
@@ -118,11 +149,19 @@ class Mix(Stream):
         epoch = require_epoch(state, _WHAT)
         check_same(_WHAT, "seed", state.get(SEED), self.seed, "build the mix with the checkpoint's seed")
         check_same(_WHAT, "weights", state.get(WEIGHTS), self.weights, "build the mix with the checkpoint's weights")
-        draws = require_int(state, DRAWS, _WHAT, minimum=0)
+        draws = require_count(state, DRAWS, _WHAT)
         exhausted = state.get(EXHAUSTED)
         if not isinstance(exhausted, list) or len(exhausted) != len(self.streams) or not all(isinstance(e, bool) for e in exhausted):
-            raise ResumeError(f"mix state field {EXHAUSTED!r} must be {len(self.streams)} bools, got {exhausted!r}")
-        applies = [s._check(sub) for s, sub in zip(self.streams, self._sources_of(state))]
+            raise ResumeError(f"mix state field {EXHAUSTED!r} must be {len(self.streams)} bools, got {brief(exhausted)}")
+        sources = self._sources_of(state)
+        applies = [s._check(sub) for s, sub in zip(self.streams, sources)]
+        for i, sub in enumerate(sources):
+            sub_epoch = sub.get(EPOCH) if isinstance(sub, Mapping) else None
+            if isinstance(sub_epoch, int) and sub_epoch != epoch:
+                raise ResumeError(
+                    f"mix state is in epoch {epoch} but source {i}'s state is in epoch {brief(sub_epoch)}; "
+                    "pass a state_dict() of this pipeline unchanged"
+                )
 
         def apply() -> None:
             self._epoch, self._draws, self._exhausted = epoch, draws, list(exhausted)

@@ -5,8 +5,8 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
-from .._state import ResumeError, check_int_arg, require_int
-from .base import Key, Slot, Stream, Wrapper, check_same
+from .._state import ResumeError, brief, check_int_arg
+from .base import EPOCH, SOURCE, Key, Slot, Stream, Wrapper, check_same, require_count
 
 __all__ = ["Repeat"]
 
@@ -53,7 +53,7 @@ class Repeat(Wrapper):
 
     def _check_own(self, state: Mapping[str, Any]) -> Callable[[], None]:
         check_same("repeat", "times", state.get(TIMES), self.times, "build it with the checkpoint's times")
-        round_ = require_int(state, ROUND, "repeat", minimum=0)
+        round_ = require_count(state, ROUND, "repeat")
         if self.times is not None and round_ >= self.times:
             raise ResumeError(f"repeat state is in round {round_} but times is {self.times}")
 
@@ -61,5 +61,28 @@ class Repeat(Wrapper):
             self._round = round_
 
         return apply
+
+    def _expected_source_epoch(self, epoch: int, state: Mapping[str, Any]) -> int:
+        round_ = state[ROUND]
+        return round_ if self.times is None else epoch * self.times + round_
+
+    def _key_checker(self, state: Mapping[str, Any] | None) -> Callable[[Key], None]:
+        if state is None:
+            return self.source._key_checker(None)
+        current = self._expected_source_epoch(state[EPOCH], state)
+        first = current - state[ROUND]
+        check_current, check_earlier = self.source._key_checker(state[SOURCE]), self.source._key_checker(None)
+
+        def check(key: Key) -> None:
+            # Records of earlier rounds (a shuffle buffer keeps some across rounds) have earlier
+            # source epochs; only the current round's can be checked against the source's cursors.
+            if not first <= key[0] <= current:
+                raise ResumeError(
+                    f"repeat: record key {brief(list(key))} is from source epoch {brief(key[0])}, but this state has "
+                    f"read source epochs {first}..{current} only; pass a state_dict() of this pipeline unchanged"
+                )
+            (check_current if key[0] == current else check_earlier)(key)
+
+        return check
 
     _rebalance = Stream._rebalance

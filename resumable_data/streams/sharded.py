@@ -32,9 +32,21 @@ from typing import Any
 
 import numpy as np
 
-from .._state import VERSION, ResumeError, check_int_arg, check_version, require_bool, require_int, require_mapping
+from .._state import VERSION, ResumeError, brief, check_int_arg, check_version, require_bool, require_int, require_mapping
 from ..permutation import Permutation
-from .base import EPOCH, SEED, STREAM_STATE_VERSION, Key, Slot, Stream, check_same, fetch_grouped, require_epoch
+from .base import (
+    EPOCH,
+    MAX_COUNT,
+    SEED,
+    STREAM_STATE_VERSION,
+    Key,
+    Slot,
+    Stream,
+    check_same,
+    fetch_grouped,
+    require_count,
+    require_epoch,
+)
 
 __all__ = ["ShardedIterable"]
 
@@ -214,31 +226,63 @@ class ShardedIterable(Stream):
         remaining: list[list[int]] = []
         for entry in remaining_raw:
             if not (isinstance(entry, (list, tuple)) and len(entry) == 3 and _is_int(entry[0]) and _is_int(entry[2])):
-                raise ResumeError(f"{_WHAT} state: a remaining shard must be [index, name, cursor], got {entry!r}")
+                raise ResumeError(f"{_WHAT} state: a remaining shard must be [index, name, cursor], got {brief(entry)}")
             index, name, cursor = entry
-            if not 0 <= index < n or self._names[index] != name:
+            if not 0 <= index < n or not isinstance(name, str) or self._names[index] != name:
                 current = repr(self._names[index]) if 0 <= index < n else "no such shard"
                 raise ResumeError(
-                    f"shard list differs from the checkpoint's: checkpoint's shard {index} {name!r} (cursor "
-                    f"{cursor}) is {current} in this pipeline; pass the checkpoint's shard list, in its order"
+                    f"shard list differs from the checkpoint's: checkpoint's shard {brief(index)} {brief(name)} (cursor "
+                    f"{brief(cursor)}) is {current} in this pipeline; pass the checkpoint's shard list, in its order"
                 )
-            if cursor < 0:
-                raise ResumeError(f"shard {index} {name!r} has a negative cursor {cursor} in the checkpoint")
+            if not 0 <= cursor <= MAX_COUNT:
+                raise ResumeError(f"shard {index} {brief(name)} has a cursor {brief(cursor)} outside [0, 2**63) in the checkpoint")
             remaining.append([index, cursor])
         check_same(_WHAT, "number of shards", require_int(state, NUM_SHARDS, _WHAT), n, "pass the checkpoint's shard list")
         check_same(_WHAT, "shard list (digest of the names)", state.get(SHARDS_DIGEST), self._digest, "pass the checkpoint's shard list, in its order")
         if len({i for i, _ in remaining}) != len(remaining):
-            raise ResumeError(f"{_WHAT} state lists a shard twice in {REMAINING!r}: {remaining_raw!r}")
+            raise ResumeError(f"{_WHAT} state lists a shard twice in {REMAINING!r}: {brief(remaining_raw)}")
+        cursors = dict(remaining)
         pending: list[list[int]] = []
         for entry in pending_raw:
-            if not (isinstance(entry, (list, tuple)) and len(entry) == 2 and all(_is_int(v) for v in entry) and 0 <= entry[0] < n):
-                raise ResumeError(f"{_WHAT} state: a pending record must be [shard index < {n}, offset], got {entry!r}")
+            if not (isinstance(entry, (list, tuple)) and len(entry) == 2 and all(_is_int(v) for v in entry)):
+                raise ResumeError(f"{_WHAT} state: a pending record must be [shard index, offset], got {brief(entry)}")
+            _check_record(entry[0], entry[1], n, cursors, "pending record")
             pending.append([entry[0], entry[1]])
-        num_slots = require_int(state, NUM_SLOTS, _WHAT, minimum=1)
-        slot = require_int(state, SLOT, _WHAT, minimum=0)
+        if len({(i, o) for i, o in pending}) != len(pending):
+            raise ResumeError(f"{_WHAT} state lists a record twice in {PENDING!r}: {brief(pending_raw)}")
+        num_slots = require_count(state, NUM_SLOTS, _WHAT)
+        slot = require_count(state, SLOT, _WHAT)
         if slot >= num_slots:
             raise ResumeError(f"{_WHAT} state has slot {slot} but only {num_slots} slots")
         return epoch, (slot, num_slots), remaining, pending
+
+    def _key_checker(self, state: Mapping[str, Any] | None) -> Callable[[Key], None]:
+        n = len(self.shards)
+        epoch: int | None = None
+        cursors: dict[int, int] = {}
+        pending: set[tuple[int, int]] = set()
+        if state is not None:
+            epoch, _, remaining, pending_list = self._parse(state)
+            cursors = dict(remaining)
+            pending = {(i, o) for i, o in pending_list}
+
+        def check(key: Key) -> None:
+            if len(key) != 3:
+                raise ResumeError(f"{_WHAT}: a record key is [epoch, shard index, offset], but got {brief(list(key))}")
+            key_epoch, index, offset = key
+            if epoch is not None and key_epoch != epoch:
+                raise ResumeError(
+                    f"{_WHAT}: record key {brief(list(key))} is from epoch {brief(key_epoch)}, but the state is in "
+                    f"epoch {epoch}; pass a state_dict() of this pipeline unchanged"
+                )
+            _check_record(index, offset, n, cursors, f"record key {brief(list(key))}")
+            if (index, offset) in pending:
+                raise ResumeError(f"{_WHAT}: record key {brief(list(key))} is also a pending record, so it would be read twice")
+
+        return check
+
+    def _saved_slots(self, state: Mapping[str, Any]) -> list[Slot]:
+        return [self._parse(state)[1]]
 
     def _check(self, state: Any) -> Callable[[], None]:
         epoch, slot, remaining, pending = self._parse(state)
@@ -261,9 +305,26 @@ class ShardedIterable(Stream):
         records = [entry for p in parsed for entry in p[3]]
         for key in pending:
             if key[0] != epoch or len(key) != 3:
-                raise ResumeError(f"{_WHAT}: pending record {list(key)} is not a record of epoch {epoch}")
+                raise ResumeError(f"{_WHAT}: pending record {brief(list(key))} is not a record of epoch {epoch}")
             records.append([key[1], key[2]])
         return [self._state(epoch, (s, num_slots), remaining[s::num_slots], records[s::num_slots]) for s in range(num_slots)]
+
+
+def _check_record(index: int, offset: int, n: int, cursors: Mapping[int, int], what: str) -> None:
+    """Refuse a record (already read: buffered or pending) that cannot exist or was not read yet.
+
+    A record of a shard that is still being read lies before that shard's cursor; whether a
+    finished shard has it only a read can tell (the reader then raises a ResumeError).
+    """
+    if not 0 <= index < n:
+        raise ResumeError(f"{_WHAT} state: {what} names shard {brief(index)}, but there are {n} shards (0..{n - 1})")
+    if not 0 <= offset <= MAX_COUNT:
+        raise ResumeError(f"{_WHAT} state: {what} has an offset {brief(offset)} outside [0, 2**63) in shard {index}")
+    if index in cursors and offset >= cursors[index]:
+        raise ResumeError(
+            f"{_WHAT} state: {what} is at offset {brief(offset)} of shard {index}, which is read only up to its "
+            f"cursor {cursors[index]}: that record was not read yet; pass a state_dict() of this pipeline unchanged"
+        )
 
 
 def _is_int(value: Any) -> bool:

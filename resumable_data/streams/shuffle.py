@@ -17,8 +17,8 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 from .._hash import hash_ints
-from .._state import ResumeError, check_int_arg, require_int
-from .base import SEED, Key, Stream, Wrapper, check_same, require_key
+from .._state import ResumeError, brief, check_int_arg
+from .base import SEED, SOURCE, Key, Stream, Wrapper, check_same, require_count, require_key
 
 __all__ = ["ShuffleBuffer"]
 
@@ -92,21 +92,40 @@ class ShuffleBuffer(Wrapper):
         what = "shuffle_buffer"
         check_same(what, "seed", state.get(SEED), self.seed, "build it with the checkpoint's seed")
         check_same(what, "size", state.get(SIZE), self.size, "build it with the checkpoint's size")
-        draws = require_int(state, DRAWS, what, minimum=0)
-        keys = self._buffered_keys(state)
-        if len(keys) > self.size:
-            raise ResumeError(f"{what} state holds {len(keys)} records but the buffer size is {self.size}")
+        draws = require_count(state, DRAWS, what)
+        keys = self._buffered_keys(state, self.size)
+        if len(set(keys)) != len(keys):
+            raise ResumeError(f"{what} state holds a record twice in {BUFFER!r}: {brief(state[BUFFER])}")
+        # Every key must be a record the source has already read in this state: the source's state
+        # was checked first (Wrapper._check), so its checker knows the epoch, shards and cursors.
+        check_key = self.source._key_checker(state[SOURCE])
+        for key in keys:
+            check_key(key)
 
         def apply() -> None:
             self._buffer, self._unread, self._draws = [], keys, draws
 
         return apply
 
+    def _key_checker(self, state: Mapping[str, Any] | None) -> Callable[[Key], None]:
+        # A key this stage yielded left its buffer: it cannot also be in it (nested buffers).
+        check_source = super()._key_checker(state)
+        held = set() if state is None else set(self._buffered_keys(state, self.size))
+
+        def check(key: Key) -> None:
+            if key in held:
+                raise ResumeError(f"shuffle_buffer state: record key {brief(list(key))} is both buffered and handed out")
+            check_source(key)
+
+        return check
+
     @staticmethod
-    def _buffered_keys(state: Mapping[str, Any]) -> list[Key]:
+    def _buffered_keys(state: Mapping[str, Any], size: int | None = None) -> list[Key]:
         raw = state.get(BUFFER)
         if not isinstance(raw, list):
-            raise ResumeError(f"shuffle_buffer state field {BUFFER!r} must be a list of keys, got {raw!r}")
+            raise ResumeError(f"shuffle_buffer state field {BUFFER!r} must be a list of keys, got {brief(raw)}")
+        if size is not None and len(raw) > size:
+            raise ResumeError(f"shuffle_buffer state holds {len(raw)} records but the buffer size is {size}")
         return [require_key(key, "shuffle_buffer state") for key in raw]
 
     def _rebalance(self, states: Sequence[Mapping[str, Any]], num_slots: int, pending: list[Key]) -> list[dict[str, Any]]:

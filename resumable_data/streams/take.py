@@ -5,8 +5,8 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
-from .._state import ResumeError, check_int_arg, require_int
-from .base import Key, Stream, Wrapper, check_same
+from .._state import ResumeError, check_int_arg
+from .base import Key, Stream, Wrapper, check_same, require_count
 
 __all__ = ["Take"]
 
@@ -47,7 +47,7 @@ class Take(Wrapper):
 
     def _check_own(self, state: Mapping[str, Any]) -> Callable[[], None]:
         check_same("take", "n", state.get(LIMIT), self.limit, "build it with the checkpoint's n")
-        taken = require_int(state, TAKEN, "take", minimum=0)
+        taken = require_count(state, TAKEN, "take")
         if taken > self.limit:
             raise ResumeError(f"take state has taken {taken} records but n is {self.limit}")
 
