@@ -83,8 +83,15 @@ def keys_of(state: Mapping[Any, Any]) -> str:
     return "[" + ", ".join(names) + (", ...]" if len(state) > 20 else "]")
 
 
-def require_int(state: Mapping[str, Any], key: str, what: str, *, minimum: int | None = None) -> int:
-    """Read ``state[key]`` as an int (bools refused), optionally at least ``minimum``."""
+INT64_MAX = 2**63 - 1
+"""The largest epoch, position, length or size a state may hold: no real run comes near it, and a
+bound keeps a hostile state from carrying ints that break ``json.dumps`` or error messages."""
+
+
+def require_int(
+    state: Mapping[str, Any], key: str, what: str, *, minimum: int | None = None, maximum: int = INT64_MAX
+) -> int:
+    """Read ``state[key]`` as an int (bools refused), at least ``minimum`` and at most ``maximum``."""
     if key not in state:
         raise ResumeError(f"{what} state is missing the key {key!r}; got keys {keys_of(state)}")
     value = state[key]
@@ -92,6 +99,9 @@ def require_int(state: Mapping[str, Any], key: str, what: str, *, minimum: int |
         raise ResumeError(f"{what} state field {key!r} must be an int, but got {brief(value)}")
     if minimum is not None and value < minimum:
         raise ResumeError(f"{what} state field {key!r} must be >= {minimum}, but got {brief(value)}")
+    if value > maximum:
+        bound = "2**63 - 1" if maximum == INT64_MAX else str(maximum)
+        raise ResumeError(f"{what} state field {key!r} must be at most {bound}, but got {brief(value)}")
     return value
 
 

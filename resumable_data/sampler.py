@@ -268,7 +268,8 @@ class ResumableSampler(torch.utils.data.Sampler[int]):
         epoch = require_int(state, keys.EPOCH, what, minimum=0)
         position = require_int(state, keys.POSITION, what, minimum=0)
         length = require_int(state, keys.DATASET_LENGTH, what, minimum=1)
-        seed = require_int(state, keys.SEED, what)
+        # A seed is any int64 or uint64 (torch.initial_seed() is a uint64).
+        seed = require_int(state, keys.SEED, what, minimum=-(2**63), maximum=2**64 - 1)
         shuffle = require_bool(state, keys.SHUFFLE, what)
         saved_world = require_int(state, keys.WORLD_SIZE, what, minimum=1)
         require_bool(state, keys.DROP_LAST, what)
@@ -301,6 +302,10 @@ class ResumableSampler(torch.utils.data.Sampler[int]):
                 f"{what} state field 'position' is {position}, past the end of an epoch of "
                 f"{length} samples over {saved_world} ranks (at most {limit})"
             )
+
+        # A finished epoch's padded end depends on the world size that wrote it: bring it within
+        # this sampler's own bound, so its state_dict() loads into an identical sampler again.
+        position = min(position, self._length + self._world_size - 1)
 
         def apply() -> Segment:
             if adopt:

@@ -317,13 +317,11 @@ def test_merge_states_refuses_what_is_not_a_list_of_states() -> None:
         StreamLoader.merge_states([state, {**state, "epoch": None}])
 
 
-# -- found by tests/test_fuzz_states.py in the sampler (being redesigned by the lead) ------------------
-# Strict xfails: each turns into a failure (XPASS) once the sampler is fixed; then drop the mark.
+# -- found by tests/test_fuzz_states.py in the sampler ----------------------------------------------------
 def _sampler_state(**changes: Any) -> dict[str, Any]:
     return {**ResumableSampler(20, seed=1, world_size=2, rank=1).state_dict(), **changes}
 
 
-@pytest.mark.xfail(strict=True, reason="sampler accepts epoch 10**5000; its state_dict() then fails json.dumps")
 def test_sampler_refuses_an_epoch_no_run_reaches() -> None:
     sampler = ResumableSampler(20, seed=1, world_size=2, rank=1)
     try:
@@ -333,13 +331,11 @@ def test_sampler_refuses_an_epoch_no_run_reaches() -> None:
     json.dumps(sampler.state_dict())
 
 
-@pytest.mark.xfail(strict=True, reason="sampler's mismatch message repr()s a 5000-digit int: ValueError")
 def test_sampler_mismatch_message_survives_a_huge_int() -> None:
     with pytest.raises(ResumeError):
         ResumableSampler(20, seed=1, world_size=2, rank=1).load_state_dict(_sampler_state(dataset_length=10**5000))
 
 
-@pytest.mark.xfail(strict=True, reason="sampler accepts a position past its own epoch's end (bounded by the saved world size only)")
 def test_a_state_the_sampler_accepted_loads_into_its_twin() -> None:
     sampler = ResumableSampler(20, seed=1, world_size=2, rank=1)
     try:

@@ -34,7 +34,17 @@ import itertools
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
-from .._state import VERSION, ResumeError, brief, check_int_arg, check_version, keys_of, require_int, require_mapping
+from .._state import (
+    INT64_MAX,
+    VERSION,
+    ResumeError,
+    brief,
+    check_int_arg,
+    check_version,
+    keys_of,
+    require_int,
+    require_mapping,
+)
 
 __all__ = ["Key", "Slot", "Stream"]
 
@@ -294,7 +304,7 @@ def fetch_grouped(keys: Sequence[Key], field: int, fetch: Callable[[int, list[in
     return records
 
 
-MAX_COUNT = 2**63 - 1
+MAX_COUNT = INT64_MAX
 """Largest epoch, cursor, offset or counter a state may hold (an int64; any real run stays far below)."""
 
 
@@ -305,10 +315,7 @@ def require_epoch(state: Mapping[str, Any], what: str) -> int:
 
 def require_count(state: Mapping[str, Any], key: str, what: str) -> int:
     """Read a non-negative int64 counter (epoch, draws, round, ...)."""
-    value = require_int(state, key, what, minimum=0)
-    if value > MAX_COUNT:
-        raise ResumeError(f"{what} state field {key!r} must be at most 2**63 - 1, but got {brief(value)}")
-    return value
+    return require_int(state, key, what, minimum=0, maximum=MAX_COUNT)
 
 
 def check_same(what: str, field: str, saved: Any, current: Any, remedy: str) -> None:
