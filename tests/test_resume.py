@@ -59,9 +59,20 @@ def test_resumed_stream_equals_uninterrupted_single_process(data: st.DataObject)
     assert_resumes_identically(lambda: _loader(**config), cuts, total)
 
 
-@settings(max_examples=30)
+@settings(max_examples=10)
 @given(data=st.data())
 def test_resumed_stream_equals_uninterrupted_with_workers(data: st.DataObject) -> None:
+    _check_resume_with_workers(data)
+
+
+@pytest.mark.slow
+@settings(max_examples=60)
+@given(data=st.data())
+def test_resumed_stream_equals_uninterrupted_with_workers_more_examples(data: st.DataObject) -> None:
+    _check_resume_with_workers(data)
+
+
+def _check_resume_with_workers(data: st.DataObject) -> None:
     config = data.draw(configurations(workers=(2,)))
     n = _epoch_batches(config)
     assume(n > 0)

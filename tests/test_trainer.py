@@ -103,6 +103,7 @@ def steps_per_epoch(tmp_path: Path, corpus: Path) -> int:
 # -- exact resume ------------------------------------------------------------------------------
 
 
+@pytest.mark.slow  # the default suite keeps the epoch-boundary, workers and SIGKILL resumes
 def test_resume_mid_epoch(tmp_path: Path, corpus: Path) -> None:
     assert 5 < steps_per_epoch(tmp_path, corpus)
     assert_resumes_identically(tmp_path, corpus, [5])
@@ -116,15 +117,18 @@ def test_resume_at_epoch_boundary(tmp_path: Path, corpus: Path) -> None:
     assert (epochs[epoch_end], epochs[epoch_end + 1]) == (0, 1)  # stopped on the last batch of epoch 0
 
 
+@pytest.mark.slow  # the default suite keeps the epoch-boundary, workers and SIGKILL resumes
 def test_resume_right_after_an_evaluation(tmp_path: Path, corpus: Path) -> None:
     legs = assert_resumes_identically(tmp_path, corpus, [TINY["eval_every"]])
     assert TINY["eval_every"] in legs[0].val_losses
 
 
+@pytest.mark.slow  # the default suite keeps the epoch-boundary, workers and SIGKILL resumes
 def test_resume_with_gradient_accumulation(tmp_path: Path, corpus: Path) -> None:
     assert_resumes_identically(tmp_path, corpus, [5], grad_accum=3, max_steps=12)
 
 
+@pytest.mark.slow  # the default suite keeps the epoch-boundary, workers and SIGKILL resumes
 def test_resume_several_times_in_a_row(tmp_path: Path, corpus: Path) -> None:
     assert_resumes_identically(tmp_path, corpus, [3, 4, 11, 17])
 
@@ -150,6 +154,7 @@ def corrupt(checkpoint: Path) -> None:
     payload.write_bytes(bytes(data))
 
 
+@pytest.mark.slow  # tests/test_faults.py and tests/test_chaos.py cover falling back in the default suite
 def test_corrupt_newest_checkpoint_falls_back_to_the_previous_one(tmp_path: Path, corpus: Path) -> None:
     reference = train(tiny(tmp_path, corpus, "reference"))
     first = train(tiny(tmp_path, corpus, "run", stop_at=8))  # checkpoints at 6 (eval) and 8

@@ -339,8 +339,12 @@ def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> tuple[list[float]
 
 @pytest.mark.parametrize(
     ("before", "after"),
-    [([], []), (["--workers", "2"], ["--workers", "2"]),
-     (["--workers", "2", "--persistent"], ["--workers", "2", "--persistent"]), (["--workers", "2"], [])],
+    [
+        ([], []),
+        pytest.param(["--workers", "2"], ["--workers", "2"], marks=pytest.mark.slow),
+        pytest.param(["--workers", "2", "--persistent"], ["--workers", "2", "--persistent"], marks=pytest.mark.slow),
+        (["--workers", "2"], []),  # in the default suite: workers, and a num_workers change across the kill
+    ],
     ids=["w0", "w2", "w2-persistent", "w2-to-w0"],
 )
 def test_user_script_killed_mid_epoch_ends_bitwise_equal(
