@@ -57,6 +57,8 @@ def test_stateful_dataloader_state_after_the_epoch_loop_resumes_the_next_epoch_i
     [
         (0, False, None, True),
         (0, False, None, False),
+        (1, False, 1, True),
+        (1, True, 3, False),
         (2, False, 2, True),
         (2, True, 1, False),
         (2, True, 4, True),
