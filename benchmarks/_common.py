@@ -348,11 +348,17 @@ def plot_lines(
     xlabel: str,
     ylabel: str,
     xscale: str = "log",
+    xlim: tuple[float, float] | None = None,
+    not_run: Mapping[str, Sequence[tuple[float, str]]] | None = None,
+    not_run_label: str = "not run",
 ) -> None:
-    """One panel per ``(title, {method: [(x, y, extrapolated), ...]})``, log y, one line per method.
+    """One panel per ``(title, {method: [(x, y, extrapolated), ...]})``, one line per method.
 
+    All panels share one log y axis, so a panel's scale cannot make run-to-run noise (tens of
+    percent on a shared machine) look like a trend: what is far apart is orders of magnitude apart.
     Extrapolated points (a baseline cell that hit its deadline) are drawn hollow, so an estimate is
-    never mistaken for a measurement.
+    never mistaken for a measurement. ``not_run`` maps a panel title to ``(x, method)`` cells that
+    were deliberately not run; they are marked with a cross at the top of the panel.
     """
     import matplotlib
 
@@ -363,7 +369,7 @@ def plot_lines(
     colors = {method: f"C{i}" for i, method in enumerate(dict.fromkeys(m for _, series in panels for m in series))}
     columns = min(2, len(panels))
     rows = -(-len(panels) // columns)
-    fig, axes = plt.subplots(rows, columns, figsize=(6.4 * columns, 4.4 * rows), squeeze=False)
+    fig, axes = plt.subplots(rows, columns, figsize=(6.4 * columns, 4.4 * rows), squeeze=False, sharey=True)
     for ax, (title, series) in zip(axes.flat, panels):
         for method, points in series.items():
             if not points:
@@ -373,19 +379,30 @@ def plot_lines(
             ax.plot(xs, ys, "-", color=color, label=method)
             for x, y, extrapolated in zip(xs, ys, hollow):
                 ax.plot(x, y, "o", color=color, markerfacecolor="white" if extrapolated else color)
+        skipped = (not_run or {}).get(title, ())
+        for i, (x, method) in enumerate(skipped):
+            # y in axes coordinates: the cross sits at the top whatever the data's range.
+            ax.plot(x, 0.96 - 0.04 * (i % 4), "x", color=colors.get(method, "black"), markersize=8, mew=2,
+                    transform=ax.get_xaxis_transform(), clip_on=False)
+        if skipped:
+            ax.text(0.02, 0.97, f"× {not_run_label}", transform=ax.transAxes, fontsize=8, va="top")
         if xscale == "symlog":
             ax.set_xscale("symlog", linthresh=1)
         else:
             ax.set_xscale(xscale)
+        if xlim is not None:
+            ax.set_xlim(*xlim)
         ax.set_yscale("log")
         ax.set_title(title, fontsize=10)
         ax.set_xlabel(xlabel)
         ax.set_ylabel(ylabel)
+        ax.yaxis.set_tick_params(labelleft=True)
         ax.grid(True, which="both", alpha=0.3)
-        ax.legend(fontsize=8)
+        ax.legend(fontsize=7, loc="lower right")
     for ax in list(axes.flat)[len(panels) :]:
         ax.axis("off")
-    fig.text(0.01, 0.005, "hollow marker: extrapolated (the cell stopped at its deadline)", fontsize=8)
+    fig.text(0.01, 0.005, "hollow marker: extrapolated (the cell stopped at its deadline); all panels share one log y axis",
+             fontsize=8)
     fig.tight_layout(rect=(0, 0.02, 1, 1))
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -393,9 +410,21 @@ def plot_lines(
 
 
 def plot_bars(
-    path: Path, title: str, groups: Mapping[str, Mapping[str, float]], *, ylabel: str, reference: float | None = None
+    path: Path,
+    title: str,
+    groups: Mapping[str, Mapping[str, float]],
+    *,
+    ylabel: str,
+    reference: float | None = None,
+    spreads: Mapping[str, Mapping[str, tuple[float, float]]] | None = None,
+    value_format: str = "{:.3f}",
 ) -> None:
-    """Grouped bars: ``{group: {method: value}}``, with a dashed line at ``reference`` if given."""
+    """Grouped bars: ``{group: {method: value}}``, each bar labelled with its value.
+
+    The y axis starts at 0, so a bar's height is proportional to its value and a few percent look
+    like a few percent. ``spreads`` (``{group: {method: (low, high)}}``) draws each bar's range as
+    an error bar; ``reference`` draws a dashed line (e.g. 1.0 for a ratio).
+    """
     import matplotlib
 
     matplotlib.use("Agg")
@@ -403,17 +432,30 @@ def plot_bars(
 
     methods = list(dict.fromkeys(m for values in groups.values() for m in values))
     width = 0.8 / max(1, len(methods))
-    fig, ax = plt.subplots(figsize=(7.5, 4.2))
+    fig, ax = plt.subplots(figsize=(max(7.5, 0.5 * len(groups) * len(methods) + 2), 5.2))
     for i, method in enumerate(methods):
-        xs = [g + i * width for g, values in enumerate(groups.values()) if method in values]
-        ys = [values[method] for values in groups.values() if method in values]
-        ax.bar(xs, ys, width=width, label=method, color=f"C{i}")
+        members = [(g, group) for g, group in enumerate(groups) if method in groups[group]]
+        xs = [g + i * width for g, _ in members]
+        ys = [groups[group][method] for _, group in members]
+        bars = ax.bar(xs, ys, width=width, label=method, color=f"C{i}")
+        tops = ys
+        if spreads is not None:
+            ranges = [(spreads.get(group, {}).get(method, (y, y))) for (_, group), y in zip(members, ys)]
+            low = [max(0.0, y - lo) for (lo, _), y in zip(ranges, ys)]
+            high = [max(0.0, hi - y) for (_, hi), y in zip(ranges, ys)]
+            ax.errorbar(xs, ys, yerr=[low, high], fmt="none", ecolor="black", elinewidth=0.8, capsize=2)
+            tops = [hi for _, hi in ranges]
+        for bar, top, y in zip(bars, tops, ys):
+            ax.annotate(value_format.format(y), (bar.get_x() + bar.get_width() / 2, max(top, y)), xytext=(0, 2),
+                        textcoords="offset points", ha="center", va="bottom", fontsize=7, rotation=90 if len(methods) > 3 else 0)
     if reference is not None:
         ax.axhline(reference, color="black", linestyle="--", linewidth=0.8)
+    ax.set_ylim(bottom=0)
+    ax.margins(y=0.15)
     ax.set_xticks([g + width * (len(methods) - 1) / 2 for g in range(len(groups))], list(groups))
     ax.set_ylabel(ylabel)
     ax.set_title(title, fontsize=10)
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=min(3, len(methods)), frameon=False)
     ax.grid(True, axis="y", alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
