@@ -307,6 +307,12 @@ def format_seconds(seconds: float) -> str:
     return f"{seconds:.2f} s"
 
 
+def parse_seconds(text: str) -> float:
+    """The inverse of :func:`format_seconds` ("335.7 ms" -> 0.3357), for re-reading a results table."""
+    value, unit = text.split()
+    return float(value) * {"ns": 1e-9, "µs": 1e-6, "ms": 1e-3, "s": 1.0}[unit]
+
+
 def format_count(n: int) -> str:
     """10^k for powers of ten (how the sizes are quoted), else the plain number."""
     exponent = len(str(n)) - 1
@@ -363,6 +369,7 @@ def plot_lines(
     import matplotlib
 
     matplotlib.use("Agg")
+    import matplotlib.lines
     import matplotlib.pyplot as plt
 
     # One color per method across all panels, so a method looks the same everywhere.
@@ -398,12 +405,15 @@ def plot_lines(
         ax.set_ylabel(ylabel)
         ax.yaxis.set_tick_params(labelleft=True)
         ax.grid(True, which="both", alpha=0.3)
-        ax.legend(fontsize=7, loc="lower right")
     for ax in list(axes.flat)[len(panels) :]:
         ax.axis("off")
+    # One legend for the figure (a method has one color everywhere), below the panels, so it hides no line.
+    handles = [matplotlib.lines.Line2D([], [], color=color, marker="o", label=method) for method, color in colors.items()]
+    fig.legend(handles=handles, loc="lower center", ncol=min(4, len(handles)), fontsize=8, frameon=False, bbox_to_anchor=(0.5, 0.015))
     fig.text(0.01, 0.005, "hollow marker: extrapolated (the cell stopped at its deadline); all panels share one log y axis",
              fontsize=8)
-    fig.tight_layout(rect=(0, 0.02, 1, 1))
+    legend_rows = -(-len(handles) // 4)
+    fig.tight_layout(rect=(0, 0.02 + 0.03 * legend_rows * 4.4 / (4.4 * rows), 1, 1))
     fig.savefig(path, dpi=110)
     plt.close(fig)
     print(f"wrote {path}")
@@ -418,12 +428,14 @@ def plot_bars(
     reference: float | None = None,
     spreads: Mapping[str, Mapping[str, tuple[float, float]]] | None = None,
     value_format: str = "{:.3f}",
+    ymax: float | None = None,
 ) -> None:
     """Grouped bars: ``{group: {method: value}}``, each bar labelled with its value.
 
     The y axis starts at 0, so a bar's height is proportional to its value and a few percent look
     like a few percent. ``spreads`` (``{group: {method: (low, high)}}``) draws each bar's range as
-    an error bar; ``reference`` draws a dashed line (e.g. 1.0 for a ratio).
+    an error bar; ``reference`` draws a dashed line (e.g. 1.0 for a ratio). ``ymax`` caps the axis
+    (error bars beyond it run off the top), so one wild round does not flatten every bar.
     """
     import matplotlib
 
@@ -432,26 +444,28 @@ def plot_bars(
 
     methods = list(dict.fromkeys(m for values in groups.values() for m in values))
     width = 0.8 / max(1, len(methods))
-    fig, ax = plt.subplots(figsize=(max(7.5, 0.5 * len(groups) * len(methods) + 2), 5.2))
+    fig, ax = plt.subplots(figsize=(max(7.5, 0.4 * len(groups) * len(methods) + 2), 5.2))
     for i, method in enumerate(methods):
         members = [(g, group) for g, group in enumerate(groups) if method in groups[group]]
         xs = [g + i * width for g, _ in members]
         ys = [groups[group][method] for _, group in members]
         bars = ax.bar(xs, ys, width=width, label=method, color=f"C{i}")
-        tops = ys
         if spreads is not None:
             ranges = [(spreads.get(group, {}).get(method, (y, y))) for (_, group), y in zip(members, ys)]
             low = [max(0.0, y - lo) for (lo, _), y in zip(ranges, ys)]
             high = [max(0.0, hi - y) for (_, hi), y in zip(ranges, ys)]
             ax.errorbar(xs, ys, yerr=[low, high], fmt="none", ecolor="black", elinewidth=0.8, capsize=2)
-            tops = [hi for _, hi in ranges]
-        for bar, top, y in zip(bars, tops, ys):
-            ax.annotate(value_format.format(y), (bar.get_x() + bar.get_width() / 2, max(top, y)), xytext=(0, 2),
-                        textcoords="offset points", ha="center", va="bottom", fontsize=7, rotation=90 if len(methods) > 3 else 0)
+        for bar, y in zip(bars, ys):
+            # On the bar's own top (not the error bar's), on white, so it reads even where a range crosses it.
+            clipped = ymax is not None and y > ymax
+            ax.annotate(value_format.format(y) + (" ↑" if clipped else ""), (bar.get_x() + bar.get_width() / 2, ymax * 0.85 if clipped else y),
+                        xytext=(0, 2), textcoords="offset points",
+                        ha="center", va="bottom", fontsize=7, rotation=90 if len(methods) > 3 else 0,
+                        bbox={"boxstyle": "square,pad=0.1", "facecolor": "white", "edgecolor": "none", "alpha": 0.8})
     if reference is not None:
         ax.axhline(reference, color="black", linestyle="--", linewidth=0.8)
-    ax.set_ylim(bottom=0)
     ax.margins(y=0.15)
+    ax.set_ylim(bottom=0, top=ymax)
     ax.set_xticks([g + width * (len(methods) - 1) / 2 for g in range(len(groups))], list(groups))
     ax.set_ylabel(ylabel)
     ax.set_title(title, fontsize=10)

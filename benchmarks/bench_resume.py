@@ -48,6 +48,7 @@ import time
 import warnings
 from collections.abc import Callable, Iterator, Mapping, Sized
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -810,7 +811,32 @@ def plot(results: Mapping[Cell, dict[str, Any]], plan: Plan, out: Any) -> None:
                        not_run=not_run, not_run_label=f"not run (would materialize > {MEMORY_CAP_BYTES / 2**30:.0f} GB)")
 
 
+def results_from_report(path: Path) -> dict[Cell, dict[str, Any]]:
+    """The cells of a written report ("Every cell" table), to redraw its plots without running it again."""
+    results: dict[Cell, dict[str, Any]] = {}
+    for row in _common.parse_markdown_rows(path.read_text(), "method"):
+        if "sweep" not in row:
+            continue
+        n = 10 ** int(row["N"].split("^")[1]) if "^" in row["N"] else int(row["N"].replace(",", ""))
+        cell = Cell(row["sweep"], row["method"], n, int(row["position"].split()[0]), float(row["work"].split()[0]), int(row["workers"]))
+        latency = row["latency"]
+        if latency == "not run":
+            results[cell] = {"not_run": row["note"]}
+            continue
+        if latency.startswith("error"):
+            results[cell] = {"error": latency}
+            continue
+        extrapolated = latency.startswith("≈")
+        result: dict[str, Any] = {"seconds": _common.parse_seconds(latency.strip("≈ ").replace(" (extrapolated)", "")), "extrapolated": extrapolated}
+        if row["floor"]:
+            result["floor_seconds"] = _common.parse_seconds(row["floor"])
+        results[cell] = result
+    return results
+
+
 def _add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--replot", type=Path, default=None, metavar="REPORT.md",
+                        help="redraw the plots from a written report's 'Every cell' table (no measurement)")
     parser.add_argument("--deadline", type=float, default=None,
                         help="seconds after which a skip baseline stops and its latency is extrapolated "
                         "(default 15; 5 with --quick)")
@@ -819,6 +845,9 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
 def main() -> None:
     args = _common.parse_args(__doc__.splitlines()[0], _add_arguments)
     plan = QUICK if args.quick else FULL
+    if args.replot is not None:
+        plot(results_from_report(args.replot), plan, args.out)
+        return
     if args.deadline is None:
         args.deadline = 5.0 if args.quick else 15.0
     work_iterations = {cost: _common.calibrate_work(cost) for cost in dict.fromkeys(c for c, _ in plan.configs)}

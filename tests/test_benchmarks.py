@@ -31,6 +31,13 @@ def _run_quick(script: str, out: Path) -> str:
     return completed.stdout
 
 
+def _replot(script: str, report: Path, out: Path) -> None:
+    """``--replot`` redraws a written report's plots without measuring anything."""
+    completed = subprocess.run([sys.executable, str(REPO / "benchmarks" / script), "--replot", str(report), "--out", str(out)],
+                               capture_output=True, text=True, timeout=QUICK_TIMEOUT_S, cwd=REPO)
+    assert completed.returncode == 0, completed.stderr[-4000:]
+
+
 def _rows(out: Path, name: str, first_header: str) -> list[dict[str, str]]:
     text = (out / f"{name}.md").read_text()
     assert text.startswith("# ") and "- machine:" in text and "- command:" in text
@@ -60,8 +67,10 @@ def test_bench_resume_quick(tmp_path: Path) -> None:
     # Epoch start: every variant (warm start or not, persistent or not) hands out the same batches.
     epoch_rows = [row for row in _rows(tmp_path, "bench_resume", "variant") if "same batches" in row]
     assert len(epoch_rows) == 4 and all(row["same batches"] == "ok" for row in epoch_rows), epoch_rows
+    _replot("bench_resume.py", tmp_path / "bench_resume.md", tmp_path / "replot")
     for plot in ("resume_vs_position.png", "resume_vs_n.png"):
         assert (tmp_path / plot).stat().st_size > 0
+        assert (tmp_path / "replot" / plot).stat().st_size > 0
 
 
 def test_bench_overhead_quick(tmp_path: Path) -> None:
@@ -82,6 +91,8 @@ def test_bench_overhead_quick(tmp_path: Path) -> None:
     assert {row["method"] for row in states} == {"StatefulDataLoader", "resumable_data"}
     assert all(row["JSON-serializable"] == "yes" for row in states if row["method"] == "resumable_data")
     assert (tmp_path / "overhead_throughput.png").stat().st_size > 0
+    _replot("bench_overhead.py", tmp_path / "bench_overhead.md", tmp_path / "replot")
+    assert (tmp_path / "replot" / "overhead_throughput.png").stat().st_size > 0
 
 
 def test_bench_streams_quick(tmp_path: Path) -> None:
