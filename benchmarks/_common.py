@@ -307,6 +307,12 @@ def format_seconds(seconds: float) -> str:
     return f"{seconds:.2f} s"
 
 
+def parse_seconds(text: str) -> float:
+    """The inverse of :func:`format_seconds` ("335.7 ms" -> 0.3357), for re-reading a results table."""
+    value, unit = text.split()
+    return float(value) * {"ns": 1e-9, "µs": 1e-6, "ms": 1e-3, "s": 1.0}[unit]
+
+
 def format_count(n: int) -> str:
     """10^k for powers of ten (how the sizes are quoted), else the plain number."""
     exponent = len(str(n)) - 1
@@ -348,22 +354,29 @@ def plot_lines(
     xlabel: str,
     ylabel: str,
     xscale: str = "log",
+    xlim: tuple[float, float] | None = None,
+    not_run: Mapping[str, Sequence[tuple[float, str]]] | None = None,
+    not_run_label: str = "not run",
 ) -> None:
-    """One panel per ``(title, {method: [(x, y, extrapolated), ...]})``, log y, one line per method.
+    """One panel per ``(title, {method: [(x, y, extrapolated), ...]})``, one line per method.
 
+    All panels share one log y axis, so a panel's scale cannot make run-to-run noise (tens of
+    percent on a shared machine) look like a trend: what is far apart is orders of magnitude apart.
     Extrapolated points (a baseline cell that hit its deadline) are drawn hollow, so an estimate is
-    never mistaken for a measurement.
+    never mistaken for a measurement. ``not_run`` maps a panel title to ``(x, method)`` cells that
+    were deliberately not run; they are marked with a cross at the top of the panel.
     """
     import matplotlib
 
     matplotlib.use("Agg")
+    import matplotlib.lines
     import matplotlib.pyplot as plt
 
     # One color per method across all panels, so a method looks the same everywhere.
     colors = {method: f"C{i}" for i, method in enumerate(dict.fromkeys(m for _, series in panels for m in series))}
     columns = min(2, len(panels))
     rows = -(-len(panels) // columns)
-    fig, axes = plt.subplots(rows, columns, figsize=(6.4 * columns, 4.4 * rows), squeeze=False)
+    fig, axes = plt.subplots(rows, columns, figsize=(6.4 * columns, 4.4 * rows), squeeze=False, sharey=True)
     for ax, (title, series) in zip(axes.flat, panels):
         for method, points in series.items():
             if not points:
@@ -373,29 +386,57 @@ def plot_lines(
             ax.plot(xs, ys, "-", color=color, label=method)
             for x, y, extrapolated in zip(xs, ys, hollow):
                 ax.plot(x, y, "o", color=color, markerfacecolor="white" if extrapolated else color)
+        skipped = (not_run or {}).get(title, ())
+        for i, (x, method) in enumerate(skipped):
+            # y in axes coordinates: the cross sits at the top whatever the data's range.
+            ax.plot(x, 0.96 - 0.04 * (i % 4), "x", color=colors.get(method, "black"), markersize=8, mew=2,
+                    transform=ax.get_xaxis_transform(), clip_on=False)
+        if skipped:
+            ax.text(0.02, 0.97, f"× {not_run_label}", transform=ax.transAxes, fontsize=8, va="top")
         if xscale == "symlog":
             ax.set_xscale("symlog", linthresh=1)
         else:
             ax.set_xscale(xscale)
+        if xlim is not None:
+            ax.set_xlim(*xlim)
         ax.set_yscale("log")
         ax.set_title(title, fontsize=10)
         ax.set_xlabel(xlabel)
         ax.set_ylabel(ylabel)
+        ax.yaxis.set_tick_params(labelleft=True)
         ax.grid(True, which="both", alpha=0.3)
-        ax.legend(fontsize=8)
     for ax in list(axes.flat)[len(panels) :]:
         ax.axis("off")
-    fig.text(0.01, 0.005, "hollow marker: extrapolated (the cell stopped at its deadline)", fontsize=8)
-    fig.tight_layout(rect=(0, 0.02, 1, 1))
+    # One legend for the figure (a method has one color everywhere), below the panels, so it hides no line.
+    handles = [matplotlib.lines.Line2D([], [], color=color, marker="o", label=method) for method, color in colors.items()]
+    fig.legend(handles=handles, loc="lower center", ncol=min(4, len(handles)), fontsize=8, frameon=False, bbox_to_anchor=(0.5, 0.015))
+    fig.text(0.01, 0.005, "hollow marker: extrapolated (the cell stopped at its deadline); all panels share one log y axis",
+             fontsize=8)
+    legend_rows = -(-len(handles) // 4)
+    fig.tight_layout(rect=(0, 0.02 + 0.03 * legend_rows * 4.4 / (4.4 * rows), 1, 1))
     fig.savefig(path, dpi=110)
     plt.close(fig)
     print(f"wrote {path}")
 
 
 def plot_bars(
-    path: Path, title: str, groups: Mapping[str, Mapping[str, float]], *, ylabel: str, reference: float | None = None
+    path: Path,
+    title: str,
+    groups: Mapping[str, Mapping[str, float]],
+    *,
+    ylabel: str,
+    reference: float | None = None,
+    spreads: Mapping[str, Mapping[str, tuple[float, float]]] | None = None,
+    value_format: str = "{:.3f}",
+    ymax: float | None = None,
 ) -> None:
-    """Grouped bars: ``{group: {method: value}}``, with a dashed line at ``reference`` if given."""
+    """Grouped bars: ``{group: {method: value}}``, each bar labelled with its value.
+
+    The y axis starts at 0, so a bar's height is proportional to its value and a few percent look
+    like a few percent. ``spreads`` (``{group: {method: (low, high)}}``) draws each bar's range as
+    an error bar; ``reference`` draws a dashed line (e.g. 1.0 for a ratio). ``ymax`` caps the axis
+    (error bars beyond it run off the top), so one wild round does not flatten every bar.
+    """
     import matplotlib
 
     matplotlib.use("Agg")
@@ -403,17 +444,32 @@ def plot_bars(
 
     methods = list(dict.fromkeys(m for values in groups.values() for m in values))
     width = 0.8 / max(1, len(methods))
-    fig, ax = plt.subplots(figsize=(7.5, 4.2))
+    fig, ax = plt.subplots(figsize=(max(7.5, 0.4 * len(groups) * len(methods) + 2), 5.2))
     for i, method in enumerate(methods):
-        xs = [g + i * width for g, values in enumerate(groups.values()) if method in values]
-        ys = [values[method] for values in groups.values() if method in values]
-        ax.bar(xs, ys, width=width, label=method, color=f"C{i}")
+        members = [(g, group) for g, group in enumerate(groups) if method in groups[group]]
+        xs = [g + i * width for g, _ in members]
+        ys = [groups[group][method] for _, group in members]
+        bars = ax.bar(xs, ys, width=width, label=method, color=f"C{i}")
+        if spreads is not None:
+            ranges = [(spreads.get(group, {}).get(method, (y, y))) for (_, group), y in zip(members, ys)]
+            low = [max(0.0, y - lo) for (lo, _), y in zip(ranges, ys)]
+            high = [max(0.0, hi - y) for (_, hi), y in zip(ranges, ys)]
+            ax.errorbar(xs, ys, yerr=[low, high], fmt="none", ecolor="black", elinewidth=0.8, capsize=2)
+        for bar, y in zip(bars, ys):
+            # On the bar's own top (not the error bar's), on white, so it reads even where a range crosses it.
+            clipped = ymax is not None and y > ymax
+            ax.annotate(value_format.format(y) + (" ↑" if clipped else ""), (bar.get_x() + bar.get_width() / 2, ymax * 0.85 if clipped else y),
+                        xytext=(0, 2), textcoords="offset points",
+                        ha="center", va="bottom", fontsize=7, rotation=90 if len(methods) > 3 else 0,
+                        bbox={"boxstyle": "square,pad=0.1", "facecolor": "white", "edgecolor": "none", "alpha": 0.8})
     if reference is not None:
         ax.axhline(reference, color="black", linestyle="--", linewidth=0.8)
+    ax.margins(y=0.15)
+    ax.set_ylim(bottom=0, top=ymax)
     ax.set_xticks([g + width * (len(methods) - 1) / 2 for g in range(len(groups))], list(groups))
     ax.set_ylabel(ylabel)
     ax.set_title(title, fontsize=10)
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=min(3, len(methods)), frameon=False)
     ax.grid(True, axis="y", alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=110)

@@ -158,10 +158,15 @@ def run(plan: Plan, root: Path) -> dict[tuple[str, int], list[dict[str, Any]]]:
     return results
 
 
+def _round_ratios(results: dict[tuple[str, int], list[dict[str, Any]]], key: tuple[str, int]) -> list[float]:
+    """Per round: total time / the no-checkpoint total of the same round."""
+    pairs = zip(results[key], results[(NONE, 0)])
+    return [r["total_s"] / base["total_s"] for r, base in pairs if "total_s" in r and "total_s" in base]
+
+
 def _ratio(results: dict[tuple[str, int], list[dict[str, Any]]], key: tuple[str, int]) -> float | None:
     """Median over rounds of total time / the no-checkpoint total of the same round."""
-    pairs = zip(results[key], results[(NONE, 0)])
-    ratios = [r["total_s"] / base["total_s"] for r, base in pairs if "total_s" in r and "total_s" in base]
+    ratios = _round_ratios(results, key)
     return statistics.median(ratios) if ratios else None
 
 
@@ -203,14 +208,19 @@ def report(plan: Plan, results: dict[tuple[str, int], list[dict[str, Any]]]) -> 
 
 
 def plot(results: dict[tuple[str, int], list[dict[str, Any]]], out: Path) -> None:
+    """Each mode's time ratio to no checkpoints (the 1.0 line), written on its bar; error bars: min–max over rounds."""
     groups: dict[str, dict[str, float]] = {}
+    spreads: dict[str, dict[str, tuple[float, float]]] = {}
     for (mode, interval), _ in results.items():
-        ratio = _ratio(results, (mode, interval))
-        if mode == NONE or ratio is None:
+        ratios = _round_ratios(results, (mode, interval))
+        if mode == NONE or not ratios:
             continue
-        groups.setdefault(f"every {interval} steps", {})[mode] = ratio
-    _common.plot_bars(out / "checkpoint_step_time.png", "Training time with checkpoints / without (lower is better)",
-                      groups, ylabel="time ratio", reference=1.0)
+        group = f"every {interval} steps"
+        groups.setdefault(group, {})[mode] = statistics.median(ratios)
+        spreads.setdefault(group, {})[mode] = (min(ratios), max(ratios))
+    _common.plot_bars(out / "checkpoint_step_time.png",
+                      "Training time with checkpoints / without (lower is better; bars: min–max over rounds)",
+                      groups, ylabel="time ratio", reference=1.0, spreads=spreads)
 
 
 def _add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -16,6 +16,12 @@ Machinery: the loader's own cost per batch, without a dataset worth the name (``
 returns the index, the collate function returns the list), so what is left is the sampler, the
 batching and the iterator wrappers: µs per batch, CPU time, median over rounds.
 
+Global RNGs: ``ResumableDataLoader`` seeds torch's, numpy's and python's global RNGs before each
+batch (``global_rng="batch"``, the default, the row "resumable_data") or each sample (``"sample"``),
+so that a dataset drawing augmentation from them resumes exactly; ``global_rng=None`` turns that
+off. All three run in the same rounds, and their cost is the median over rounds of the epoch-time
+ratio to ``global_rng=None`` of the same round (target: ``"batch"`` ≤ 2 % at 50 µs/sample).
+
 ``state_dict()``: called mid-epoch, timed call by call; size is the pickled size.
 
     python benchmarks/bench_overhead.py            # full run, writes benchmarks/results/
@@ -24,6 +30,7 @@ batching and the iterator wrappers: µs per batch, CPU time, median over rounds.
 
 from __future__ import annotations
 
+import functools
 import gc
 import json
 import pickle
@@ -32,6 +39,7 @@ import time
 import warnings
 from collections.abc import Callable, Sized
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -65,15 +73,21 @@ class Method:
 
 
 PLAIN = "DataLoader"
-OURS = "resumable_data"
-# The rows, in table order. A variant of resumable_data is one more entry, e.g.
-#   Method("resumable_data global_rng=None", functools.partial(_common.resumable_loader, global_rng=None), True)
+OURS = "resumable_data"  # global_rng="batch", the default
+RNG_OFF = "resumable_data, global_rng=None"
+RNG_SAMPLE = 'resumable_data, global_rng="sample"'
+# The rows, in table order. A variant of resumable_data is one more entry (see the global-RNG ones).
 METHODS: list[Method] = [
     Method(PLAIN, _common.plain_loader, stateful=False),
     Method("StatefulDataLoader", _common.stateful_loader, stateful=True),
     Method(OURS, _common.resumable_loader, stateful=True),
     Method("control: DataLoader fed resumable_data's order", control_loader, stateful=False),
+    # The global-RNG variants: their state_dict() is resumable_data's, so no state cells of their own.
+    Method(RNG_OFF, functools.partial(_common.resumable_loader, global_rng=None), stateful=False),
+    Method(RNG_SAMPLE, functools.partial(_common.resumable_loader, global_rng="sample"), stateful=False),
 ]
+GLOBAL_RNG_ROWS = {OURS: 'global_rng="batch" (default)', RNG_SAMPLE: 'global_rng="sample"'}
+GLOBAL_RNG_TARGET = 0.02  # "batch" vs None at 50 µs/sample
 BY_NAME = {m.name: m for m in METHODS}
 
 
@@ -86,8 +100,8 @@ class Plan:
     machinery_batches: int  # batches per machinery round
 
 
-FULL = Plan(sizes={0.0: 200_000, 50.0: 20_000}, workers=(0, 2), rounds=8, state_size=10**6, machinery_batches=3000)
-QUICK = Plan(sizes={50.0: 1_000}, workers=(0, 2), rounds=1, state_size=10**3, machinery_batches=100)
+FULL = Plan(sizes={0.0: 100_000, 50.0: 20_000}, workers=(0, 2), rounds=8, state_size=10**6, machinery_batches=3000)
+QUICK = Plan(sizes={50.0: 320}, workers=(0, 2), rounds=1, state_size=10**3, machinery_batches=100)
 
 
 def epoch_cell(method: str, n: int, work_iterations: int, workers: int) -> dict[str, Any]:
@@ -196,9 +210,9 @@ def run(plan: Plan, work_iterations: dict[float, int]) -> tuple[Epochs, dict[tup
     return epochs, states, machinery
 
 
-def _ratios(epochs: Epochs, method: str, cost: float, workers: int, field: str = "seconds") -> list[float]:
-    """Per round: this method's epoch ``field`` / the plain DataLoader's in the same round."""
-    pairs = zip(epochs[(method, cost, workers)], epochs[(PLAIN, cost, workers)], strict=True)
+def _ratios(epochs: Epochs, method: str, cost: float, workers: int, field: str = "seconds", baseline: str = PLAIN) -> list[float]:
+    """Per round: this method's epoch ``field`` / ``baseline``'s (the plain DataLoader's) in the same round."""
+    pairs = zip(epochs[(method, cost, workers)], epochs[(baseline, cost, workers)], strict=True)
     return [mine[field] / plain[field] for mine, plain in pairs if field in mine and field in plain]
 
 
@@ -269,6 +283,26 @@ def report(plan: Plan, epochs: Epochs, states: dict[tuple[str, int], dict[str, A
         costs = ", ".join(f"{extra / (BATCH_SIZE * cost * 1e-6):+.2%} at {cost:.0f} µs/sample" for cost in plan.sizes if cost > 0)
         targets.append(f"- resumable_data's machinery costs {format_seconds(extra)} per batch more than DataLoader's "
                        f"(sampler, batching, iterator; no dataset): the overhead it can cause is {costs}")
+    for cost, workers in configs:
+        if cost > 0:
+            ratios = _ratios(epochs, OURS, cost, workers, baseline=RNG_OFF)
+            if ratios:
+                median = statistics.median(ratios) - 1
+                verdict = "met" if median <= GLOBAL_RNG_TARGET else "missed"
+                if max(ratios) - min(ratios) > 4 * GLOBAL_RNG_TARGET:
+                    # A median inside a spread many times the target says nothing about the target.
+                    verdict = f"not settled by the wall clock: the rounds spread over {max(ratios) - min(ratios):.0%}"
+                cpu = _ratios(epochs, OURS, cost, workers, "cpu_seconds", baseline=RNG_OFF) if workers == 0 else []
+                cpu_text = f"; CPU time {_spread(cpu)} ({'met' if statistics.median(cpu) - 1 <= GLOBAL_RNG_TARGET else 'missed'})" if cpu else ""
+                targets.append(f"- global_rng=\"batch\" vs global_rng=None, {cost:.0f} µs/sample, {workers} workers: {_spread(ratios)} epoch time "
+                               f"(target ≤ {GLOBAL_RNG_TARGET:.0%}: {verdict}){cpu_text}")
+    rng_machinery = {m: machinery.get(m, {}).get("per_batch_s") for m in (OURS, RNG_SAMPLE, RNG_OFF)}
+    if all(v is not None for v in rng_machinery.values()):
+        per_batch = rng_machinery[OURS] - rng_machinery[RNG_OFF]
+        per_sample = rng_machinery[RNG_SAMPLE] - rng_machinery[RNG_OFF]
+        targets.append(f"- the seeding itself, CPU time per batch of {BATCH_SIZE} without a dataset: \"batch\" {format_seconds(per_batch)}, "
+                       f"\"sample\" {format_seconds(per_sample)} more than None (at 50 µs/sample a batch is {format_seconds(BATCH_SIZE * 50e-6)} of work: "
+                       f"{per_batch / (BATCH_SIZE * 50e-6):+.2%} and {per_sample / (BATCH_SIZE * 50e-6):+.2%})")
     ours_state = max((states[(OURS, w)].get("median_s", float("inf")) for w in plan.workers), default=None)
     if ours_state is not None:
         targets.append(f"- resumable_data `state_dict()` median, worst configuration: {format_seconds(ours_state)} "
@@ -285,6 +319,15 @@ def report(plan: Plan, epochs: Epochs, states: dict[tuple[str, int], dict[str, A
         "## Epoch throughput, wall clock (first batch → end of epoch)", "", markdown_table(headers, rows), "",
         "## Epoch CPU time with 0 workers (the whole epoch runs in the measured process)", "",
         markdown_table(["method", *(f"{cost:.0f} µs/sample, N = {format_count(plan.sizes[cost])}" for cost, _ in cpu_configs)], cpu_rows), "",
+        "## Global RNGs: epoch time vs global_rng=None in the same round", "",
+        "Median over rounds of the epoch-time ratio to `ResumableDataLoader(global_rng=None)` of the same round, then the lowest "
+        "and highest round (positive = slower). With 0 workers the global RNGs are also forked around each fetch "
+        "(saved and restored), so the training loop's own stream is untouched.", "",
+        markdown_table(["global_rng", *(f"{cost:.0f} µs/sample, {workers} workers" for cost, workers in configs)],
+                       [[GLOBAL_RNG_ROWS[m], *(_spread(_ratios(epochs, m, cost, workers, baseline=RNG_OFF)) for cost, workers in configs)]
+                        for m in (OURS, RNG_SAMPLE)]
+                       + [[f"{GLOBAL_RNG_ROWS[m]}, CPU time", *(_spread(_ratios(epochs, m, cost, 0, "cpu_seconds", baseline=RNG_OFF)) if w == 0 else "—"
+                                                                for cost, w in configs)] for m in (OURS, RNG_SAMPLE)]), "",
         f"## Machinery: CPU time per batch without a dataset ({plan.machinery_batches} batches, median of {max(3, plan.rounds)})", "",
         markdown_table(["method", "per batch", "range"], machinery_rows), "",
         f"## `state_dict()` mid-epoch, N = {format_count(plan.state_size)} ({STATE_DICT_CALLS} calls)", "",
@@ -295,20 +338,59 @@ def report(plan: Plan, epochs: Epochs, states: dict[tuple[str, int], dict[str, A
 
 
 def plot(plan: Plan, epochs: Epochs, out: Any) -> None:
+    """Epoch time / the plain DataLoader's in the same round: median bar, min–max error bar, value on top.
+
+    With 0 workers the CPU-time ratio is plotted as well: the wall clock of a loaded machine scatters
+    by tens of percent, the CPU time of a process that does all the work much less.
+    """
     groups: dict[str, dict[str, float]] = {}
-    for cost in plan.sizes:
-        for workers in plan.workers:
-            group = groups.setdefault(f"{cost:.0f} µs/sample\n{workers} workers", {})
-            for method in (m.name for m in METHODS):
-                overhead = _overhead(epochs, method, cost, workers)
-                if overhead is not None:
-                    group[method] = 1 / (1 + overhead)
-    _common.plot_bars(out / "overhead_throughput.png", "Epoch throughput relative to a plain DataLoader (higher is better)",
-                      groups, ylabel="throughput / DataLoader's", reference=1.0)
+    spreads: dict[str, dict[str, tuple[float, float]]] = {}
+    panels = [(cost, workers, "seconds") for cost in plan.sizes for workers in plan.workers]
+    panels += [(cost, 0, "cpu_seconds") for cost in plan.sizes if 0 in plan.workers]
+    for cost, workers, field in panels:
+        name = f"{cost:.0f} µs/sample\n{workers} workers" + ("\n(CPU time)" if field == "cpu_seconds" else "\n(wall clock)")
+        for method in (m.name for m in METHODS if m.name != PLAIN):  # the DataLoader is the 1.0 line
+            ratios = _ratios(epochs, method, cost, workers, field)
+            if ratios:
+                groups.setdefault(name, {})[method] = statistics.median(ratios)
+                spreads.setdefault(name, {})[method] = (min(ratios), max(ratios))
+    _common.plot_bars(out / "overhead_throughput.png",
+                      f"Epoch time / plain DataLoader's in the same round (lower is better; median of {plan.rounds} rounds, "
+                      "error bars: min–max, cut at 3)", groups, ylabel="epoch time ratio", reference=1.0, spreads=spreads,
+                      value_format="{:.2f}", ymax=3.0)
+
+
+def epochs_from_report(path: Any) -> tuple[Plan, Epochs]:
+    """The epochs of a written report ("Every epoch" table), to redraw its plot without running it again."""
+    text = path.read_text()
+    epochs: Epochs = {}
+    sizes: dict[float, int] = {}
+    workers: set[int] = set()
+    for row in _common.parse_markdown_rows(text, "method"):
+        if "coverage" not in row or "round" not in row:
+            continue
+        cost, n_workers = float(row["work"].split()[0]), int(row["workers"])
+        sizes[cost] = int(row["N"].replace(",", "")) if "^" not in row["N"] else 10 ** int(row["N"].split("^")[1])
+        workers.add(n_workers)
+        result: dict[str, Any] = {"coverage": row["coverage"]}
+        if row["first batch → end"] and row["CPU time"]:
+            result |= {"seconds": _common.parse_seconds(row["first batch → end"]), "cpu_seconds": _common.parse_seconds(row["CPU time"])}
+        epochs.setdefault((row["method"], cost, n_workers), []).append(result)
+    rounds = max(len(runs) for runs in epochs.values())
+    return Plan(sizes=sizes, workers=tuple(sorted(workers)), rounds=rounds, state_size=0, machinery_batches=0), epochs
+
+
+def _add_arguments(parser: Any) -> None:
+    parser.add_argument("--replot", type=Path, default=None, metavar="REPORT.md",
+                        help="redraw the plot from a written report's 'Every epoch' table (no measurement)")
 
 
 def main() -> None:
-    args = _common.parse_args(__doc__.splitlines()[0])
+    args = _common.parse_args(__doc__.splitlines()[0], _add_arguments)
+    if args.replot is not None:
+        plan, epochs = epochs_from_report(args.replot)
+        plot(plan, epochs, args.out)
+        return
     plan = QUICK if args.quick else FULL
     work_iterations = {cost: _common.calibrate_work(cost) for cost in plan.sizes}
     started = time.perf_counter()

@@ -11,9 +11,10 @@ Pipelines:
 
 For each, a fresh loader iterates to 90 % of the epoch: the time to the next batch from there is what
 "replay" (consume and discard, the usual fallback) costs. Its state is then loaded into a freshly
-built loader and timed from ``load_state_dict`` to the first batch in hand ("restore", median of 3),
+built loader and timed from ``load_state_dict`` to the first batch in hand ("restore", median of 3, min–max),
 and that batch is checked to equal the uninterrupted run's. A restore reads the footer of the
 current shard and one row group; with a shuffle buffer, the row groups its rows come from.
+``bench_streams.py`` runs the same pipelines side by side with the token-shard ones.
 
 Run: ``python benchmarks/bench_parquet.py`` (``--quick``: a few seconds).
 """
@@ -29,8 +30,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
-from _common import format_seconds, machine_header, markdown_table, parse_args, write_report
-from bench_streams import measure  # the same replay-vs-restore timing as the token-shard rows
+from _common import machine_header, markdown_table, parse_args, write_report
+from bench_streams import TABLE_HEADERS, Pipeline, checkpoint, table_row, time_rounds  # the same timing as the token-shard rows
 
 from resumable_data.streams import ParquetReader, ShardedIterable, Stream, StreamLoader
 
@@ -67,32 +68,38 @@ def pipelines(paths: list[Path]) -> dict[str, Callable[[], StreamLoader]]:
     }
 
 
-def parquet_rows(num_shards: int, rows: int) -> list[list[str]]:
-    """One table row per pipeline: name, position, replay, restore, speed-up, state size."""
+RESTORES = 3
+
+
+def checkpoints(directory: Path, num_shards: int, rows: int) -> dict[str, Pipeline]:
+    """Write the shards into ``directory``; each pipeline replayed to 90 % of its epoch (timed), with its state there."""
     batches_per_epoch = -(-num_shards * rows // BATCH)  # one slot: batches run across shard ends
     position = int(FRACTION * batches_per_epoch)
-    table = []
+    paths = write_shards(directory, num_shards, rows)
+    return {name: checkpoint(make, position, batches_per_epoch) for name, make in pipelines(paths).items()}
+
+
+def parquet_rows(num_shards: int, rows: int, rounds: int = RESTORES) -> list[list[str]]:
+    """One table row per pipeline (``bench_streams.TABLE_HEADERS``): replay to 90 % vs restore there."""
     with tempfile.TemporaryDirectory(prefix="bench-parquet-") as tmp:
-        paths = write_shards(Path(tmp), num_shards, rows)
-        for name, make in pipelines(paths).items():
-            replay, restore, size = measure(make, position)
-            table.append([name, f"{position:,} of {batches_per_epoch:,}", format_seconds(replay), format_seconds(restore), f"{replay / restore:,.0f}x", f"{size:,} B"])
-            print(" | ".join(table[-1]), flush=True)
-    return table
+        measured = checkpoints(Path(tmp), num_shards, rows)
+        time_rounds(measured, rounds)
+    return [table_row(name, p) for name, p in measured.items()]
 
 
 def main() -> None:
     args = parse_args(__doc__.splitlines()[0])
     num_shards, rows = (4, 2000) if args.quick else (20, 10_000)
-    table = parquet_rows(num_shards, rows)
+    table = parquet_rows(num_shards, rows, 1 if args.quick else RESTORES)
     text = "\n".join(
         [
             machine_header(f"Parquet stream restore at {FRACTION:.0%} of {num_shards * rows:,} rows"),
             f"{num_shards} Parquet shards x {rows:,} rows of {TOKENS} int32 tokens, row groups of {ROW_GROUP:,} rows, "
             f"batches of {BATCH}. Replay: consume and discard up to the position, then the next batch. Restore: "
-            "`load_state_dict` + first batch (median of 3), checked equal to the uninterrupted batch.",
+            f"`load_state_dict` + first batch (median (min–max) of {RESTORES}, pipelines interleaved), checked equal to the "
+            "uninterrupted batch. Fresh start: a new loader's first batch from the epoch's beginning.",
             "",
-            markdown_table(["pipeline", "position (batches)", "replay", "restore", "speed-up", "state (JSON)"], table),
+            markdown_table(TABLE_HEADERS, table),
         ]
     )
     print()

@@ -11,6 +11,12 @@ Methods, as a user would build each one:
   (threads) → ``Prefetcher`` → ``Loader``, as in torchdata's migration guide; ``load_state_dict`` +
   ``next(iter(loader))``.
 - resumable_data: ``ResumableDataLoader``; ``load_state_dict`` + ``next(iter(loader))``.
+- resumable_data, warm start: the same with ``warm_start=True`` (the main process fetches the
+  first batch while the workers start); only with workers, where it changes anything.
+
+Epoch start: one more table times a fresh epoch of a running job (the second epoch of a loader,
+2 workers, persistent or not, with and without warm start): its first batch and its total time,
+over interleaved rounds, each epoch checked to be the same batches in every variant.
 
 "Checkpoint in hand" is the method's own state dict (already deserialized) and a freshly built
 loader. The state for position k is the method's real state after one batch with its position
@@ -42,6 +48,7 @@ import time
 import warnings
 from collections.abc import Callable, Iterator, Mapping, Sized
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -73,7 +80,9 @@ INDEX_SKIP = "index-only skip"
 STATEFUL = "StatefulDataLoader"
 NODES = "torchdata.nodes"
 OURS = "resumable_data"
-DATA_METHODS = (NAIVE, INDEX_SKIP, STATEFUL, NODES, OURS)
+WARM = "resumable_data, warm start"
+DATA_METHODS = (NAIVE, INDEX_SKIP, STATEFUL, NODES, OURS, WARM)
+OURS_METHODS = (OURS, WARM)  # one loader, one state format, one order: they share a reference
 # Without a dataset, discarding batches *is* the index-only skip, so the naive skip has no row there.
 INDEX_METHODS = (INDEX_SKIP, STATEFUL, NODES, OURS)
 SKIP_METHODS = (NAIVE, INDEX_SKIP)
@@ -105,6 +114,8 @@ class Plan:
     configs: tuple[tuple[float, int], ...]  # (per-sample work in µs, num_workers)
     vs_size_position: int  # the position of the "vs N" sweeps
     max_reps: int
+    epoch_n: int  # epoch-start table: samples per epoch (50 µs each)
+    epoch_rounds: int
 
 
 FULL = Plan(
@@ -115,6 +126,8 @@ FULL = Plan(
     configs=((0.0, 0), (0.0, 2), (50.0, 0), (50.0, 2)),
     vs_size_position=90,
     max_reps=5,
+    epoch_n=6400,
+    epoch_rounds=8,
 )
 # A smoke test of every method, check, table and plot, in few cells: each is a process start.
 QUICK = Plan(
@@ -125,6 +138,8 @@ QUICK = Plan(
     configs=((0.0, 0), (50.0, 2)),
     vs_size_position=90,
     max_reps=1,
+    epoch_n=320,
+    epoch_rounds=1,
 )
 # What a restore is compared with: the first batch of a plain, unshuffled DataLoader.
 FLOOR = "floor: fresh unshuffled DataLoader"
@@ -190,6 +205,7 @@ _BUILDERS: dict[str, Callable[..., Any]] = {
     STATEFUL: functools.partial(_common.stateful_loader, batch_size=BATCH_SIZE, seed=SEED),
     NODES: _nodes_loader,
     OURS: functools.partial(_common.resumable_loader, batch_size=BATCH_SIZE, seed=SEED),
+    WARM: functools.partial(_common.resumable_loader, batch_size=BATCH_SIZE, seed=SEED, warm_start=True),
 }
 
 
@@ -228,7 +244,7 @@ def _checkpoint(method: str, dataset: SyntheticDataset, k: int, workers: int) ->
         state = _state_after_one_batch(_nodes_loader(dataset, workers=workers))
         _set_keys(state, ("num_yielded", "_num_yielded"), k)
         return state
-    state = _state_after_one_batch(_BUILDERS[OURS](dataset, workers=workers))
+    state = _state_after_one_batch(_BUILDERS[method](dataset, workers=workers))
     state["position"] = k * BATCH_SIZE  # the documented, editable field: global samples consumed
     return state
 
@@ -403,6 +419,18 @@ def index_cell(method: str, n: int, k: int, expected: list[int], deadline_s: flo
     return {"seconds": seconds, "reps": reps, "peak_mb": memory.peak_mb(), "exact": _check(results[-1], expected), "extrapolated": False, "note": ""}
 
 
+def _data_methods(workers: int) -> tuple[str, ...]:
+    """Warm start changes nothing without workers, so it has cells only with them."""
+    return DATA_METHODS if workers else tuple(m for m in DATA_METHODS if m != WARM)
+
+
+def _reference_method(method: str) -> str:
+    """The method whose uninterrupted run is the reference (the skips share one loader, so do ours)."""
+    if method in SKIP_METHODS:
+        return NAIVE
+    return OURS if method in OURS_METHODS else method
+
+
 def _reference_order(method: str, n: int, workers: int) -> tuple[Iterator[list[int]], str]:
     """An uninterrupted epoch of ``method`` as a stream of index batches, and how it was obtained."""
     if n <= LOADER_REFERENCE_LIMIT:
@@ -442,6 +470,86 @@ def reference_batches(method: str, n: int, ks: list[int], workers: int) -> dict[
     return {"batches": found, "how": how}
 
 
+# -- epoch start ----------------------------------------------------------------------------------
+
+EPOCH_WORKERS = 2
+EPOCH_COST_US = 50.0
+# (label, warm_start, persistent_workers), in table order.
+EPOCH_VARIANTS = (
+    ("without warm start", False, False),
+    ("warm start", True, False),
+    ("without warm start, persistent workers", False, True),
+    ("warm start, persistent workers", True, True),
+)
+
+
+def epoch_start_cell(warm: bool, persistent: bool, n: int, work_iterations: int) -> dict[str, Any]:
+    """Two epochs of one loader: each epoch's first batch and total time, and a digest of its batches.
+
+    Epoch 0 is a job's start; epoch 1 is what every later epoch of a running job costs to start
+    (persistent workers are already running then, non-persistent ones start again).
+    """
+    torch.set_num_threads(1)
+    loader = _common.resumable_loader(SyntheticDataset(n, work_iterations), batch_size=BATCH_SIZE, seed=SEED, workers=EPOCH_WORKERS,
+                                      warm_start=warm, persistent_workers=persistent)
+    result: dict[str, Any] = {}
+    for epoch in range(2):
+        gc.collect()
+        start = time.perf_counter()
+        iterator = iter(loader)
+        batches = [next(iterator)]
+        first = time.perf_counter() - start
+        # With warm start the workers start at the second request, in the main thread: that cost moves here.
+        batches.append(next(iterator))
+        second = time.perf_counter() - start
+        batches += list(iterator)
+        result[f"first_{epoch}"], result[f"second_{epoch}"], result[f"total_{epoch}"] = first, second, time.perf_counter() - start
+        contents = torch.cat(batches)
+        # The batches' order and contents: equal digests in every variant mean the same epoch.
+        result[f"digest_{epoch}"] = int((contents[:, 0] * torch.arange(1, len(contents) + 1)).sum()) ^ int(contents.sum())
+        del iterator
+    return result
+
+
+def run_epoch_starts(plan: Plan, work_iterations: int) -> dict[str, list[dict[str, Any]]]:
+    """Every variant once per round, in an order rotated each round."""
+    runs: dict[str, list[dict[str, Any]]] = {label: [] for label, _, _ in EPOCH_VARIANTS}
+    for round_ in range(plan.epoch_rounds):
+        shift = round_ % len(EPOCH_VARIANTS)
+        for label, warm, persistent in EPOCH_VARIANTS[shift:] + EPOCH_VARIANTS[:shift]:
+            kwargs = {"warm": warm, "persistent": persistent, "n": plan.epoch_n, "work_iterations": work_iterations}
+            result = run_isolated(epoch_start_cell, kwargs, timeout_s=300)
+            runs[label].append(result)
+            shown = f"epoch 1 first batch {format_seconds(result['first_1'])}, total {format_seconds(result['total_1'])}" if "first_1" in result else result["error"]
+            print(f"epoch start, round {round_ + 1}: {label}: {shown}", flush=True)
+    return runs
+
+
+def _median_range(values: list[float]) -> str:
+    if not values:
+        return ""
+    return f"{format_seconds(statistics.median(values))} ({format_seconds(min(values))}–{format_seconds(max(values))})"
+
+
+def epoch_start_report(runs: dict[str, list[dict[str, Any]]], plan: Plan) -> list[str]:
+    reference = [r for r in runs[EPOCH_VARIANTS[0][0]] if "digest_0" in r]
+    rows = []
+    for label, _, _ in EPOCH_VARIANTS:
+        good = [r for r in runs[label] if "first_1" in r]
+        errors = [r["error"] for r in runs[label] if "error" in r]
+        same = all((r["digest_0"], r["digest_1"]) == (reference[0]["digest_0"], reference[0]["digest_1"]) for r in good) if reference else False
+        verdict = "ok" if same and good and not errors else ("; ".join(errors) or "MISMATCH: batches differ from the run without warm start")
+        rows.append([label, _median_range([r["first_0"] for r in good]), _median_range([r["first_1"] for r in good]),
+                     _median_range([r["second_1"] for r in good]), _median_range([r["total_1"] for r in good]), verdict])
+    return [
+        f"## Epoch start: a fresh epoch, {EPOCH_WORKERS} workers, N = {plan.epoch_n:,}, {EPOCH_COST_US:.0f} µs/sample", "",
+        f"One loader per cell runs two epochs; epoch 1 is what every later epoch of a running job costs to start. Median "
+        f"(min–max) over {plan.epoch_rounds} round(s), the variants in an order rotated every round. \"same batches\": "
+        "every epoch of every variant has the order and contents of the run without warm start.", "",
+        markdown_table(["variant", "epoch 0: first batch", "epoch 1: first batch", "epoch 1: first two batches", "epoch 1: total", "same batches"], rows), "",
+    ]
+
+
 # -- the run ----------------------------------------------------------------------------------------
 
 
@@ -469,7 +577,7 @@ def plan_cells(plan: Plan) -> list[Cell]:
     for cost, workers in plan.configs:
         for n in plan.data_sizes:
             positions = plan.positions if n == largest else (plan.vs_size_position,)
-            cells += [Cell("data", m, n, p, cost, workers) for p in positions for m in DATA_METHODS]
+            cells += [Cell("data", m, n, p, cost, workers) for p in positions for m in _data_methods(workers)]
     return cells
 
 
@@ -493,11 +601,10 @@ def run(plan: Plan, deadline_s: float, work_iterations: dict[float, int]) -> dic
         if reason is not None:
             results[cell] = {"not_run": reason}
             continue
-        # The two skips share one loader (and so one reference).
-        key = (NAIVE if cell.method in SKIP_METHODS else cell.method, cell.n, cell.workers)
+        key = (_reference_method(cell.method), cell.n, cell.workers)
         if key not in references:
-            ks = [c.k for c in cells if (NAIVE if c.method in SKIP_METHODS else c.method, c.n, c.workers) == key]
-            kwargs = {"method": cell.method, "n": cell.n, "ks": ks, "workers": cell.workers}
+            ks = [c.k for c in cells if (_reference_method(c.method), c.n, c.workers) == key]
+            kwargs = {"method": key[0], "n": cell.n, "ks": ks, "workers": cell.workers}
             references[key] = run_isolated(reference_batches, kwargs, timeout_s=timeout)
         reference = references[key]
         if "error" in reference:
@@ -601,6 +708,12 @@ def _targets(results: Mapping[Cell, dict[str, Any]], plan: Plan) -> list[str]:
                 verdict = "met" if ratios[-1] <= FLOOR_TARGET else "missed"
                 lines.append(f"  - {cost:.0f} µs/sample, {workers} workers: {ratios[0]:.2f}–{ratios[-1]:.2f}× over {len(ratios)} cells ({verdict})")
     for cost, workers in plan.configs:
+        warm, cold = results.get(Cell("data", WARM, n_data, 90, cost, workers), {}), results.get(Cell("data", OURS, n_data, 90, cost, workers), {})
+        if "seconds" in warm and "seconds" in cold:
+            lines.append(f"- warm start, N = {format_count(n_data)}, 90 %, {cost:.0f} µs/sample, {workers} workers: first resumed batch in "
+                         f"{format_seconds(warm['seconds'])} (target ≤ 5 ms: {'met' if warm['seconds'] <= 5e-3 else 'missed'}); "
+                         f"without warm start {format_seconds(cold['seconds'])} in the same run")
+    for cost, workers in plan.configs:
         ours = Cell("data", OURS, n_data, 90, cost, workers)
         for baseline in (STATEFUL, NODES, NAIVE):
             speedup = _ratio(results, Cell("data", baseline, n_data, 90, cost, workers), ours)
@@ -614,7 +727,8 @@ def _targets(results: Mapping[Cell, dict[str, Any]], plan: Plan) -> list[str]:
     return lines
 
 
-def report(results: Mapping[Cell, dict[str, Any]], plan: Plan, deadline_s: float, work_iterations: dict[float, int]) -> str:
+def report(results: Mapping[Cell, dict[str, Any]], plan: Plan, deadline_s: float, work_iterations: dict[float, int],
+           epoch_runs: dict[str, list[dict[str, Any]]]) -> str:
     cells = list(results)
     largest = max(plan.data_sizes)
     parts = [
@@ -636,11 +750,12 @@ def report(results: Mapping[Cell, dict[str, Any]], plan: Plan, deadline_s: float
     for cost, workers in plan.configs:
         chosen = [c for c in cells if c.sweep == "data" and c.n == largest and (c.cost_us, c.workers) == (cost, workers)]
         parts += [f"## With a dataset: latency vs position, N = {format_count(largest)}, {cost:.0f} µs/sample, {workers} workers", "",
-                  _wide_table(results, chosen, lambda c: f"{c.percent} %", DATA_METHODS, floor=True), ""]
+                  _wide_table(results, chosen, lambda c: f"{c.percent} %", _data_methods(workers), floor=True), ""]
     for cost, workers in plan.configs:
         chosen = [c for c in cells if c.sweep == "data" and c.percent == plan.vs_size_position and (c.cost_us, c.workers) == (cost, workers)]
         parts += [f"## With a dataset: latency vs N at {plan.vs_size_position} %, {cost:.0f} µs/sample, {workers} workers", "",
-                  _wide_table(results, chosen, lambda c: f"N = {format_count(c.n)}", DATA_METHODS, floor=True), ""]
+                  _wide_table(results, chosen, lambda c: f"N = {format_count(c.n)}", _data_methods(workers), floor=True), ""]
+    parts += epoch_start_report(epoch_runs, plan)
     index_cells = [c for c in cells if c.sweep == "index"]
     parts += [f"## Index generation alone: latency vs N at {plan.vs_size_position} %", "",
               _wide_table(results, [c for c in index_cells if c.percent == plan.vs_size_position], lambda c: f"N = {format_count(c.n)}", INDEX_METHODS), ""]
@@ -683,16 +798,45 @@ def plot(results: Mapping[Cell, dict[str, Any]], plan: Plan, out: Any) -> None:
         by_position.append((f"dataset N = {format_count(largest)}, {cost:.0f} µs/sample, {workers} workers",
                             _points(results, chosen, lambda c: c.percent, DATA_METHODS)))
     _common.plot_lines(out / "resume_vs_position.png", by_position, xlabel="position in the epoch (%)",
-                       ylabel="checkpoint → first batch (s)", xscale="symlog")
+                       ylabel="checkpoint → first batch (s)", xscale="linear", xlim=(0, 100))
     at = plan.vs_size_position
-    by_size = [(f"index generation alone, {at} %", _points(results, [c for c in cells if c.sweep == "index" and c.percent == at], lambda c: c.n, INDEX_METHODS))]
+    index_title = f"index generation alone, {at} %"
+    index_cells = [c for c in cells if c.sweep == "index" and c.percent == at]
+    by_size = [(index_title, _points(results, index_cells, lambda c: c.n, INDEX_METHODS))]
+    not_run = {index_title: [(c.n, c.method) for c in index_cells if "not_run" in results[c]]}
     for cost, workers in plan.configs:
         chosen = [c for c in cells if c.sweep == "data" and c.percent == at and (c.cost_us, c.workers) == (cost, workers)]
         by_size.append((f"dataset, {at} %, {cost:.0f} µs/sample, {workers} workers", _points(results, chosen, lambda c: c.n, DATA_METHODS)))
-    _common.plot_lines(out / "resume_vs_n.png", by_size, xlabel="dataset size N", ylabel="checkpoint → first batch (s)")
+    _common.plot_lines(out / "resume_vs_n.png", by_size, xlabel="dataset size N", ylabel="checkpoint → first batch (s)",
+                       not_run=not_run, not_run_label=f"not run (would materialize > {MEMORY_CAP_BYTES / 2**30:.0f} GB)")
+
+
+def results_from_report(path: Path) -> dict[Cell, dict[str, Any]]:
+    """The cells of a written report ("Every cell" table), to redraw its plots without running it again."""
+    results: dict[Cell, dict[str, Any]] = {}
+    for row in _common.parse_markdown_rows(path.read_text(), "method"):
+        if "sweep" not in row:
+            continue
+        n = 10 ** int(row["N"].split("^")[1]) if "^" in row["N"] else int(row["N"].replace(",", ""))
+        cell = Cell(row["sweep"], row["method"], n, int(row["position"].split()[0]), float(row["work"].split()[0]), int(row["workers"]))
+        latency = row["latency"]
+        if latency == "not run":
+            results[cell] = {"not_run": row["note"]}
+            continue
+        if latency.startswith("error"):
+            results[cell] = {"error": latency}
+            continue
+        extrapolated = latency.startswith("≈")
+        result: dict[str, Any] = {"seconds": _common.parse_seconds(latency.strip("≈ ").replace(" (extrapolated)", "")), "extrapolated": extrapolated}
+        if row["floor"]:
+            result["floor_seconds"] = _common.parse_seconds(row["floor"])
+        results[cell] = result
+    return results
 
 
 def _add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--replot", type=Path, default=None, metavar="REPORT.md",
+                        help="redraw the plots from a written report's 'Every cell' table (no measurement)")
     parser.add_argument("--deadline", type=float, default=None,
                         help="seconds after which a skip baseline stops and its latency is extrapolated "
                         "(default 15; 5 with --quick)")
@@ -701,12 +845,16 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
 def main() -> None:
     args = _common.parse_args(__doc__.splitlines()[0], _add_arguments)
     plan = QUICK if args.quick else FULL
+    if args.replot is not None:
+        plot(results_from_report(args.replot), plan, args.out)
+        return
     if args.deadline is None:
         args.deadline = 5.0 if args.quick else 15.0
     work_iterations = {cost: _common.calibrate_work(cost) for cost in dict.fromkeys(c for c, _ in plan.configs)}
     started = time.perf_counter()
     results = run(plan, args.deadline, work_iterations)
-    text = report(results, plan, args.deadline, work_iterations)
+    epoch_runs = run_epoch_starts(plan, _common.calibrate_work(EPOCH_COST_US))
+    text = report(results, plan, args.deadline, work_iterations, epoch_runs)
     text += f"\n\nTotal run time: {time.perf_counter() - started:.0f} s."
     print(text)
     _common.write_report(args.out, "bench_resume", text)

@@ -8,6 +8,10 @@ Pipelines:
 - source: ``ShardedIterable`` alone (shard order shuffled per epoch).
 - realistic: source -> ``shuffle_buffer(1000)`` -> ``map`` with random token dropout -> batch.
 - realistic, 2 workers: the same with ``num_workers=2``.
+- parquet source, and parquet through a shuffle buffer (``bench_parquet.py``'s pipelines): 20
+  Parquet shards x 10,000 rows of 256 int32 token ids, row groups of 1,000 rows (the layout of a
+  tokenized Hugging Face dataset saved with ``Dataset.to_parquet``), read by ``ParquetReader``;
+  at 90 % of its own epoch. Needs pyarrow (the ``[parquet]`` extra); without it these rows say so.
 
 For each, a fresh loader iterates to 90% of the epoch: the time to the next batch from there is
 what "replay" (consume and discard, the usual fallback) costs. Its state is then loaded into a
@@ -17,8 +21,9 @@ batch without a state: what any start costs (a buffered pipeline first fills its
 and fresh starts of all pipelines are interleaved over several rounds; the table gives the median
 and the range.
 
-Run: ``python benchmarks/bench_streams.py`` (``--quick``: 4 shards, one restore per pipeline: a
-smoke test of every pipeline and the exactness check, not a measurement).
+Run: ``python benchmarks/bench_streams.py`` (``--quick``: 4 token shards, 4 Parquet shards of 2,000
+rows, one restore per pipeline: a smoke test of every pipeline and the exactness check, not a
+measurement).
 """
 
 from __future__ import annotations
@@ -82,6 +87,8 @@ class Pipeline:
     """One pipeline's checkpoint at the position, and its timings."""
 
     make: Callable[[], StreamLoader]
+    position: int  # batches consumed at the checkpoint
+    epoch_batches: int
     state: dict[str, Any]
     expected: torch.Tensor
     replay: float
@@ -90,7 +97,7 @@ class Pipeline:
     fresh: list[float] = field(default_factory=list)
 
 
-def checkpoint(make: Callable[[], StreamLoader], position: int) -> Pipeline:
+def checkpoint(make: Callable[[], StreamLoader], position: int, epoch_batches: int) -> Pipeline:
     """Replay a fresh loader to ``position`` batches (timed): its JSON state there and the next batch."""
     loader = make()
     start = time.perf_counter()
@@ -101,7 +108,7 @@ def checkpoint(make: Callable[[], StreamLoader], position: int) -> Pipeline:
     expected = next(batches)
     replay = time.perf_counter() - start
     del batches
-    return Pipeline(make, state, expected, replay)
+    return Pipeline(make, position, epoch_batches, state, expected, replay)
 
 
 def first_batch(pipeline: Pipeline, restore: bool) -> tuple[float, float]:
@@ -120,6 +127,26 @@ def first_batch(pipeline: Pipeline, restore: bool) -> tuple[float, float]:
     return seconds, cpu_seconds
 
 
+def time_rounds(measured: dict[str, Pipeline], rounds: int) -> None:
+    """Restore and fresh-start every pipeline once per round, pipelines interleaved."""
+    for round_ in range(rounds):
+        for name, pipeline in measured.items():
+            seconds, cpu_seconds = first_batch(pipeline, restore=True)
+            pipeline.restores.append(seconds)
+            pipeline.restores_cpu.append(cpu_seconds)
+            pipeline.fresh.append(first_batch(pipeline, restore=False)[0])
+            print(f"round {round_ + 1}: {name}: restore {format_seconds(pipeline.restores[-1])}, fresh start {format_seconds(pipeline.fresh[-1])}", flush=True)
+
+
+def table_row(name: str, p: Pipeline) -> list[str]:
+    restore = statistics.median(p.restores)
+    return [name, f"{p.position:,} of {p.epoch_batches:,}", format_seconds(p.replay), spread(p.restores), spread(p.restores_cpu), spread(p.fresh),
+            f"{p.replay / restore:,.0f}x", f"{len(json.dumps(p.state)):,} B"]
+
+
+TABLE_HEADERS = ["pipeline", "position (batches)", "replay", "restore", "restore, CPU time", "fresh start", "speed-up (replay / restore)", "state (JSON)"]
+
+
 def spread(times: list[float]) -> str:
     return f"{format_seconds(statistics.median(times))} ({format_seconds(min(times))}–{format_seconds(max(times))})"
 
@@ -128,24 +155,28 @@ def main() -> None:
     args = parse_args(__doc__.splitlines()[0])
     num_shards = 4 if args.quick else 100
     rounds = 1 if args.quick else ROUNDS
+    parquet_shards, parquet_rows_per_shard = (4, 2000) if args.quick else (20, 10_000)
     windows = num_shards * ((TOKENS_PER_SHARD - WINDOW) // WINDOW + 1)
     position = int(FRACTION * (windows // BATCH))
     started = time.perf_counter()
+    try:
+        import bench_parquet  # needs pyarrow, the [parquet] extra
+    except ImportError as e:
+        bench_parquet, parquet_note = None, f"Parquet rows: not run ({e}; install the [parquet] extra)."
+    else:
+        parquet_note = (f"Parquet rows: {parquet_shards} shards x {parquet_rows_per_shard:,} rows of {bench_parquet.TOKENS} int32 token ids, row "
+                        f"groups of {bench_parquet.ROW_GROUP:,} rows (a tokenized Hugging Face dataset's Parquet layout), batches of "
+                        f"{bench_parquet.BATCH} rows, read by `ParquetReader`; a restore reads one row group of the current shard "
+                        "(through the shuffle buffer: the row groups its buffered rows come from).")
     with tempfile.TemporaryDirectory(prefix="bench-streams-") as tmp:
         paths = write_shards(Path(tmp), num_shards)
-        measured = {name: checkpoint(make, position) for name, make in pipelines(paths).items()}
-        for round_ in range(rounds):  # pipelines and fresh starts interleaved in every round
-            for name, pipeline in measured.items():
-                seconds, cpu_seconds = first_batch(pipeline, restore=True)
-                pipeline.restores.append(seconds)
-                pipeline.restores_cpu.append(cpu_seconds)
-                pipeline.fresh.append(first_batch(pipeline, restore=False)[0])
-                print(f"round {round_ + 1}: {name}: restore {format_seconds(pipeline.restores[-1])}, fresh start {format_seconds(pipeline.fresh[-1])}", flush=True)
-    rows = []
-    for name, p in measured.items():
-        restore = statistics.median(p.restores)
-        rows.append([name, f"{position:,} of {windows // BATCH:,}", format_seconds(p.replay), spread(p.restores), spread(p.restores_cpu), spread(p.fresh),
-                     f"{p.replay / restore:,.0f}x", f"{len(json.dumps(p.state)):,} B"])
+        measured = {name: checkpoint(make, position, windows // BATCH) for name, make in pipelines(paths).items()}
+        if bench_parquet is not None:
+            parquet_dir = Path(tmp) / "parquet"
+            parquet_dir.mkdir()
+            measured |= bench_parquet.checkpoints(parquet_dir, parquet_shards, parquet_rows_per_shard)
+        time_rounds(measured, rounds)  # pipelines and fresh starts interleaved in every round
+    rows = [table_row(name, p) for name, p in measured.items()]
     buffered = measured[BUFFERED]
     restore = statistics.median(buffered.restores)
     text = "\n".join(
@@ -162,8 +193,9 @@ def main() -> None:
             f"its CPU time {format_seconds(statistics.median(buffered.restores_cpu))} (the whole restore runs in this process; CPU "
             "time is less stretched than the wall clock by other jobs, though not immune: they share the caches and cores)",
             "",
-            markdown_table(["pipeline", "position (batches)", "replay", "restore", "restore, CPU time", "fresh start", "speed-up (replay / restore)",
-                            "state (JSON)"], rows),
+            parquet_note,
+            "",
+            markdown_table(TABLE_HEADERS, rows),
             "",
             f"Total run time: {time.perf_counter() - started:.0f} s.",
         ]
