@@ -204,7 +204,7 @@ def _nodes_loader(dataset: Sized, *, workers: int) -> tn.Loader:
 _BUILDERS: dict[str, Callable[..., Any]] = {
     STATEFUL: functools.partial(_common.stateful_loader, batch_size=BATCH_SIZE, seed=SEED),
     NODES: _nodes_loader,
-    OURS: functools.partial(_common.resumable_loader, batch_size=BATCH_SIZE, seed=SEED),
+    OURS: functools.partial(_common.resumable_loader, batch_size=BATCH_SIZE, seed=SEED, warm_start=False),
     WARM: functools.partial(_common.resumable_loader, batch_size=BATCH_SIZE, seed=SEED, warm_start=True),
 }
 

@@ -65,9 +65,12 @@ class ResumableDataLoader(DataLoader):
             size and world size); ``"sample"`` seeds them from ``(seed, epoch, index)`` before each
             sample (also independent of batch size and world size; costs ~25 µs per sample);
             ``None`` leaves them alone.
-        warm_start: with workers, fetch the first batches of each pass (a resume, an epoch
-            start) in the main process while the workers start, and hand over to the workers as
-            soon as they deliver; batches are bitwise the same either way.
+        warm_start: with workers, fetch the first batch of each pass (a resume, an epoch start)
+            in the main process instead of waiting for the workers to start, and hand over to them
+            as soon as they deliver; batches are bitwise the same either way. ``None`` (default):
+            on for non-persistent workers without a ``worker_init_fn`` — where it won every
+            measurement in ``benchmarks/bench_resume.py`` and where the dataset cannot depend on
+            per-worker set-up — off otherwise.
         **dataloader_kwargs: any other ``DataLoader`` keyword (``num_workers``, ``collate_fn``,
             ``pin_memory``, ``prefetch_factor``, ``persistent_workers``, ``worker_init_fn``, ...).
 
@@ -106,7 +109,7 @@ class ResumableDataLoader(DataLoader):
         drop_last: bool = False,
         sampler: ResumableSampler | None = None,
         global_rng: str | None = "batch",
-        warm_start: bool = False,
+        warm_start: bool | None = None,
         **dataloader_kwargs: Any,
     ) -> None:
         if isinstance(dataset, torch.utils.data.IterableDataset):
@@ -159,6 +162,8 @@ class ResumableDataLoader(DataLoader):
         self._resumable = sampler
         self._cursor = sampler.cursor
         self._plan = _BatchPlan(sampler, batch_size, drop_last)
+        if warm_start is None:
+            warm_start = not dataloader_kwargs.get("persistent_workers") and dataloader_kwargs.get("worker_init_fn") is None
         self._warm_start = bool(warm_start)
         self._warm_pass: WarmStart | None = None
         fetcher = BatchFetcher(
