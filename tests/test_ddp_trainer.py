@@ -218,6 +218,58 @@ def test_rank_zero_decides_once_and_any_rank_that_cannot_read_stops_every_rank(t
         assert rank["unreadable"] == "reading step-8 failed on 1 of 2 ranks, so the job stops: rank 1: sha256 mismatch"
 
 
+def _c_threads() -> list[str]:
+    """The names of this process's OS threads (gloo's are ``gloo_tcp_loop`` and ``pt_gloo_runloop``)."""
+    return sorted(Path(task, "comm").read_text().strip() for task in Path("/proc/self/task").iterdir())
+
+
+def _teardown_main(rank: int, world_size: int, tmp: str, config: TrainConfig) -> None:
+    import gc
+
+    from dist_harness import init_gloo
+    from torch.nn.parallel import DistributedDataParallel
+
+    from trainer.train import train
+
+    torch.set_num_threads(1)
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
+    outcome: dict[str, Any] = {}
+
+    def left_behind() -> dict[str, Any]:
+        # No gc.collect() here: what the trainer left for the collector is what the interpreter
+        # would have to free at exit.
+        alive = sum(isinstance(o, DistributedDataParallel) for o in gc.get_objects())
+        return {"ddp_models": alive, "gloo_threads": [t for t in _c_threads() if "gloo" in t]}
+
+    init_gloo(rank, world_size, f"{tmp}/init-clean")
+    train(config)  # to the end, with checkpoints: the clean path (barrier, then destroy)
+    outcome["clean"] = left_behind()
+    init_gloo(rank, world_size, f"{tmp}/init-error")
+    try:  # a changed --seed stops the resume on every rank, after DDP is built: the error path
+        train(replace(config, seed=config.seed + 1))
+        outcome["error"] = "no error"
+    except ResumeError as e:
+        outcome["error"] = str(e)
+    outcome["after_error"] = left_behind()
+    Path(tmp, f"teardown.rank{rank}.json").write_text(json.dumps(outcome))
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="lists threads through /proc (Linux)")
+def test_a_finished_or_failed_ddp_run_leaves_no_model_and_no_gloo_thread_for_interpreter_exit(tmp_path: Path) -> None:
+    """After ``train()`` returns (or raises) under a process group, the DDP model is freed and the
+    gloo group's C++ threads are joined. A group freed only at interpreter exit aborted a rank
+    now and then after a run that had finished (``terminate called without an active
+    exception``, exit -6, so torchrun failed the job)."""
+    from dist_harness import results, spawn
+
+    config = tiny(tmp_path, "run", max_steps=6, checkpoint_every=3, eval_every=3)
+    spawn(_teardown_main, 2, str(tmp_path), config, timeout=JOB_TIMEOUT)  # an aborted rank fails spawn too
+    for rank in results(tmp_path, "teardown", 2):
+        assert rank["clean"] == {"ddp_models": 0, "gloo_threads": []}
+        assert rank["error"].startswith("seed changed: checkpoint has 1337")
+        assert rank["after_error"] == {"ddp_models": 0, "gloo_threads": []}
+
+
 def test_dcp_format_in_a_single_process_resumes_bitwise(tmp_path: Path) -> None:
     """The DCP store without torchrun (DCP runs without a process group): stopped at step 9 and
     resumed equals the straight run, across the epoch boundary at step 14 (no processes spawned)."""

@@ -8,6 +8,7 @@ process and nothing here talks to anyone.
 from __future__ import annotations
 
 import datetime
+import gc
 import hashlib
 import os
 from collections.abc import Callable
@@ -128,11 +129,34 @@ def start(device_name: str) -> Parallel:
     return Parallel(rank, world_size, local_rank, device, under_torchrun)
 
 
-def stop(parallel: Parallel) -> None:
-    """Leave the process group. Call it after the DDP model is gone: a DDP reducer freed after
-    ``destroy_process_group`` can hang a gloo process at exit."""
-    if parallel.distributed and dist.is_initialized():
-        dist.destroy_process_group()
+def stop(parallel: Parallel, *, clean: bool) -> None:
+    """Leave the process group so that it is really gone, with its threads, before Python exits.
+
+    A gloo group owns C++ worker threads, and everything that holds it keeps it (and them) alive:
+    ``destroy_process_group`` only drops the registry's reference. The DDP reducer holds one, and
+    the DDP model outlives the training frame: torch's state-dict helpers (``get_state_dict``,
+    called at every checkpoint) leave it in a reference cycle that only the cyclic garbage
+    collector frees. Freed at interpreter exit instead, the group joins a worker thread that
+    still has to take the GIL to release its last tensors; a finalizing interpreter ends that
+    thread with ``pthread_exit``, whose unwinding through C++ ``noexcept`` code aborts the
+    process (``terminate called without an active exception``, exit -6) after a run that
+    finished. So: collect those cycles first, then destroy every group while the interpreter is
+    fully alive; the destroy joins the worker threads.
+
+    Args:
+        parallel: this process's place in the job.
+        clean: every rank got here normally (training ended or stopped on a signal, on all ranks
+            at the same step). Only then do the ranks first wait for each other in a barrier, so
+            no rank closes its connections while another is still in a collective; after an
+            error the other ranks may be anywhere, and a barrier could wait for them for the
+            whole collective timeout.
+    """
+    if not (parallel.distributed and dist.is_initialized()):
+        return
+    gc.collect()
+    if clean:
+        dist.barrier()
+    dist.destroy_process_group()
 
 
 def rank_seed(seed: int, rank: int, step: int | None = None) -> int:

@@ -474,15 +474,18 @@ def train(config: TrainConfig) -> TrainResult:
     """
     config.validate()
     ranks = parallel.start(config.device)
+    clean = False
     try:
-        return _train(config, ranks)
+        result = _train(config, ranks)
+        clean = True
+        return result
     except BaseException as e:
-        # The traceback holds the training frame, and with it the DDP model: free it now, because
-        # a DDP reducer freed after destroy_process_group can hang a gloo process at exit.
+        # The traceback holds the training frame, and with it the DDP model: free it before the
+        # process group goes (see parallel.stop).
         traceback.clear_frames(e.__traceback__)
         raise
     finally:
-        parallel.stop(ranks)
+        parallel.stop(ranks, clean=clean)
 
 
 def _train(config: TrainConfig, ranks: parallel.Parallel) -> TrainResult:
