@@ -103,6 +103,13 @@ class RunLock:
             fcntl.flock(fd, fcntl.LOCK_UN)
             os.close(fd)
 
+    @staticmethod
+    def _forget_all_in_child() -> None:
+        """``os.register_at_fork`` hook: every lock held in the parent is forgotten in the child."""
+        for lock in list(_HELD):
+            lock._forget_in_child()  # a RunLock calling its own class's private method
+        _HELD.clear()
+
     def _forget_in_child(self) -> None:
         """In a freshly forked child: close the inherited duplicate *without* unlocking (that would
         unlock the parent's lock too), so the lock lives exactly as long as the parent."""
@@ -117,13 +124,7 @@ class RunLock:
 _HELD: weakref.WeakSet[RunLock] = weakref.WeakSet()
 
 
-def _after_fork_in_child() -> None:
-    for lock in list(_HELD):
-        lock._forget_in_child()
-    _HELD.clear()
-
-
-os.register_at_fork(after_in_child=_after_fork_in_child)
+os.register_at_fork(after_in_child=RunLock._forget_all_in_child)
 
 
 def _read_holder(fd: int) -> dict[str, Any]:

@@ -31,9 +31,9 @@ class Batch(Wrapper):
         self.drop_last = drop_last
         self.collate_fn = default_collate if collate_fn is None else collate_fn
 
-    def _keyed(self) -> Iterator[tuple[Key | None, Any]]:
+    def iter_keyed(self) -> Iterator[tuple[Key | None, Any]]:
         records: list[Any] = []
-        for _, value in self.source._keyed():
+        for _, value in self.source.iter_keyed():
             records.append(value)
             if len(records) == self.batch_size:
                 yield None, self.collate_fn(records)

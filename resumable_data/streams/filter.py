@@ -25,7 +25,7 @@ class Filter(Wrapper):
         super().__init__(source)
         self.predicate = predicate
 
-    def _keyed(self) -> Iterator[tuple[Key | None, Any]]:
-        for key, value in self.source._keyed():
+    def iter_keyed(self) -> Iterator[tuple[Key | None, Any]]:
+        for key, value in self.source.iter_keyed():
             if self.predicate(value):
                 yield key, value

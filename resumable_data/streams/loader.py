@@ -46,7 +46,7 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from .._cursor import EpochCursor
 from .._hash import hash_ints
-from .._state import VERSION, ResumeError, brief, check_int_arg, check_version, require_bool, require_int, require_mapping
+from .._state import VERSION, WORLD_SIZE, ResumeError, brief, check_int_arg, check_version, require_bool, require_int, require_mapping
 from ..dataloader import distributed_defaults
 from .base import EPOCH, Stream, require_count
 from .batch import Batch
@@ -56,7 +56,6 @@ __all__ = ["StreamLoader"]
 _WHAT = "StreamLoader"
 LOADER_STATE_VERSION = 1
 EPOCH_DONE = "epoch_done"
-WORLD_SIZE = "world_size"
 NUM_WORKERS = "num_workers"
 NEXT_WORKER = "next_worker"
 SLOTS = "slots"
@@ -143,7 +142,7 @@ class StreamLoader:
     def _start_epoch(self, epoch: int) -> None:
         states = []
         for local in range(self._local):
-            self._stream._reset(epoch, (self.rank * self._local + local, self.num_slots))
+            self._stream.reset(epoch, (self.rank * self._local + local, self.num_slots))
             states.append(self._stream.state_dict())
         self._states, self._next_worker, self._fresh = states, 0, True
 
@@ -260,13 +259,13 @@ class StreamLoader:
                     + "; load StreamLoader.merge_states([state of each rank]) instead"
                 )
             for g in sorted(slots):
-                self._stream._check(slots[g])
-            every = self._stream._rebalance([slots[g] for g in sorted(slots)], self.num_slots, [])
+                self._stream.check(slots[g])
+            every = self._stream.rebalance([slots[g] for g in sorted(slots)], self.num_slots, [])
             raw = [every[g] for g in mine]
             next_worker = 0
-        applies = [self._stream._check(s) for s in raw]
+        applies = [self._stream.check(s) for s in raw]
         for g, s in zip(mine, raw):  # (a redistributed state is built for its slot)
-            wrong = [saved for saved in self._stream._saved_slots(s) if saved != (g, self.num_slots)]
+            wrong = [saved for saved in self._stream.saved_slots(s) if saved != (g, self.num_slots)]
             if wrong:
                 raise ResumeError(
                     f"{_WHAT} state: slot {g} holds a pipeline state saved for slot {wrong[0][0]} of "

@@ -43,15 +43,15 @@ class Map(Wrapper):
         generator: torch.Generator = sample_generator(self.seed, key[0], hash_ints(*key[1:]))
         return self.fn(value, generator)
 
-    def _keyed(self) -> Iterator[tuple[Key | None, Any]]:
-        for key, value in self.source._keyed():
+    def iter_keyed(self) -> Iterator[tuple[Key | None, Any]]:
+        for key, value in self.source.iter_keyed():
             yield key, self._call(key, value)
 
-    def _fetch(self, key: Key) -> Any:
-        return self._call(key, self.source._fetch(key))
+    def fetch(self, key: Key) -> Any:
+        return self._call(key, self.source.fetch(key))
 
-    def _fetch_many(self, keys: Sequence[Key]) -> list[Any]:
-        return [self._call(key, value) for key, value in zip(keys, self.source._fetch_many(keys), strict=True)]
+    def fetch_many(self, keys: Sequence[Key]) -> list[Any]:
+        return [self._call(key, value) for key, value in zip(keys, self.source.fetch_many(keys), strict=True)]
 
     def _own_state(self) -> dict[str, Any]:
         return {SEED: self.seed}
@@ -59,5 +59,5 @@ class Map(Wrapper):
     _own_state_fresh = _own_state
 
     def _check_own(self, state: Mapping[str, Any]) -> Callable[[], None]:
-        check_same("map", "seed", state.get(SEED), self.seed, "build the map with the checkpoint's seed")
+        check_same("map", SEED, state.get(SEED), self.seed, "build the map with the checkpoint's seed")
         return lambda: None

@@ -18,7 +18,7 @@ Order. The shards of epoch ``e`` are read in the order of ``Permutation(num_shar
 (or in list order with ``shuffle=False``). Split over ``S`` (rank, worker) slots, slot ``s`` reads
 the ``s``-th, ``s+S``-th, ... shard of that order.
 
-Layout change. :meth:`ShardedIterable._rebalance` pools the unfinished shards of every old slot
+Layout change. :meth:`ShardedIterable.rebalance` pools the unfinished shards of every old slot
 with their cursors, sorts them back into the epoch order and deals them round-robin to the new
 slots (pending records likewise). Every record of the epoch is still read exactly once, but the
 order of the rest of the epoch differs from an uninterrupted run with the old layout.
@@ -32,7 +32,7 @@ from typing import Any
 
 import numpy as np
 
-from .._state import VERSION, ResumeError, brief, check_int_arg, check_version, require_bool, require_int, require_mapping
+from .._state import SHUFFLE, VERSION, ResumeError, brief, check_int_arg, check_version, require_bool, require_int, require_mapping
 from ..permutation import Permutation
 from .base import (
     EPOCH,
@@ -51,7 +51,6 @@ from .base import (
 __all__ = ["ShardedIterable"]
 
 _WHAT = "ShardedIterable"
-SHUFFLE = "shuffle"
 NUM_SHARDS = "num_shards"
 SHARDS_DIGEST = "shards_digest"
 SLOT = "slot"
@@ -100,7 +99,7 @@ class ShardedIterable(Stream):
         self._slot: Slot = (0, 1)
         self._remaining: list[list[int]] = []  # [shard index, cursor], the first one being read
         self._pending: list[list[int]] = []
-        self._reset(0, None)
+        self.reset(0, None)
 
     # -- order and reading ---------------------------------------------------------------------
     def shard_order(self, epoch: int) -> list[int]:
@@ -122,10 +121,10 @@ class ShardedIterable(Stream):
         except OSError as exc:
             raise ResumeError(f"cannot read shard {index} {self._names[index]!r} at offset {start}: {exc}") from exc
 
-    def _fetch(self, key: Key) -> Any:
-        return self._fetch_many([key])[0]
+    def fetch(self, key: Key) -> Any:
+        return self.fetch_many([key])[0]
 
-    def _fetch_many(self, keys: Sequence[Key]) -> list[Any]:
+    def fetch_many(self, keys: Sequence[Key]) -> list[Any]:
         """Re-read ``keys`` shard by shard: each shard opened once, its offsets read in ascending order.
 
         A reader with ``read_records(shard, offsets)`` gets all of a shard's offsets in one call (the
@@ -168,11 +167,11 @@ class ShardedIterable(Stream):
             run.close()  # releases the reader's file now, not at garbage collection
         return records
 
-    def _keyed(self) -> Iterator[tuple[Key, Any]]:
+    def iter_keyed(self) -> Iterator[tuple[Key, Any]]:
         epoch = self._epoch
         if self._pending:
             # Records a shuffle buffer held before a layout change: re-read them together.
-            records = self._fetch_many([(epoch, index, offset) for index, offset in self._pending])
+            records = self.fetch_many([(epoch, index, offset) for index, offset in self._pending])
             for record in records:
                 index, offset = self._pending[0]
                 del self._pending[0]
@@ -186,7 +185,7 @@ class ShardedIterable(Stream):
             del self._remaining[0]
 
     # -- epochs and state ------------------------------------------------------------------------
-    def _reset(self, epoch: int, slot: Slot | None) -> None:
+    def reset(self, epoch: int, slot: Slot | None) -> None:
         if slot is not None:
             self._slot = slot
         self._epoch = epoch
@@ -216,8 +215,8 @@ class ShardedIterable(Stream):
         state = require_mapping(state, _WHAT)
         check_version(state, STREAM_STATE_VERSION, _WHAT)
         epoch = require_epoch(state, _WHAT)
-        check_same(_WHAT, "seed", state.get(SEED), self.seed, "build the pipeline with the checkpoint's seed")
-        check_same(_WHAT, "shuffle", require_bool(state, SHUFFLE, _WHAT), self.shuffle, "build it with the checkpoint's shuffle")
+        check_same(_WHAT, SEED, state.get(SEED), self.seed, "build the pipeline with the checkpoint's seed")
+        check_same(_WHAT, SHUFFLE, require_bool(state, SHUFFLE, _WHAT), self.shuffle, "build it with the checkpoint's shuffle")
         n = len(self.shards)
         remaining_raw = state.get(REMAINING)
         pending_raw = state.get(PENDING)
@@ -256,7 +255,7 @@ class ShardedIterable(Stream):
             raise ResumeError(f"{_WHAT} state has slot {slot} but only {num_slots} slots")
         return epoch, (slot, num_slots), remaining, pending
 
-    def _key_checker(self, state: Mapping[str, Any] | None) -> Callable[[Key], None]:
+    def key_checker(self, state: Mapping[str, Any] | None) -> Callable[[Key], None]:
         n = len(self.shards)
         epoch: int | None = None
         cursors: dict[int, int] = {}
@@ -281,10 +280,10 @@ class ShardedIterable(Stream):
 
         return check
 
-    def _saved_slots(self, state: Mapping[str, Any]) -> list[Slot]:
+    def saved_slots(self, state: Mapping[str, Any]) -> list[Slot]:
         return [self._parse(state)[1]]
 
-    def _check(self, state: Any) -> Callable[[], None]:
+    def check(self, state: Any) -> Callable[[], None]:
         epoch, slot, remaining, pending = self._parse(state)
 
         def apply() -> None:
@@ -292,7 +291,7 @@ class ShardedIterable(Stream):
 
         return apply
 
-    def _rebalance(self, states: Sequence[Mapping[str, Any]], num_slots: int, pending: list[Key]) -> list[dict[str, Any]]:
+    def rebalance(self, states: Sequence[Mapping[str, Any]], num_slots: int, pending: list[Key]) -> list[dict[str, Any]]:
         parsed = [self._parse(s) for s in states]
         epoch = parsed[0][0]
         if any(p[0] != epoch for p in parsed):

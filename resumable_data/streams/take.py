@@ -30,8 +30,8 @@ class Take(Wrapper):
         self.limit = check_int_arg("n", n, minimum=0)
         self._taken = 0
 
-    def _keyed(self) -> Iterator[tuple[Key | None, Any]]:
-        records = self.source._keyed()
+    def iter_keyed(self) -> Iterator[tuple[Key | None, Any]]:
+        records = self.source.iter_keyed()
         while self._taken < self.limit:
             item = next(records, None)
             if item is None:
@@ -56,4 +56,4 @@ class Take(Wrapper):
 
         return apply
 
-    _rebalance = Stream._rebalance
+    rebalance = Stream.rebalance
