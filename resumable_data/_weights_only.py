@@ -70,7 +70,7 @@ def snapshot(obj: Any, where: str, *, copy: bool, memo: dict[Any, Any]) -> Any:
         # load_state_dict reads them back: the documented convention (see nn.Module._version),
         # the one underscore attribute this library touches on another object, kept on purpose.
         if hasattr(obj, "_metadata"):
-            result._metadata = obj._metadata  # type: ignore[attr-defined]  # set by nn.Module.state_dict
+            result._metadata = obj._metadata
         return result
     if type(obj) in _SEQUENCE_TYPES:
         values = [snapshot(v, f"{where}[{i}]", copy=copy, memo=memo) for i, v in enumerate(obj)]

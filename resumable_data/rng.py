@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from ._hash import hash_ints
-from ._state import VERSION, ResumeError, brief, check_version, keys_of, require_mapping
+from ._state import VERSION, ResumeError, brief, check_version, is_int, keys_of, require_mapping
 
 __all__ = [
     "RandomMap",
@@ -225,9 +225,6 @@ def _malformed(field: str, expected: str, got: Any) -> ResumeError:
     return ResumeError(f"RNG state field {field!r} must be {expected}, but got {brief(got)}; {_REMEDY}")
 
 
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
 
 def _is_cpu_tensor(value: Any, dtype: torch.dtype) -> bool:
     return (
@@ -239,7 +236,7 @@ def _is_cpu_tensor(value: Any, dtype: torch.dtype) -> bool:
 
 
 def _is_finite_number(value: Any) -> bool:
-    if _is_int(value):
+    if is_int(value):
         return abs(value) <= 2**53  # exactly a float (a larger int may not even convert)
     return isinstance(value, float) and math.isfinite(value)
 
@@ -251,14 +248,14 @@ def _python_state(part: Any) -> tuple[int, tuple[int, ...], float | None]:
         if key not in part:
             raise ResumeError(f"RNG {_PYTHON!r} state is missing the key {key!r}; got keys {keys_of(part)}")
     version, internal, gauss_next = (part[k] for k in _PY_KEYS)
-    if not _is_int(version):
+    if not is_int(version):
         raise _malformed(f"{_PYTHON}.{_PY_VERSION}", "an int", version)
     # 624 words of 32 bits plus the index of the next word (0..624); python would silently truncate
     # larger words, so range-check them here.
     if not (
         isinstance(internal, (list, tuple))
         and len(internal) == _MT_WORDS + 1
-        and all(_is_int(w) and 0 <= w < 2**32 for w in internal)
+        and all(is_int(w) and 0 <= w < 2**32 for w in internal)
         and internal[-1] <= _MT_WORDS
     ):
         raise _malformed(f"{_PYTHON}.{_PY_INTERNAL}", f"{_MT_WORDS} ints in [0, 2**32) and an index in [0, {_MT_WORDS}]", internal)
@@ -288,9 +285,9 @@ def _numpy_state(part: Any) -> tuple[str, np.ndarray, int, int, float]:
     if not bool(keys.any()):
         raise _malformed(f"{_NUMPY}.{_NP_KEYS}", "a Mersenne Twister state (all zeros is degenerate)", keys)
     # numpy does not range-check pos, and reads out of its key array with a larger one.
-    if not (_is_int(pos) and 0 <= pos <= _MT_WORDS):
+    if not (is_int(pos) and 0 <= pos <= _MT_WORDS):
         raise _malformed(f"{_NUMPY}.{_NP_POS}", f"an int in [0, {_MT_WORDS}]", pos)
-    if not (_is_int(has_gauss) and has_gauss in (0, 1)):
+    if not (is_int(has_gauss) and has_gauss in (0, 1)):
         raise _malformed(f"{_NUMPY}.{_NP_HAS_GAUSS}", "0 or 1", has_gauss)
     if not _is_finite_number(cached):
         raise _malformed(f"{_NUMPY}.{_NP_CACHED_GAUSSIAN}", "a finite float", cached)

@@ -59,6 +59,7 @@ from .._state import (
     brief,
     check_int_arg,
     check_version,
+    is_int,
     keys_of,
     require_int,
     require_mapping,
@@ -378,11 +379,16 @@ def same_value(saved: Any, current: Any) -> bool:
 
 def require_key(value: Any, what: str) -> Key:
     """Read a record key saved as a list of ints."""
-    if not isinstance(value, (list, tuple)) or len(value) < 2 or not all(
-        isinstance(v, int) and not isinstance(v, bool) for v in value
-    ):
+    if not isinstance(value, (list, tuple)) or len(value) < 2 or not all(is_int(v) for v in value):
         raise ResumeError(f"{what}: a record key must be a list of at least 2 ints, but got {brief(value)}")
     return tuple(value)
+
+
+def record_key(key: Key | None, what: str) -> Key:
+    """The key of an item from a stage whose :attr:`Stream.keyed` is True (only batches have none)."""
+    if key is None:
+        raise TypeError(f"{what} needs records with an identity (a key); apply it before batch()")
+    return key
 
 
 def _accept_any(key: Key) -> None:

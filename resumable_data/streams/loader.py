@@ -46,7 +46,7 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from .._cursor import EpochCursor
 from .._hash import hash_ints
-from .._state import VERSION, WORLD_SIZE, ResumeError, brief, check_int_arg, check_version, require_bool, require_int, require_mapping
+from .._state import VERSION, WORLD_SIZE, ResumeError, is_int, brief, check_int_arg, check_version, require_bool, require_int, require_mapping
 from ..dataloader import distributed_defaults
 from .base import EPOCH, Stream, require_count
 from .batch import Batch
@@ -242,7 +242,7 @@ class StreamLoader:
                 )
             raw = [slots[g] for g in mine]
             next_worker = require_mapping(state.get(NEXT_WORKER), f"{_WHAT} {NEXT_WORKER!r}").get(str(self.rank))
-            if not _is_int(next_worker) or not 0 <= next_worker < self._local:
+            if not is_int(next_worker) or not 0 <= next_worker < self._local:
                 raise ResumeError(
                     f"{_WHAT} state field {NEXT_WORKER!r} has {brief(next_worker)} for rank {self.rank}, "
                     f"expected an int in [0, {self._local})"
@@ -328,9 +328,6 @@ def _slots_of(state: Mapping[str, Any], num_slots: int) -> dict[int, Any]:
         parsed[int(key)] = slots[key]
     return parsed
 
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _unchanged(item: Any) -> Any:

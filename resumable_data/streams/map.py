@@ -10,7 +10,7 @@ import torch
 from .._hash import hash_ints
 from .._state import check_int_arg
 from ..rng import sample_generator
-from .base import SEED, Key, Stream, Wrapper, check_same
+from .base import SEED, Key, Stream, Wrapper, check_same, record_key
 
 __all__ = ["Map"]
 
@@ -40,6 +40,7 @@ class Map(Wrapper):
     def _call(self, key: Key | None, value: Any) -> Any:
         if self.seed is None:
             return self.fn(value)
+        key = record_key(key, "map(seed=...)")
         generator: torch.Generator = sample_generator(self.seed, key[0], hash_ints(*key[1:]))
         return self.fn(value, generator)
 

@@ -29,6 +29,7 @@ from .base import (
     Stream,
     check_same,
     fetch_grouped,
+    record_key,
     require_count,
     require_epoch,
 )
@@ -81,7 +82,7 @@ class Mix(Stream):
         return active[-1]  # float rounding at the very top of the range
 
     def iter_keyed(self) -> Iterator[tuple[Key | None, Any]]:
-        iterators: dict[int, Iterator[tuple[Key, Any]]] = {}
+        iterators: dict[int, Iterator[tuple[Key | None, Any]]] = {}
         while not all(self._exhausted):
             i = self._choose()
             if i not in iterators:
@@ -90,7 +91,7 @@ class Mix(Stream):
             if item is None:
                 self._exhausted[i] = True
                 continue
-            key, value = item
+            key, value = record_key(item[0], _WHAT), item[1]
             yield (key[0], i, *key[1:]), value
 
     def fetch(self, key: Key) -> Any:

@@ -32,7 +32,7 @@ from typing import Any
 
 import numpy as np
 
-from .._state import SHUFFLE, VERSION, ResumeError, brief, check_int_arg, check_version, require_bool, require_int, require_mapping
+from .._state import SHUFFLE, VERSION, ResumeError, is_int, brief, check_int_arg, check_version, require_bool, require_int, require_mapping
 from ..permutation import Permutation
 from .base import (
     EPOCH,
@@ -224,7 +224,7 @@ class ShardedIterable(Stream):
             raise ResumeError(f"{_WHAT} state fields {REMAINING!r} and {PENDING!r} must be lists")
         remaining: list[list[int]] = []
         for entry in remaining_raw:
-            if not (isinstance(entry, (list, tuple)) and len(entry) == 3 and _is_int(entry[0]) and _is_int(entry[2])):
+            if not (isinstance(entry, (list, tuple)) and len(entry) == 3 and is_int(entry[0]) and is_int(entry[2])):
                 raise ResumeError(f"{_WHAT} state: a remaining shard must be [index, name, cursor], got {brief(entry)}")
             index, name, cursor = entry
             if not 0 <= index < n or not isinstance(name, str) or self._names[index] != name:
@@ -240,10 +240,10 @@ class ShardedIterable(Stream):
         check_same(_WHAT, "shard list (digest of the names)", state.get(SHARDS_DIGEST), self._digest, "pass the checkpoint's shard list, in its order")
         if len({i for i, _ in remaining}) != len(remaining):
             raise ResumeError(f"{_WHAT} state lists a shard twice in {REMAINING!r}: {brief(remaining_raw)}")
-        cursors = dict(remaining)
+        cursors = {index: cursor for index, cursor in remaining}
         pending: list[list[int]] = []
         for entry in pending_raw:
-            if not (isinstance(entry, (list, tuple)) and len(entry) == 2 and all(_is_int(v) for v in entry)):
+            if not (isinstance(entry, (list, tuple)) and len(entry) == 2 and all(is_int(v) for v in entry)):
                 raise ResumeError(f"{_WHAT} state: a pending record must be [shard index, offset], got {brief(entry)}")
             _check_record(entry[0], entry[1], n, cursors, "pending record")
             pending.append([entry[0], entry[1]])
@@ -262,7 +262,7 @@ class ShardedIterable(Stream):
         pending: set[tuple[int, int]] = set()
         if state is not None:
             epoch, _, remaining, pending_list = self._parse(state)
-            cursors = dict(remaining)
+            cursors = {index: cursor for index, cursor in remaining}
             pending = {(i, o) for i, o in pending_list}
 
         def check(key: Key) -> None:
@@ -325,6 +325,3 @@ def _check_record(index: int, offset: int, n: int, cursors: Mapping[int, int], w
             f"cursor {cursors[index]}: that record was not read yet; pass a state_dict() of this pipeline unchanged"
         )
 
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)

@@ -18,7 +18,7 @@ from typing import Any
 
 from .._hash import hash_ints
 from .._state import ResumeError, brief, check_int_arg
-from .base import DRAWS, SEED, SOURCE, Key, Stream, Wrapper, check_same, require_count, require_key
+from .base import DRAWS, SEED, SOURCE, Key, Stream, Wrapper, check_same, record_key, require_count, require_key
 
 __all__ = ["ShuffleBuffer"]
 
@@ -63,7 +63,8 @@ class ShuffleBuffer(Wrapper):
             records = self.source.fetch_many(self._unread)
             self._buffer.extend(zip(self._unread, records, strict=True))
             self._unread = []
-        for item in self.source.iter_keyed():
+        for key, value in self.source.iter_keyed():
+            item = record_key(key, "shuffle_buffer"), value
             if len(self._buffer) < self.size:
                 self._buffer.append(item)
                 continue
