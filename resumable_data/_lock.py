@@ -22,6 +22,7 @@ The file's content (pid, host, start time) only lets the error say who holds the
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import json
@@ -58,12 +59,13 @@ class RunLock:
         CheckpointLockedError: Another open lock (this process or another) holds the folder.
         OSError: The lock file cannot be created or locked for another reason.
 
-    Example:
-        >>> lock = RunLock(Path("runs/exp1"))
-        >>> try:
-        ...     ...  # write checkpoints
-        ... finally:
-        ...     lock.release()
+    Example::
+
+        lock = RunLock(Path("runs/exp1"))
+        try:
+            ...  # write checkpoints
+        finally:
+            lock.release()
     """
 
     def __init__(self, directory: Path) -> None:
@@ -115,10 +117,9 @@ class RunLock:
         unlock the parent's lock too), so the lock lives exactly as long as the parent."""
         fd, self._fd = self._fd, None
         if fd is not None:
-            try:
+            # OSError: already closed by the child's own fd cleanup; nothing held either way.
+            with contextlib.suppress(OSError):
                 os.close(fd)
-            except OSError:  # already closed by the child's own fd cleanup: nothing held either way
-                pass
 
 
 _HELD: weakref.WeakSet[RunLock] = weakref.WeakSet()

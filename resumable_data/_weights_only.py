@@ -137,7 +137,7 @@ def load_weights_only(path: str | os.PathLike[str], *, map_location: Any = "cpu"
             return torch.load(path, map_location=map_location, weights_only=True)
     except OSError as e:
         raise ResumeError(f"cannot read checkpoint {path}: {e.strerror or e}") from e
-    except Exception as e:  # noqa: BLE001 - every type torch raises here means the same: unloadable
+    except Exception as e:
         raise ResumeError(f"cannot load checkpoint {path}: {_reason(e)}") from e
 
 

@@ -135,9 +135,10 @@ class RandomMap(torch.utils.data.Dataset):
         transform: called as ``transform(dataset[index], generator)``; must draw its randomness
             only from ``generator``.
 
-    Example:
-        >>> ds = RandomMap(images, lambda x, g: random_crop(x, 24, generator=g))
-        >>> loader = ResumableDataLoader(ds, batch_size=32, seed=0)  # crops resume exactly
+    Example::
+
+        ds = RandomMap(images, lambda x, g: random_crop(x, 24, generator=g))
+        loader = ResumableDataLoader(ds, batch_size=32, seed=0)  # crops resume exactly
     """
 
     wants_sample_key = True

@@ -8,8 +8,8 @@ import random
 import numpy as np
 import pytest
 import torch
-from harness import assert_resumes_identically, checkpoint_roundtrip, take
 
+from harness import assert_resumes_identically, checkpoint_roundtrip, take
 from resumable_data import (
     RandomMap,
     ResumableDataLoader,
@@ -42,7 +42,7 @@ def test_a_malformed_state_changes_nothing() -> None:
     torch.manual_seed(5)
     expected = torch.rand(2)
     torch.manual_seed(5)
-    with pytest.raises(ResumeError, match="numpy.pos"):
+    with pytest.raises(ResumeError, match=r"numpy.pos"):
         restore_rng_state(state)
     assert torch.equal(torch.rand(2), expected)
 
@@ -62,7 +62,7 @@ def test_version_is_checked() -> None:
 
 
 def test_sample_generator_is_a_pure_function_of_seed_epoch_index() -> None:
-    draw = lambda *args: torch.rand(4, generator=sample_generator(*args))  # noqa: E731
+    draw = lambda *args: torch.rand(4, generator=sample_generator(*args))
     assert torch.equal(draw(0, 1, 2), draw(0, 1, 2))
     assert not torch.equal(draw(0, 1, 2), draw(0, 1, 3))
     assert not torch.equal(draw(0, 1, 2), draw(0, 2, 2))
@@ -93,7 +93,7 @@ def test_random_augmentation_resumes_bitwise() -> None:
 def test_random_augmentation_differs_across_epochs_and_ignores_workers() -> None:
     loader = _augmented(0)
     two_epochs = take(loader, 26)
-    assert all(torch.equal(a, b) for a, b in zip(two_epochs, take(_augmented(2), 26)))
+    assert all(torch.equal(a, b) for a, b in zip(two_epochs, take(_augmented(2), 26), strict=True))
     # The same image gets a different crop in the next epoch: the epoch is part of the key.
     key0, key1 = SampleKey(7, 0, 9), SampleKey(7, 1, 9)
     dataset = RandomMap(Images(), _random_crop_and_noise)

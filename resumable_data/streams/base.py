@@ -53,7 +53,6 @@ from typing import Any
 from .._state import (
     EPOCH,
     INT64_MAX,
-    SEED,
     VERSION,
     ResumeError,
     brief,
@@ -84,12 +83,20 @@ class Stream:
     """Base class of stream stages; users compose them with the fluent methods below.
 
     Example:
-        >>> stream = ShardedIterable(paths, read_shard=TokenShardReader(1025))
-        >>> stream = stream.shuffle_buffer(1000, seed=0).map(augment, seed=0).batch(32)
-        >>> stream.load_state_dict(checkpoint["data"])  # when resuming
-        >>> for batch in stream:
-        ...     train_step(batch)
-        ...     checkpoint["data"] = stream.state_dict()
+        >>> from resumable_data import ShardedIterable
+        >>> records = {"a": [0, 1, 2, 3], "b": [4, 5, 6]}  # two shards, in memory here
+        >>> def read(shard, start):  # a shard's records from offset ``start`` on
+        ...     return iter(records[shard][start:])
+        >>> def pipeline():
+        ...     return ShardedIterable(["a", "b"], read_shard=read, seed=0).shuffle_buffer(3, seed=0).batch(2)
+        >>> stream = pipeline()
+        >>> batches = iter(stream)
+        >>> first = next(batches)
+        >>> state = stream.state_dict()  # shard cursors and 3 buffered keys: no records
+        >>> resumed = pipeline()
+        >>> resumed.load_state_dict(state)
+        >>> [b.tolist() for b in resumed] == [b.tolist() for b in batches]  # the rest of the epoch
+        True
     """
 
     #: Whether items carry a record key (batches do not).
@@ -368,7 +375,7 @@ def same_value(saved: Any, current: Any) -> bool:
         return (
             isinstance(saved, (list, tuple))
             and len(saved) == len(current)
-            and all(same_value(s, c) for s, c in zip(saved, current))
+            and all(same_value(s, c) for s, c in zip(saved, current, strict=True))
         )
     if isinstance(current, bool) or isinstance(saved, bool):
         return type(saved) is type(current) and saved == current

@@ -19,9 +19,10 @@ class Batch(Wrapper):
     A batch is pulled whole before it is yielded, so a checkpoint between batches never splits one.
     Batches have no record identity: put ``map(seed=...)`` and ``shuffle_buffer`` before ``batch``.
 
-    Example:
-        >>> for inputs in stream.batch(32, drop_last=True):
-        ...     train_step(inputs)
+    Example::
+
+        for inputs in stream.batch(32, drop_last=True):
+            train_step(inputs)
     """
 
     def __init__(self, source: Stream, batch_size: int, *, drop_last: bool = False, collate_fn: Callable[[list[Any]], Any] | None = None) -> None:

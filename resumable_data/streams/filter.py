@@ -16,9 +16,10 @@ class Filter(Wrapper):
     The state is the source's position after the last *accepted* record, so records rejected before
     a checkpoint are not read again on resume, and nothing depends on how many were accepted.
 
-    Example:
-        >>> short = stream.filter(lambda doc: len(doc["text"]) < 10_000)
-        >>> short.load_state_dict(saved)
+    Example::
+
+        short = stream.filter(lambda doc: len(doc["text"]) < 10_000)
+        short.load_state_dict(saved)
     """
 
     def __init__(self, source: Stream, predicate: Callable[[Any], bool]) -> None:

@@ -36,9 +36,10 @@ class IterableSource(Stream):
         iterable: the records.
         name: how warnings and errors call it.
 
-    Example:
-        >>> stream = IterableSource(my_generator_factory_object, name="legacy corpus")
-        >>> stream.load_state_dict(saved)   # warns: replays N records
+    Example::
+
+        stream = IterableSource(my_generator_factory_object, name="legacy corpus")
+        stream.load_state_dict(saved)   # warns: replays N records
     """
 
     fetchable = False

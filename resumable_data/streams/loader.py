@@ -46,7 +46,18 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from .._cursor import EpochCursor
 from .._hash import hash_ints
-from .._state import VERSION, WORLD_SIZE, ResumeError, is_int, brief, check_int_arg, check_version, require_bool, require_int, require_mapping
+from .._state import (
+    VERSION,
+    WORLD_SIZE,
+    ResumeError,
+    brief,
+    check_int_arg,
+    check_version,
+    is_int,
+    require_bool,
+    require_int,
+    require_mapping,
+)
 from ..dataloader import distributed_defaults
 from .base import EPOCH, Stream, require_count
 from .batch import Batch
@@ -79,13 +90,15 @@ class StreamLoader:
         **dataloader_kwargs: other ``DataLoader`` keywords (``pin_memory``, ``prefetch_factor``,
             ``worker_init_fn``, ``multiprocessing_context``, ...).
 
-    Example:
-        >>> stream = ShardedIterable(paths, read_shard=TokenShardReader(1025)).shuffle_buffer(1000)
-        >>> loader = StreamLoader(stream, batch_size=32, num_workers=2)
-        >>> if checkpoint: loader.load_state_dict(checkpoint["dataloader"])
-        >>> for batch in loader:
-        ...     train_step(batch)
-        ...     save({"dataloader": loader.state_dict(), ...})
+    Example::
+
+        stream = ShardedIterable(paths, read_shard=TokenShardReader(1025)).shuffle_buffer(1000)
+        loader = StreamLoader(stream, batch_size=32, num_workers=2)
+        if checkpoint:
+            loader.load_state_dict(checkpoint["dataloader"])
+        for batch in loader:
+            train_step(batch)
+            save({"dataloader": loader.state_dict(), ...})
     """
 
     def __init__(
@@ -264,7 +277,7 @@ class StreamLoader:
             raw = [every[g] for g in mine]
             next_worker = 0
         applies = [self._stream.check(s) for s in raw]
-        for g, s in zip(mine, raw):  # (a redistributed state is built for its slot)
+        for g, s in zip(mine, raw, strict=True):  # (a redistributed state is built for its slot)
             wrong = [saved for saved in self._stream.saved_slots(s) if saved != (g, self.num_slots)]
             if wrong:
                 raise ResumeError(
@@ -284,10 +297,11 @@ class StreamLoader:
     def merge_states(states: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
         """One state holding the slots of every rank's state (all saved at the same step).
 
-        Example:
-            >>> gathered = [None] * world_size
-            >>> torch.distributed.all_gather_object(gathered, loader.state_dict())
-            >>> checkpoint["dataloader"] = StreamLoader.merge_states(gathered)
+        Example::
+
+            gathered = [None] * world_size
+            torch.distributed.all_gather_object(gathered, loader.state_dict())
+            checkpoint["dataloader"] = StreamLoader.merge_states(gathered)
 
         Raises:
             ResumeError: no states, a malformed one, or states that disagree or overlap.

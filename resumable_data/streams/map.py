@@ -8,9 +8,9 @@ from typing import Any
 import torch
 
 from .._hash import hash_ints
-from .._state import check_int_arg
+from .._state import SEED, check_int_arg
 from ..rng import sample_generator
-from .base import SEED, Key, Stream, Wrapper, check_same, record_key
+from .base import Key, Stream, Wrapper, check_same, record_key
 
 __all__ = ["Map"]
 
@@ -23,9 +23,10 @@ class Map(Wrapper):
     bitwise the same after any resume, with any number of workers, and in any order.
     Stateless itself: its state is its source's (plus the seed, checked on load).
 
-    Example:
-        >>> noisy = stream.map(lambda x, g: x + torch.randn(x.shape, generator=g), seed=0)
-        >>> noisy.load_state_dict(saved)  # the next record gets the same noise as before
+    Example::
+
+        noisy = stream.map(lambda x, g: x + torch.randn(x.shape, generator=g), seed=0)
+        noisy.load_state_dict(saved)  # the next record gets the same noise as before
     """
 
     def __init__(self, source: Stream, fn: Callable[..., Any], *, seed: int | None = None) -> None:

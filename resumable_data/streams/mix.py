@@ -17,11 +17,10 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 from .._hash import hash_ints
-from .._state import VERSION, ResumeError, brief, check_int_arg, check_version, require_mapping
+from .._state import SEED, VERSION, ResumeError, brief, check_int_arg, check_version, require_mapping
 from .base import (
     DRAWS,
     EPOCH,
-    SEED,
     SOURCES,
     STREAM_STATE_VERSION,
     Key,
@@ -49,9 +48,10 @@ class Mix(Stream):
         weights: one positive weight per stream; equal weights when None.
         seed: seed of the choices; only ``(seed, epoch, draw number)`` decide each one.
 
-    Example:
-        >>> data = mix([code, prose], weights=[1, 3], seed=0).batch(32)
-        >>> data.load_state_dict(saved)  # each source continues at its own cursor
+    Example::
+
+        data = mix([code, prose], weights=[1, 3], seed=0).batch(32)
+        data.load_state_dict(saved)  # each source continues at its own cursor
     """
 
     def __init__(self, streams: Sequence[Stream], weights: Sequence[float] | None = None, *, seed: int = 0) -> None:
@@ -106,7 +106,7 @@ class Mix(Stream):
     def key_checker(self, state: Mapping[str, Any] | None) -> Callable[[Key], None]:
         subs = [
             stream.key_checker(None if state is None else sub)
-            for stream, sub in zip(self.streams, [None] * len(self.streams) if state is None else self._sources_of(state))
+            for stream, sub in zip(self.streams, [None] * len(self.streams) if state is None else self._sources_of(state), strict=True)
         ]
 
         def check(key: Key) -> None:
@@ -120,7 +120,7 @@ class Mix(Stream):
         return check
 
     def saved_slots(self, state: Mapping[str, Any]) -> list[Slot]:
-        return [slot for stream, sub in zip(self.streams, self._sources_of(state)) for slot in stream.saved_slots(sub)]
+        return [slot for stream, sub in zip(self.streams, self._sources_of(state), strict=True) for slot in stream.saved_slots(sub)]
 
     def reset(self, epoch: int, slot: Slot | None) -> None:
         self._epoch, self._draws, self._exhausted = epoch, 0, [False] * len(self.streams)
@@ -155,7 +155,7 @@ class Mix(Stream):
         if not isinstance(exhausted, list) or len(exhausted) != len(self.streams) or not all(isinstance(e, bool) for e in exhausted):
             raise ResumeError(f"mix state field {EXHAUSTED!r} must be {len(self.streams)} bools, got {brief(exhausted)}")
         sources = self._sources_of(state)
-        applies = [s.check(sub) for s, sub in zip(self.streams, sources)]
+        applies = [s.check(sub) for s, sub in zip(self.streams, sources, strict=True)]
         for i, sub in enumerate(sources):
             sub_epoch = sub.get(EPOCH) if isinstance(sub, Mapping) else None
             if isinstance(sub_epoch, int) and sub_epoch != epoch:

@@ -22,8 +22,9 @@ class Repeat(Wrapper):
     keys, so ``map(seed=...)`` augments them differently. Resumes only with the same worker and
     rank layout.
 
-    Example:
-        >>> mixed = mix([web.repeat(), books.repeat()], weights=[0.7, 0.3], seed=0)
+    Example::
+
+        mixed = mix([web.repeat(), books.repeat()], weights=[0.7, 0.3], seed=0)
     """
 
     def __init__(self, source: Stream, times: int | None = None) -> None:

@@ -32,12 +32,23 @@ from typing import Any
 
 import numpy as np
 
-from .._state import SHUFFLE, VERSION, ResumeError, is_int, brief, check_int_arg, check_version, require_bool, require_int, require_mapping
+from .._state import (
+    SEED,
+    SHUFFLE,
+    VERSION,
+    ResumeError,
+    brief,
+    check_int_arg,
+    check_version,
+    is_int,
+    require_bool,
+    require_int,
+    require_mapping,
+)
 from ..permutation import Permutation
 from .base import (
     EPOCH,
     MAX_COUNT,
-    SEED,
     STREAM_STATE_VERSION,
     Key,
     Slot,
@@ -76,12 +87,22 @@ class ShardedIterable(Stream):
         seed: seed of the shard order; only ``(seed, epoch)`` decide it.
 
     Example:
-        >>> stream = ShardedIterable(sorted(glob("data/*.bin")), read_shard=TokenShardReader(1025))
-        >>> for window in stream:
-        ...     ...
-        >>> state = stream.state_dict()   # per-shard cursors, a few bytes per shard
-        >>> fresh = ShardedIterable(sorted(glob("data/*.bin")), read_shard=TokenShardReader(1025))
-        >>> fresh.load_state_dict(state)  # the next record is read directly at its cursor
+        With files, ``shards`` is e.g. ``sorted(glob("data/*.bin"))`` and ``read_shard`` a
+        :class:`TokenShardReader`; here two shards are held in memory:
+
+        >>> records = {"a": [0, 1, 2, 3], "b": [4, 5, 6]}
+        >>> def read(shard, start):  # a shard's records from offset ``start`` on
+        ...     return iter(records[shard][start:])
+        >>> stream = ShardedIterable(["a", "b"], read_shard=read, seed=0)
+        >>> records_read = iter(stream)
+        >>> [next(records_read) for _ in range(5)]
+        [0, 1, 2, 3, 4]
+        >>> stream.state_dict()["remaining"]  # [[shard index, name, cursor]]: a few bytes per shard
+        [[1, 'b', 1]]
+        >>> fresh = ShardedIterable(["a", "b"], read_shard=read, seed=0)
+        >>> fresh.load_state_dict(stream.state_dict())  # reads shard "b" directly at its cursor
+        >>> list(fresh)
+        [5, 6]
     """
 
     def __init__(self, shards: Iterable[Any], *, read_shard: Callable[[Any, int], Iterator[Any]], shuffle: bool = True, seed: int = 0) -> None:
@@ -116,8 +137,7 @@ class ShardedIterable(Stream):
             if hasattr(self.read_shard, "read_from"):
                 yield from self.read_shard.read_from(shard, start)
             else:
-                for i, record in enumerate(self.read_shard(shard, start), start=start + 1):
-                    yield i, record
+                yield from enumerate(self.read_shard(shard, start), start=start + 1)
         except OSError as exc:
             raise ResumeError(f"cannot read shard {index} {self._names[index]!r} at offset {start}: {exc}") from exc
 

@@ -17,8 +17,8 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 from .._hash import hash_ints
-from .._state import ResumeError, brief, check_int_arg
-from .base import DRAWS, SEED, SOURCE, Key, Stream, Wrapper, check_same, record_key, require_count, require_key
+from .._state import SEED, ResumeError, brief, check_int_arg
+from .base import DRAWS, SOURCE, Key, Stream, Wrapper, check_same, record_key, require_count, require_key
 
 __all__ = ["ShuffleBuffer"]
 
@@ -32,10 +32,11 @@ class ShuffleBuffer(Wrapper):
     Needs a source whose records can be re-read from their key (a :class:`ShardedIterable`,
     possibly behind ``map``/``filter``/``mix``).
 
-    Example:
-        >>> shuffled = stream.shuffle_buffer(10_000, seed=0)
-        >>> state = shuffled.state_dict()   # 10_000 keys, not 10_000 samples
-        >>> shuffled.load_state_dict(state)
+    Example::
+
+        shuffled = stream.shuffle_buffer(10_000, seed=0)
+        state = shuffled.state_dict()   # 10_000 keys, not 10_000 samples
+        shuffled.load_state_dict(state)
     """
 
     def __init__(self, source: Stream, size: int, *, seed: int = 0) -> None:

@@ -20,9 +20,10 @@ class Take(Wrapper):
     The count belongs to one stream, so a pipeline with ``take`` resumes only with the same worker
     and rank layout.
 
-    Example:
-        >>> for record in stream.take(1000):  # a quick validation pass
-        ...     ...
+    Example::
+
+        for record in stream.take(1000):  # a quick validation pass
+            ...
     """
 
     def __init__(self, source: Stream, n: int) -> None:
