@@ -3,6 +3,8 @@ RNGs make random augmentation resume exactly and independently of num_workers.""
 
 from __future__ import annotations
 
+import dataclasses
+import pickle
 import random
 
 import numpy as np
@@ -103,3 +105,16 @@ def test_random_augmentation_differs_across_epochs_and_ignores_workers() -> None
 def test_random_map_refuses_a_bare_index() -> None:
     with pytest.raises(TypeError, match="SampleKey"):
         RandomMap(Images(), _random_crop_and_noise)[3]
+
+
+def test_sample_key_is_a_frozen_record_whose_index_is_the_sample_index() -> None:
+    # As a NamedTuple, SampleKey.index was the field at runtime but tuple.index to a type checker.
+    key = SampleKey(17, 3, 9)
+    assert (key.index, key.epoch, key.seed) == (17, 3, 9)
+    assert key == SampleKey(index=17, epoch=3, seed=9) and hash(key) == hash(SampleKey(17, 3, 9))
+    assert not isinstance(key, tuple)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        key.index = 18  # type: ignore[misc]
+    # Workers receive keys through pickle; the copy draws the same randomness.
+    copy = pickle.loads(pickle.dumps(key))
+    assert copy == key and torch.equal(torch.rand(3, generator=copy.generator()), torch.rand(3, generator=key.generator()))
