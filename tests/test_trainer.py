@@ -7,6 +7,7 @@ checkpoint: model, optimizer, scheduler, loader position, RNG states, train stat
 
 from __future__ import annotations
 
+import itertools
 import os
 import random
 import signal
@@ -84,7 +85,7 @@ def assert_resumes_identically(
         legs.append(train(tiny(tmp_path, corpus, "interrupted", stop_at=stop, **settings)))
         expected_step = stop if stop is not None else reference.step
         assert legs[-1].step == expected_step
-    for leg, previous in zip(legs[1:], legs, strict=True):
+    for previous, leg in itertools.pairwise(legs):
         assert leg.resumed_from is not None and CheckpointManager.step_of(leg.resumed_from) == previous.step
 
     losses = {step: loss for leg in legs for step, loss in leg.losses.items()}
