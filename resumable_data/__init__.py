@@ -9,7 +9,6 @@ from .checkpoint import CheckpointLockedError, CheckpointManager
 from .dataloader import ResumableDataLoader, wrap
 from .distributed import DataLoaderState, check_world_size, dcp_errors, global_state, require_agreement
 from .permutation import Permutation
-from .sampler import ResumableSampler
 from .rng import (
     RandomMap,
     SampleKey,
@@ -19,6 +18,7 @@ from .rng import (
     sample_numpy_rng,
     sample_seed,
 )
+from .sampler import ResumableSampler
 from .streams import (
     IterableSource,
     ParquetReader,
@@ -39,9 +39,9 @@ __all__ = [
     "ParquetReader",
     "Permutation",
     "RandomMap",
+    "ReplayWarning",
     "ResumableDataLoader",
     "ResumableSampler",
-    "ReplayWarning",
     "ResumeError",
     "ResumeWarning",
     "SampleKey",

@@ -15,7 +15,7 @@ import os
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import IO, Any, BinaryIO, cast
 
 import torch
 
@@ -59,7 +59,8 @@ def write_payload(state: dict[str, Any], path: Path) -> None:
     with durable_file(path) as f:
         recorder = _ErrorRecorder(f)
         try:
-            torch.save(state, recorder)
+            # A RawIOBase is a binary file at runtime; typeshed just does not call it IO[bytes].
+            torch.save(state, cast(IO[bytes], recorder))
         except RuntimeError as e:
             if recorder.error is not None:
                 raise recorder.error from e

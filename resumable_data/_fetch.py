@@ -84,7 +84,10 @@ class _NumpyGlobalState:
             np.random.seed(20240611)
             np.random.random_sample(7)
             words = np.frombuffer(ctypes.string_at(self._address(), self._SIZE), dtype=np.uint32)
-            _, key, pos, *_ = np.random.get_state()
+            state = np.random.get_state(legacy=True)
+            if not isinstance(state, tuple):  # a non-MT19937 global generator: use the slow path
+                return False
+            _, key, pos, *_ = state
             return bool(np.array_equal(words[:624], key)) and int(words[624]) == pos
         finally:
             np.random.set_state(saved)

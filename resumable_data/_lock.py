@@ -22,6 +22,7 @@ The file's content (pid, host, start time) only lets the error say who holds the
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import json
@@ -58,12 +59,13 @@ class RunLock:
         CheckpointLockedError: Another open lock (this process or another) holds the folder.
         OSError: The lock file cannot be created or locked for another reason.
 
-    Example:
-        >>> lock = RunLock(Path("runs/exp1"))
-        >>> try:
-        ...     ...  # write checkpoints
-        ... finally:
-        ...     lock.release()
+    Example::
+
+        lock = RunLock(Path("runs/exp1"))
+        try:
+            ...  # write checkpoints
+        finally:
+            lock.release()
     """
 
     def __init__(self, directory: Path) -> None:
@@ -103,27 +105,27 @@ class RunLock:
             fcntl.flock(fd, fcntl.LOCK_UN)
             os.close(fd)
 
+    @staticmethod
+    def _forget_all_in_child() -> None:
+        """``os.register_at_fork`` hook: every lock held in the parent is forgotten in the child."""
+        for lock in list(_HELD):
+            lock._forget_in_child()  # a RunLock calling its own class's private method
+        _HELD.clear()
+
     def _forget_in_child(self) -> None:
         """In a freshly forked child: close the inherited duplicate *without* unlocking (that would
         unlock the parent's lock too), so the lock lives exactly as long as the parent."""
         fd, self._fd = self._fd, None
         if fd is not None:
-            try:
+            # OSError: already closed by the child's own fd cleanup; nothing held either way.
+            with contextlib.suppress(OSError):
                 os.close(fd)
-            except OSError:  # already closed by the child's own fd cleanup: nothing held either way
-                pass
 
 
 _HELD: weakref.WeakSet[RunLock] = weakref.WeakSet()
 
 
-def _after_fork_in_child() -> None:
-    for lock in list(_HELD):
-        lock._forget_in_child()
-    _HELD.clear()
-
-
-os.register_at_fork(after_in_child=_after_fork_in_child)
+os.register_at_fork(after_in_child=RunLock._forget_all_in_child)
 
 
 def _read_holder(fd: int) -> dict[str, Any]:

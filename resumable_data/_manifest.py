@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ._state import VERSION, ResumeError
+from ._state import VERSION, ResumeError, is_int
 from ._version import __version__
 
 __all__ = ["MANIFEST_NAME", "PAYLOAD_NAME", "Manifest", "checkpoint_problem", "file_digest", "read_manifest"]
@@ -190,14 +190,14 @@ def _typed(record: Mapping[str, Any], path: Path) -> Manifest:
         return value
 
     version = record.get(VERSION)
-    if not _is_int(version) or version != MANIFEST_VERSION:
+    if not is_int(version) or version != MANIFEST_VERSION:
         raise ResumeError(
             f"manifest {path} has version {_short(version)}, but this resumable_data reads version "
             f"{MANIFEST_VERSION}; load it with the release that wrote it"
         )
-    step = field(STEP, lambda v: _is_int(v) and v >= 0, "an int >= 0", required=True)
+    step = field(STEP, lambda v: is_int(v) and v >= 0, "an int >= 0", required=True)
     sha256 = field(SHA256, lambda v: isinstance(v, str) and _SHA256_RE.match(v), "64 lowercase hex digits", required=True)
-    size = field(SIZE, lambda v: _is_int(v) and v >= 0, "an int >= 0", required=True)
+    size = field(SIZE, lambda v: is_int(v) and v >= 0, "an int >= 0", required=True)
     field(PAYLOAD, lambda v: v == PAYLOAD_NAME, repr(PAYLOAD_NAME), required=False)
     metric = field(METRIC, lambda v: v is None or _is_number(v), "a number or null", required=False)
     created = field(CREATED, lambda v: _is_number(v) and 0 <= v <= _LAST_TIMESTAMP, "a Unix time", required=False)
@@ -212,9 +212,6 @@ def _typed(record: Mapping[str, Any], path: Path) -> Manifest:
         library_version=library,
     )
 
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _is_number(value: Any) -> bool:

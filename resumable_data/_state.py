@@ -11,7 +11,7 @@ from __future__ import annotations
 import itertools
 import reprlib
 from collections.abc import Mapping
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Protocol, TypeGuard, runtime_checkable
 
 __all__ = ["ResumeError", "ResumeWarning", "Stateful"]
 
@@ -47,6 +47,11 @@ class Stateful(Protocol):
     def state_dict(self) -> dict[str, Any]: ...
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None: ...
+
+
+def is_int(value: Any) -> TypeGuard[int]:
+    """Whether untrusted ``value`` is an int proper (a bool is an int to python, not to a state)."""
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def require_mapping(state: Any, what: str) -> Mapping[str, Any]:

@@ -66,9 +66,11 @@ def snapshot(obj: Any, where: str, *, copy: bool, memo: dict[Any, Any]) -> Any:
         if not copy:
             return obj
         result = type(obj)(items)
-        # nn.Module.state_dict() attaches per-module versions here; load_state_dict reads them.
+        # nn.Module.state_dict() attaches per-module versions as the dict's ``_metadata`` and
+        # load_state_dict reads them back: the documented convention (see nn.Module._version),
+        # the one underscore attribute this library touches on another object, kept on purpose.
         if hasattr(obj, "_metadata"):
-            result._metadata = obj._metadata  # type: ignore[attr-defined]
+            result._metadata = obj._metadata
         return result
     if type(obj) in _SEQUENCE_TYPES:
         values = [snapshot(v, f"{where}[{i}]", copy=copy, memo=memo) for i, v in enumerate(obj)]
@@ -89,8 +91,9 @@ def copy_tensor(tensor: torch.Tensor, memo: dict[Any, Any]) -> torch.Tensor:
     the same dtype, offset, size and stride. Copying tensor by tensor would untie tied weights
     (``wte.weight`` and ``lm_head.weight`` are two tensors on one storage): the async checkpoint
     would hold them twice, be larger than the sync one, and load untied. The key is the storage
-    itself (its ``_cdata``, as torch.save keys storages) plus the dtype: torch.save refuses one
-    storage viewed as two dtypes, so each dtype gets its own copy, which saves as before.
+    storage's public identity (device, data pointer and size; the storage is kept alive in
+    ``memo``, so no other storage can take its address meanwhile) plus the dtype: torch.save
+    refuses one storage viewed as two dtypes, so each dtype gets its own copy, which saves as before.
     """
     tensor = tensor.detach()
     if (
@@ -105,10 +108,10 @@ def copy_tensor(tensor: torch.Tensor, memo: dict[Any, Any]) -> torch.Tensor:
         # would drop: copy the tensor alone.
         return tensor.to("cpu", copy=True)
     source = tensor.untyped_storage()
-    key = ("storage", source._cdata, tensor.dtype)
+    key = ("storage", str(source.device), source.data_ptr(), source.nbytes(), tensor.dtype)
     if key not in memo:
         copied = source.clone() if source.device.type == "cpu" else source.cpu()
-        # Keep the source alive with its copy, so its _cdata cannot be reused by another storage.
+        # Keep the source alive with its copy, so its address cannot be reused by another storage.
         memo[key] = (source, copied)
     copied = memo[key][1]
     return torch.empty(0, dtype=tensor.dtype).set_(
@@ -134,7 +137,7 @@ def load_weights_only(path: str | os.PathLike[str], *, map_location: Any = "cpu"
             return torch.load(path, map_location=map_location, weights_only=True)
     except OSError as e:
         raise ResumeError(f"cannot read checkpoint {path}: {e.strerror or e}") from e
-    except Exception as e:  # noqa: BLE001 - every type torch raises here means the same: unloadable
+    except Exception as e:
         raise ResumeError(f"cannot load checkpoint {path}: {_reason(e)}") from e
 
 

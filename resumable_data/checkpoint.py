@@ -82,18 +82,19 @@ class CheckpointManager:
         ResumeError: ``keep_last`` is below 2.
         CheckpointLockedError: Another process holds the folder's lock.
 
-    Example:
-        >>> with CheckpointManager("runs/exp1", keep_last=3) as ckpt:
-        ...     start = 0
-        ...     if ckpt.latest() is not None:
-        ...         state = ckpt.load()
-        ...         model.load_state_dict(state["model"])
-        ...         start = state["train_state"]["step"] + 1
-        ...     for step in range(start, total_steps):
-        ...         train_one_step()
-        ...         if step % 1000 == 0:
-        ...             state = {"model": model.state_dict(), "train_state": {"step": step}}
-        ...             ckpt.save(step, state, metric=val_loss)
+    Example::
+
+        with CheckpointManager("runs/exp1", keep_last=3) as ckpt:
+            start = 0
+            if ckpt.latest() is not None:
+                state = ckpt.load()
+                model.load_state_dict(state["model"])
+                start = state["train_state"]["step"] + 1
+            for step in range(start, total_steps):
+                train_one_step()
+                if step % 1000 == 0:
+                    state = {"model": model.state_dict(), "train_state": {"step": step}}
+                    ckpt.save(step, state, metric=val_loss)
     """
 
     def __init__(

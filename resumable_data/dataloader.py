@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 import torch.utils.data
 from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, RandomSampler, SequentialSampler
-from torchdata.stateful_dataloader.sampler import BatchSampler as StatefulBatchSampler  # type: ignore[import-untyped]
+from torchdata.stateful_dataloader.sampler import BatchSampler as StatefulBatchSampler
 
 from . import _state as keys
 from ._cursor import EpochCursor, Segment
@@ -179,7 +179,7 @@ class ResumableDataLoader(DataLoader):
         )
 
     @property
-    def _index_sampler(self) -> _BatchPlan:  # type: ignore[override]
+    def _index_sampler(self) -> _BatchPlan:
         # DataLoader's hook for what its iterators draw from: our batch tickets, cut from the
         # sampler's order for the segment the current iteration covers.
         return self._plan

@@ -129,10 +129,11 @@ def global_state(loader: Stateful, *, group: dist.ProcessGroup | None = None) ->
     Raises:
         ResumeError: the ranks' states disagree, or stream states cannot be merged.
 
-    Example:
-        >>> state = global_state(loader)  # on every rank
-        >>> if dist.get_rank() == 0:
-        ...     torch.save({"dataloader": state, ...}, path)
+    Example::
+
+        state = global_state(loader)  # on every rank
+        if dist.get_rank() == 0:
+            torch.save({"dataloader": state, ...}, path)
     """
     state = loader.state_dict()
     world, _ = _group_size_and_rank(group)
@@ -181,11 +182,12 @@ class DataLoaderState:
         allow_world_size_change: when False, loading a state saved at another world size raises
             :class:`~resumable_data.ResumeError` naming both sizes.
 
-    Example:
-        >>> import torch.distributed.checkpoint as dcp
-        >>> app = {"model": model_state, "dataloader": DataLoaderState(loader)}
-        >>> dcp.save(app, checkpoint_id=path)      # every rank
-        >>> dcp.load(app, checkpoint_id=path)      # every rank, any world size
+    Example::
+
+        import torch.distributed.checkpoint as dcp
+        app = {"model": model_state, "dataloader": DataLoaderState(loader)}
+        dcp.save(app, checkpoint_id=path)      # every rank
+        dcp.load(app, checkpoint_id=path)      # every rank, any world size
     """
 
     def __init__(
@@ -240,9 +242,10 @@ def dcp_errors(action: str, checkpoint_id: Any) -> Iterator[None]:
     ``dcp.save``/``dcp.load`` becomes a ``ResumeError`` naming the action, the path and each
     failing rank's error.
 
-    Example:
-        >>> with dcp_errors("load", path):
-        ...     dcp.load(app, checkpoint_id=path)
+    Example::
+
+        with dcp_errors("load", path):
+            dcp.load(app, checkpoint_id=path)
     """
     from torch.distributed.checkpoint.api import CheckpointException
 

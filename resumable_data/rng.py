@@ -18,13 +18,14 @@ from __future__ import annotations
 import math
 import random
 from collections.abc import Callable, Mapping
-from typing import Any, NamedTuple
+from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
 
 from ._hash import hash_ints
-from ._state import ResumeError, brief, check_version, keys_of, require_mapping
+from ._state import VERSION, ResumeError, brief, check_version, is_int, keys_of, require_mapping
 
 __all__ = [
     "RandomMap",
@@ -37,10 +38,24 @@ __all__ = [
 ]
 
 RNG_STATE_VERSION = 1
+# Keys of the RNG state, declared once. The top level carries VERSION and one part per RNG.
 _PYTHON = "python"
 _NUMPY = "numpy"
 _TORCH = "torch"
 _CUDA = "cuda"
+# The python part: random.getstate()'s (version, internal, gauss_next); its own version number
+# sits under the same key name as every state's VERSION.
+_PY_VERSION = VERSION
+_PY_INTERNAL = "internal"
+_PY_GAUSS_NEXT = "gauss_next"
+_PY_KEYS = (_PY_VERSION, _PY_INTERNAL, _PY_GAUSS_NEXT)
+# The numpy part: np.random.get_state(legacy=True)'s (name, keys, pos, has_gauss, cached_gaussian).
+_NP_NAME = "name"
+_NP_KEYS = "keys"
+_NP_POS = "pos"
+_NP_HAS_GAUSS = "has_gauss"
+_NP_CACHED_GAUSSIAN = "cached_gaussian"
+_NP_FIELDS = (_NP_NAME, _NP_KEYS, _NP_POS, _NP_HAS_GAUSS, _NP_CACHED_GAUSSIAN)
 _WHAT = "RNG"
 
 
@@ -66,7 +81,8 @@ def sample_numpy_rng(seed: int, epoch: int, index: int) -> np.random.Generator:
     return np.random.default_rng(sample_seed(seed, epoch, index))
 
 
-class SampleKey(NamedTuple):
+@dataclass(frozen=True, slots=True)
+class SampleKey:
     """What a :class:`ResumableDataLoader` passes to ``dataset[...]`` when the dataset asks for it.
 
     A dataset that sets the class attribute ``wants_sample_key = True`` receives a ``SampleKey``
@@ -78,11 +94,28 @@ class SampleKey(NamedTuple):
             def __getitem__(self, key: SampleKey) -> torch.Tensor:
                 x = self.data[key.index]
                 return x + 0.1 * torch.randn(x.shape, generator=key.generator())
+
+    A plain frozen record, not a tuple: ``key.index`` is the sample's index (a tuple's ``index``
+    would be its search method).
+
+    Args:
+        index: the sample's index in the dataset.
+        epoch: the epoch it is drawn in.
+        seed: the loader's seed.
+
+    Example:
+        >>> key = SampleKey(index=17, epoch=3, seed=0)
+        >>> torch.equal(torch.rand(2, generator=key.generator()), torch.rand(2, generator=key.generator()))
+        True
     """
 
     index: int
     epoch: int
     seed: int
+
+    def __reduce__(self) -> tuple[type[SampleKey], tuple[int, int, int]]:
+        # Rebuild through the constructor: python 3.10 cannot unpickle a frozen slots dataclass.
+        return SampleKey, (self.index, self.epoch, self.seed)
 
     def generator(self) -> torch.Generator:
         """A torch CPU generator for this sample (see :func:`sample_generator`)."""
@@ -102,9 +135,10 @@ class RandomMap(torch.utils.data.Dataset):
         transform: called as ``transform(dataset[index], generator)``; must draw its randomness
             only from ``generator``.
 
-    Example:
-        >>> ds = RandomMap(images, lambda x, g: random_crop(x, 24, generator=g))
-        >>> loader = ResumableDataLoader(ds, batch_size=32, seed=0)  # crops resume exactly
+    Example::
+
+        ds = RandomMap(images, lambda x, g: random_crop(x, 24, generator=g))
+        loader = ResumableDataLoader(ds, batch_size=32, seed=0)  # crops resume exactly
     """
 
     wants_sample_key = True
@@ -135,14 +169,14 @@ def capture_rng_state() -> dict[str, Any]:
     py_version, py_internal, py_gauss = random.getstate()
     np_name, np_keys, np_pos, np_has_gauss, np_gauss = np.random.get_state(legacy=True)
     state: dict[str, Any] = {
-        "version": RNG_STATE_VERSION,
-        _PYTHON: {"version": py_version, "internal": list(py_internal), "gauss_next": py_gauss},
+        VERSION: RNG_STATE_VERSION,
+        _PYTHON: {_PY_VERSION: py_version, _PY_INTERNAL: list(py_internal), _PY_GAUSS_NEXT: py_gauss},
         _NUMPY: {
-            "name": np_name,
-            "keys": torch.from_numpy(np.asarray(np_keys, dtype=np.uint32).view(np.int32).copy()),
-            "pos": int(np_pos),
-            "has_gauss": int(np_has_gauss),
-            "cached_gaussian": float(np_gauss),
+            _NP_NAME: np_name,
+            _NP_KEYS: torch.from_numpy(np.asarray(np_keys, dtype=np.uint32).view(np.int32).copy()),
+            _NP_POS: int(np_pos),
+            _NP_HAS_GAUSS: int(np_has_gauss),
+            _NP_CACHED_GAUSSIAN: float(np_gauss),
         },
         _TORCH: torch.get_rng_state(),
         _CUDA: [torch.cuda.get_rng_state(i) for i in range(torch.cuda.device_count())]
@@ -192,9 +226,6 @@ def _malformed(field: str, expected: str, got: Any) -> ResumeError:
     return ResumeError(f"RNG state field {field!r} must be {expected}, but got {brief(got)}; {_REMEDY}")
 
 
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
 
 def _is_cpu_tensor(value: Any, dtype: torch.dtype) -> bool:
     return (
@@ -206,33 +237,33 @@ def _is_cpu_tensor(value: Any, dtype: torch.dtype) -> bool:
 
 
 def _is_finite_number(value: Any) -> bool:
-    if _is_int(value):
+    if is_int(value):
         return abs(value) <= 2**53  # exactly a float (a larger int may not even convert)
     return isinstance(value, float) and math.isfinite(value)
 
 
 def _python_state(part: Any) -> tuple[int, tuple[int, ...], float | None]:
     """``random.setstate``'s argument, checked word by word and by a scratch ``random.Random``."""
-    part = require_mapping(part, "RNG 'python'")
-    for key in ("version", "internal", "gauss_next"):
+    part = require_mapping(part, f"RNG {_PYTHON!r}")
+    for key in _PY_KEYS:
         if key not in part:
-            raise ResumeError(f"RNG 'python' state is missing the key {key!r}; got keys {keys_of(part)}")
-    version, internal, gauss_next = part["version"], part["internal"], part["gauss_next"]
-    if not _is_int(version):
-        raise _malformed("python.version", "an int", version)
+            raise ResumeError(f"RNG {_PYTHON!r} state is missing the key {key!r}; got keys {keys_of(part)}")
+    version, internal, gauss_next = (part[k] for k in _PY_KEYS)
+    if not is_int(version):
+        raise _malformed(f"{_PYTHON}.{_PY_VERSION}", "an int", version)
     # 624 words of 32 bits plus the index of the next word (0..624); python would silently truncate
     # larger words, so range-check them here.
     if not (
         isinstance(internal, (list, tuple))
         and len(internal) == _MT_WORDS + 1
-        and all(_is_int(w) and 0 <= w < 2**32 for w in internal)
+        and all(is_int(w) and 0 <= w < 2**32 for w in internal)
         and internal[-1] <= _MT_WORDS
     ):
-        raise _malformed("python.internal", f"{_MT_WORDS} ints in [0, 2**32) and an index in [0, {_MT_WORDS}]", internal)
+        raise _malformed(f"{_PYTHON}.{_PY_INTERNAL}", f"{_MT_WORDS} ints in [0, 2**32) and an index in [0, {_MT_WORDS}]", internal)
     if not any(internal[:-1]):
-        raise _malformed("python.internal", "a Mersenne Twister state (all zeros is degenerate)", internal)
+        raise _malformed(f"{_PYTHON}.{_PY_INTERNAL}", "a Mersenne Twister state (all zeros is degenerate)", internal)
     if gauss_next is not None and not _is_finite_number(gauss_next):
-        raise _malformed("python.gauss_next", "None or a finite float", gauss_next)
+        raise _malformed(f"{_PYTHON}.{_PY_GAUSS_NEXT}", "None or a finite float", gauss_next)
     py_state = (version, tuple(internal), None if gauss_next is None else float(gauss_next))
     try:
         random.Random().setstate(py_state)
@@ -243,24 +274,24 @@ def _python_state(part: Any) -> tuple[int, tuple[int, ...], float | None]:
 
 def _numpy_state(part: Any) -> tuple[str, np.ndarray, int, int, float]:
     """``np.random.set_state``'s legacy tuple, checked and loaded into a scratch RandomState."""
-    part = require_mapping(part, "RNG 'numpy'")
-    for key in ("name", "keys", "pos", "has_gauss", "cached_gaussian"):
+    part = require_mapping(part, f"RNG {_NUMPY!r}")
+    for key in _NP_FIELDS:
         if key not in part:
-            raise ResumeError(f"RNG 'numpy' state is missing the key {key!r}; got keys {keys_of(part)}")
-    name, keys, pos, has_gauss, cached = (part[k] for k in ("name", "keys", "pos", "has_gauss", "cached_gaussian"))
+            raise ResumeError(f"RNG {_NUMPY!r} state is missing the key {key!r}; got keys {keys_of(part)}")
+    name, keys, pos, has_gauss, cached = (part[k] for k in _NP_FIELDS)
     if not isinstance(name, str) or name != "MT19937":
-        raise _malformed("numpy.name", "'MT19937'", name)
+        raise _malformed(f"{_NUMPY}.{_NP_NAME}", "'MT19937'", name)
     if not (_is_cpu_tensor(keys, torch.int32) and keys.shape == (_MT_WORDS,)):
-        raise _malformed("numpy.keys", f"a CPU int32 tensor of shape ({_MT_WORDS},)", keys)
+        raise _malformed(f"{_NUMPY}.{_NP_KEYS}", f"a CPU int32 tensor of shape ({_MT_WORDS},)", keys)
     if not bool(keys.any()):
-        raise _malformed("numpy.keys", "a Mersenne Twister state (all zeros is degenerate)", keys)
+        raise _malformed(f"{_NUMPY}.{_NP_KEYS}", "a Mersenne Twister state (all zeros is degenerate)", keys)
     # numpy does not range-check pos, and reads out of its key array with a larger one.
-    if not (_is_int(pos) and 0 <= pos <= _MT_WORDS):
-        raise _malformed("numpy.pos", f"an int in [0, {_MT_WORDS}]", pos)
-    if not (_is_int(has_gauss) and has_gauss in (0, 1)):
-        raise _malformed("numpy.has_gauss", "0 or 1", has_gauss)
+    if not (is_int(pos) and 0 <= pos <= _MT_WORDS):
+        raise _malformed(f"{_NUMPY}.{_NP_POS}", f"an int in [0, {_MT_WORDS}]", pos)
+    if not (is_int(has_gauss) and has_gauss in (0, 1)):
+        raise _malformed(f"{_NUMPY}.{_NP_HAS_GAUSS}", "0 or 1", has_gauss)
     if not _is_finite_number(cached):
-        raise _malformed("numpy.cached_gaussian", "a finite float", cached)
+        raise _malformed(f"{_NUMPY}.{_NP_CACHED_GAUSSIAN}", "a finite float", cached)
     words = keys.detach().contiguous().numpy().view(np.uint32).copy()
     np_state = (name, words, pos, has_gauss, float(cached))
     try:
@@ -273,18 +304,18 @@ def _numpy_state(part: Any) -> tuple[str, np.ndarray, int, int, float]:
 def _torch_state(value: Any) -> torch.Tensor:
     """The torch CPU state, validated by loading it into a scratch generator."""
     if not _is_cpu_tensor(value, torch.uint8):
-        raise _malformed("torch", "a CPU uint8 tensor from torch.get_rng_state()", value)
+        raise _malformed(_TORCH, "a CPU uint8 tensor from torch.get_rng_state()", value)
     try:
         torch.Generator().set_state(value)
     except (RuntimeError, TypeError, ValueError) as exc:
-        raise ResumeError(f"RNG state field 'torch' is not a torch CPU generator state: {exc}; {_REMEDY}") from exc
+        raise ResumeError(f"RNG state field {_TORCH!r} is not a torch CPU generator state: {exc}; {_REMEDY}") from exc
     return value
 
 
 def _cuda_states(value: Any, have: int, strict: bool) -> list[torch.Tensor]:
     """The CUDA states to restore (one per device both have), each validated on a scratch generator."""
     if not (isinstance(value, (list, tuple)) and all(_is_cpu_tensor(s, torch.uint8) and s.dim() == 1 for s in value)):
-        raise _malformed("cuda", "a list of CPU uint8 tensors from torch.cuda.get_rng_state(i)", value)
+        raise _malformed(_CUDA, "a list of CPU uint8 tensors from torch.cuda.get_rng_state(i)", value)
     if strict and value and len(value) != have:
         raise ResumeError(
             f"RNG state holds {len(value)} CUDA device states but this machine has {have}; "
@@ -295,5 +326,5 @@ def _cuda_states(value: Any, have: int, strict: bool) -> list[torch.Tensor]:
         try:
             torch.Generator(device=f"cuda:{i}").set_state(cuda_state)
         except (RuntimeError, TypeError, ValueError) as exc:
-            raise ResumeError(f"RNG state field 'cuda' entry {i} is not a CUDA generator state: {exc}; {_REMEDY}") from exc
+            raise ResumeError(f"RNG state field {_CUDA!r} entry {i} is not a CUDA generator state: {exc}; {_REMEDY}") from exc
     return states

@@ -46,7 +46,7 @@ def take(loader: Any, n: int) -> list[Any]:
 def assert_batches_equal(expected: Sequence[Any], actual: Sequence[Any]) -> None:
     """Bitwise equality of two batch streams (tensors, or tuples/lists/dicts of tensors)."""
     assert len(actual) == len(expected), f"resumed run has {len(actual)} batches, reference {len(expected)}"
-    for i, (a, b) in enumerate(zip(expected, actual)):
+    for i, (a, b) in enumerate(zip(expected, actual, strict=True)):
         _assert_equal(a, b, f"batch {i}")
 
 
@@ -55,7 +55,7 @@ def _assert_equal(a: Any, b: Any, where: str) -> None:
         assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b), f"{where} differs: {a} vs {b}"
     elif isinstance(a, (list, tuple)):
         assert len(a) == len(b), f"{where} differs in length"
-        for k, (x, y) in enumerate(zip(a, b)):
+        for k, (x, y) in enumerate(zip(a, b, strict=True)):
             _assert_equal(x, y, f"{where}[{k}]")
     elif isinstance(a, dict):
         assert a.keys() == b.keys(), f"{where} keys differ"

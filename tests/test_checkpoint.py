@@ -15,8 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from resumable_data import CheckpointLockedError, CheckpointManager, ResumeError
-from resumable_data import _durable
+from resumable_data import CheckpointLockedError, CheckpointManager, ResumeError, _durable
 
 
 def make_state(step: int) -> dict[str, Any]:
@@ -41,7 +40,7 @@ def assert_same_state(a: Any, b: Any) -> None:
             assert_same_state(a[key], b[key])
     elif isinstance(a, (list, tuple)):
         assert len(a) == len(b)
-        for x, y in zip(a, b):
+        for x, y in zip(a, b, strict=True):
             assert_same_state(x, y)
     else:
         assert a == b
@@ -177,7 +176,7 @@ def test_crash_leftovers_are_skipped_with_a_warning_and_cleaned(manager: Checkpo
     with pytest.warns(UserWarning, match="step-00000004.*missing manifest"):
         assert manager.latest() == good
     assert manager.checkpoints() == [good]
-    with pytest.raises(ResumeError, match="step-00000004.*missing manifest"):
+    with pytest.raises(ResumeError, match=r"step-00000004.*missing manifest"):
         manager.load(partial)
 
     manager.save(5, make_state(5))

@@ -49,8 +49,8 @@ def torchrun(config: TrainConfig, nproc: int, *, wait: bool = True) -> subproces
                "-m", "trainer", "train", *config_to_argv(config)]  # fmt: skip
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     Path(config.run_dir).mkdir(parents=True, exist_ok=True)
-    log = open(Path(config.run_dir) / f"torchrun-{nproc}.log", "ab")
-    process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
+    with open(Path(config.run_dir) / f"torchrun-{nproc}.log", "ab") as log:  # the child keeps its own copy
+        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
     if not wait:
         return process
     try:

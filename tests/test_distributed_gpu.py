@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from test_ddp_trainer import end_weights, losses, tiny, torchrun
+
 from trainer.train import DCP_FOLDER
 
 pytestmark = pytest.mark.gpu

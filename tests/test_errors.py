@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from harness import take
 from torch.utils.data import DataLoader, DistributedSampler, RandomSampler, WeightedRandomSampler
 
+from harness import take
 from resumable_data import ResumableDataLoader, ResumableSampler, ResumeError, wrap
 
 
@@ -110,7 +110,7 @@ class TestWrap:
     dataset = torch.arange(40)
 
     def test_keeps_the_loader_settings(self) -> None:
-        collate = lambda items: torch.stack(items) * 10  # noqa: E731
+        collate = lambda items: torch.stack(items) * 10
         loader = wrap(DataLoader(self.dataset, batch_size=6, shuffle=True, drop_last=True, collate_fn=collate,
                                  num_workers=2, prefetch_factor=3, persistent_workers=True), seed=7)
         assert isinstance(loader, ResumableDataLoader)
@@ -149,5 +149,5 @@ class TestWrap:
     def test_wrapped_loader_resumes_exactly(self) -> None:
         from harness import assert_resumes_identically
 
-        make = lambda: wrap(DataLoader(self.dataset, batch_size=3, shuffle=True), seed=3)  # noqa: E731
+        make = lambda: wrap(DataLoader(self.dataset, batch_size=3, shuffle=True), seed=3)
         assert_resumes_identically(make, [4, 14, 15], 40)

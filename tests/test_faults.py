@@ -283,7 +283,7 @@ def test_pickle_payload_never_runs(run: CheckpointManager, tmp_path: Path, legac
     plant_payload(folder, marker, legacy=legacy)
     # The manifest vouches for the bytes, so the checkpoint is "valid"; loading still refuses it.
     for verify in (True, False):
-        with pytest.raises(ResumeError, match="step-00000002.*weights_only"):
+        with pytest.raises(ResumeError, match=r"step-00000002.*weights_only"):
             run.load(folder, verify=verify)
     with pytest.raises(ResumeError, match="weights_only"):
         run.load()

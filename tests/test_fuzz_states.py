@@ -33,7 +33,6 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from streams_harness import MemoryShards, write_token_shards
 
 from resumable_data import (
     ResumableDataLoader,
@@ -51,6 +50,7 @@ from resumable_data.streams import (
     TokenShardReader,
     mix,
 )
+from streams_harness import MemoryShards, write_token_shards
 
 # The default suite stays fast (CI has 2 cores); RESUMABLE_FUZZ_SCALE=50 (with --hypothesis-profile=dev
 # for fresh random examples) searches much deeper.
@@ -170,7 +170,7 @@ def same(a: Any, b: Any) -> bool:
     if isinstance(a, dict):
         return isinstance(b, dict) and a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
     if isinstance(a, (list, tuple)):
-        return type(a) is type(b) and len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
+        return type(a) is type(b) and len(a) == len(b) and all(same(x, y) for x, y in zip(a, b, strict=True))
     return type(a) is type(b) and a == b
 
 
@@ -212,8 +212,8 @@ def flat_ids(items: list[Any], window: bool = False) -> list[int]:
 
 def assert_same_items(a: list[Any], b: list[Any]) -> None:
     assert len(a) == len(b)
-    for x, y in zip(a, b):
-        assert same(x, y) if not isinstance(x, (tuple, list)) else all(same(p, q) for p, q in zip(x, y))
+    for x, y in zip(a, b, strict=True):
+        assert same(x, y) if not isinstance(x, (tuple, list)) else all(same(p, q) for p, q in zip(x, y, strict=True))
 
 
 # -- stream pipelines --------------------------------------------------------------------------

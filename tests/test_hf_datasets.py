@@ -22,11 +22,11 @@ datasets = pytest.importorskip("datasets", reason="the [hf] extra (datasets) is 
 pytest.importorskip("pyarrow", reason="the [parquet] extra (pyarrow) is not installed")
 
 import torch  # noqa: E402
-from streams_harness import consume  # noqa: E402
 
 from harness import assert_resumes_identically, take  # noqa: E402
 from resumable_data import IterableSource, ParquetReader, ReplayWarning, ResumableDataLoader  # noqa: E402
 from resumable_data.streams import ShardedIterable, StreamLoader  # noqa: E402
+from streams_harness import consume  # noqa: E402
 
 ROWS = 53
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from harness import NoisyIndexDataset, assert_resumes_identically, checkpoint_roundtrip, take
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
+from harness import NoisyIndexDataset, assert_resumes_identically, checkpoint_roundtrip, take
 from resumable_data import ResumableDataLoader
 
 
@@ -159,8 +159,8 @@ def test_reiterating_after_a_break_continues_the_epoch() -> None:
 def test_augmentations_are_identical_for_any_num_workers() -> None:
     make = lambda w: _loader(30, 4, shuffle=True, drop_last=False, rank=0, world_size=1, num_workers=w)
     single, multi = take(make(0), 16), take(make(2), 16)
-    for a, b in zip(single, multi):
-        assert all(torch.equal(x, y) for x, y in zip(a, b))
+    for a, b in zip(single, multi, strict=True):
+        assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
 
 
 def test_iterating_does_not_touch_the_global_rng() -> None:

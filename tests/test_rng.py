@@ -3,13 +3,15 @@ RNGs make random augmentation resume exactly and independently of num_workers.""
 
 from __future__ import annotations
 
+import dataclasses
+import pickle
 import random
 
 import numpy as np
 import pytest
 import torch
-from harness import assert_resumes_identically, checkpoint_roundtrip, take
 
+from harness import assert_resumes_identically, checkpoint_roundtrip, take
 from resumable_data import (
     RandomMap,
     ResumableDataLoader,
@@ -42,7 +44,7 @@ def test_a_malformed_state_changes_nothing() -> None:
     torch.manual_seed(5)
     expected = torch.rand(2)
     torch.manual_seed(5)
-    with pytest.raises(ResumeError, match="numpy.pos"):
+    with pytest.raises(ResumeError, match=r"numpy.pos"):
         restore_rng_state(state)
     assert torch.equal(torch.rand(2), expected)
 
@@ -62,7 +64,7 @@ def test_version_is_checked() -> None:
 
 
 def test_sample_generator_is_a_pure_function_of_seed_epoch_index() -> None:
-    draw = lambda *args: torch.rand(4, generator=sample_generator(*args))  # noqa: E731
+    draw = lambda *args: torch.rand(4, generator=sample_generator(*args))
     assert torch.equal(draw(0, 1, 2), draw(0, 1, 2))
     assert not torch.equal(draw(0, 1, 2), draw(0, 1, 3))
     assert not torch.equal(draw(0, 1, 2), draw(0, 2, 2))
@@ -93,7 +95,7 @@ def test_random_augmentation_resumes_bitwise() -> None:
 def test_random_augmentation_differs_across_epochs_and_ignores_workers() -> None:
     loader = _augmented(0)
     two_epochs = take(loader, 26)
-    assert all(torch.equal(a, b) for a, b in zip(two_epochs, take(_augmented(2), 26)))
+    assert all(torch.equal(a, b) for a, b in zip(two_epochs, take(_augmented(2), 26), strict=True))
     # The same image gets a different crop in the next epoch: the epoch is part of the key.
     key0, key1 = SampleKey(7, 0, 9), SampleKey(7, 1, 9)
     dataset = RandomMap(Images(), _random_crop_and_noise)
@@ -103,3 +105,16 @@ def test_random_augmentation_differs_across_epochs_and_ignores_workers() -> None
 def test_random_map_refuses_a_bare_index() -> None:
     with pytest.raises(TypeError, match="SampleKey"):
         RandomMap(Images(), _random_crop_and_noise)[3]
+
+
+def test_sample_key_is_a_frozen_record_whose_index_is_the_sample_index() -> None:
+    # As a NamedTuple, SampleKey.index was the field at runtime but tuple.index to a type checker.
+    key = SampleKey(17, 3, 9)
+    assert (key.index, key.epoch, key.seed) == (17, 3, 9)
+    assert key == SampleKey(index=17, epoch=3, seed=9) and hash(key) == hash(SampleKey(17, 3, 9))
+    assert not isinstance(key, tuple)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        key.index = 18  # type: ignore[misc]
+    # Workers receive keys through pickle; the copy draws the same randomness.
+    copy = pickle.loads(pickle.dumps(key))
+    assert copy == key and torch.equal(torch.rand(3, generator=copy.generator()), torch.rand(3, generator=key.generator()))

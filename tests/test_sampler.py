@@ -11,13 +11,13 @@ import pickle
 import numpy as np
 import pytest
 import torch
-from harness import checkpoint_roundtrip
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.utils.data import DataLoader, DistributedSampler
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 import resumable_data.permutation as permutation_module
+from harness import checkpoint_roundtrip
 from resumable_data import ResumableDataLoader, ResumableSampler
 
 

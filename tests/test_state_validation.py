@@ -16,10 +16,10 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from streams_harness import MemoryShards
 
 from resumable_data import ResumableSampler, ResumeError, capture_rng_state, restore_rng_state
 from resumable_data.streams import IterableSource, ShardedIterable, Stream, StreamLoader, mix
+from streams_harness import MemoryShards
 
 
 # -- restore_rng_state -------------------------------------------------------------------------
@@ -33,7 +33,7 @@ def rng_states_equal(a: dict[str, Any], b: dict[str, Any]) -> bool:
         )
         and torch.equal(a["torch"], b["torch"])
         and len(a["cuda"]) == len(b["cuda"])
-        and all(torch.equal(x, y) for x, y in zip(a["cuda"], b["cuda"]))
+        and all(torch.equal(x, y) for x, y in zip(a["cuda"], b["cuda"], strict=True))
     )
 
 
@@ -110,7 +110,7 @@ def test_a_bad_rng_error_message_stays_short_for_huge_and_deep_values() -> None:
 def test_a_bad_cuda_state_is_refused_before_any_rng_changes(cuda_state: torch.Tensor) -> None:
     torch.cuda.manual_seed_all(7)
     bad = capture_rng_state()
-    bad["cuda"] = [cuda_state] + bad["cuda"][1:]
+    bad["cuda"] = [cuda_state, *bad["cuda"][1:]]
     random.seed(21), np.random.seed(22), torch.manual_seed(23), torch.cuda.manual_seed_all(24)
     before = capture_rng_state()
     with pytest.raises(ResumeError, match="'cuda'"):
@@ -124,7 +124,7 @@ def test_cuda_states_round_trip_where_there_are_devices() -> None:
     if torch.cuda.is_available():
         torch.cuda.manual_seed_all(99)
     restore_rng_state(state)
-    assert all(torch.equal(a, b) for a, b in zip(capture_rng_state()["cuda"], expected))
+    assert all(torch.equal(a, b) for a, b in zip(capture_rng_state()["cuda"], expected, strict=True))
 
 
 # -- shuffle_buffer and ShardedIterable ----------------------------------------------------------
@@ -208,7 +208,7 @@ def test_repeat_refuses_a_key_from_a_round_it_has_not_reached() -> None:
 
     bad = midway(make, 4).state_dict()
     bad["buffer"][0] = [bad["source"]["round"] + 1, 0, 0]
-    with pytest.raises(ResumeError, match="source epochs 0..0"):
+    with pytest.raises(ResumeError, match=r"source epochs 0..0"):
         make().load_state_dict(bad)
 
 

@@ -16,11 +16,11 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from streams_harness import MemoryShards, ids, write_token_shards
 
 from harness import assert_resumes_identically, checkpoint_roundtrip
 from resumable_data import ResumeError
 from resumable_data.streams import ShardedIterable, Stream, StreamLoader, TokenShardReader, mix
+from streams_harness import MemoryShards, ids, write_token_shards
 
 WINDOW = 9  # 8 inputs + 1 target
 
@@ -95,7 +95,7 @@ def test_epoch_end_checkpoint_continues_with_the_next_epoch_not_an_empty_one() -
 def consume_ranks(loaders: list[StreamLoader], batches_per_rank: list[int | None]) -> list[int]:
     """Run each rank's loader for its number of batches (None: to the end of the epoch)."""
     seen: list[int] = []
-    for loader, n in zip(loaders, batches_per_rank):
+    for loader, n in zip(loaders, batches_per_rank, strict=False):
         loader.set_epoch(loader.epoch)  # stay in this epoch
         seen += ids(itertools.islice(iter(loader), n))
     return seen

@@ -25,12 +25,12 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
-from streams_harness import assert_stream_resumes_identically, ids, json_roundtrip  # noqa: E402
 from test_streams_loader import assert_exactly_once_across_layout_change  # noqa: E402
 
 from harness import assert_resumes_identically  # noqa: E402
 from resumable_data import ParquetReader, ResumeError  # noqa: E402
 from resumable_data.streams import ShardedIterable, Stream, StreamLoader, mix  # noqa: E402
+from streams_harness import assert_stream_resumes_identically, ids, json_roundtrip  # noqa: E402
 
 ROW_GROUP = 5
 
@@ -70,7 +70,7 @@ def test_rows_golden(shards: list[Path]) -> None:
     assert ParquetReader().num_records(shards[0]) == 12
     assert list(ParquetReader()(shards[1], 9)) == [{"id": 1009, "tokens": [1009 % 97, 1009 % 89, 1009 % 83], "text": "row 1009"}]
     assert [r["id"] for r in ParquetReader(["id"])(shards[0], 3)] == list(range(3, 12))
-    assert list(ParquetReader(["id"])(shards[0], 3))[0] == {"id": 3}  # only the selected column
+    assert next(iter(ParquetReader(["id"])(shards[0], 3))) == {"id": 3}  # only the selected column
     assert list(ParquetReader(parse=row_id)(shards[2], 5)) == [2005, 2006]
     assert list(ParquetReader()(shards[2], 7)) == []  # the cursor of a finished shard
 
@@ -181,7 +181,7 @@ def row_group_byte_ranges(path: Path) -> list[tuple[int, int]]:
     for g in range(metadata.num_row_groups):
         chunks = [metadata.row_group(g).column(c) for c in range(metadata.num_columns)]
         starts = [c.dictionary_page_offset if c.has_dictionary_page else c.data_page_offset for c in chunks]
-        ranges.append((min(starts), max(s + c.total_compressed_size for s, c in zip(starts, chunks))))
+        ranges.append((min(starts), max(s + c.total_compressed_size for s, c in zip(starts, chunks, strict=True))))
     return ranges
 
 

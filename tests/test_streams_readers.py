@@ -14,10 +14,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from streams_harness import CountingReader, assert_stream_resumes_identically, json_roundtrip, write_token_shards
 
 from resumable_data import ResumeError
 from resumable_data.streams import ShardedIterable, Stream, TextLineReader, TokenShardReader
+from streams_harness import CountingReader, assert_stream_resumes_identically, json_roundtrip, write_token_shards
 
 
 @pytest.mark.parametrize("suffix", [".bin", ".npy"])

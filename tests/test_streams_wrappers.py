@@ -14,11 +14,11 @@ import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
-from streams_harness import MemoryShards, assert_stream_resumes_identically, consume
 
 from resumable_data import ResumeError
 from resumable_data.permutation import Permutation
 from resumable_data.streams import IterableSource, ReplayWarning, ShardedIterable, Stream, mix
+from streams_harness import MemoryShards, assert_stream_resumes_identically, consume
 
 SIZES = [4, 4, 4]
 

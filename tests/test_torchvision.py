@@ -9,6 +9,7 @@ run has another ``num_workers``. The loader's default ``global_rng="batch"`` is 
 from __future__ import annotations
 
 import pytest
+
 from torchvision_compat import pytest_torchvision
 
 torchvision = pytest_torchvision()

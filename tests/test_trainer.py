@@ -7,6 +7,7 @@ checkpoint: model, optimizer, scheduler, loader position, RNG states, train stat
 
 from __future__ import annotations
 
+import itertools
 import os
 import random
 import signal
@@ -84,7 +85,7 @@ def assert_resumes_identically(
         legs.append(train(tiny(tmp_path, corpus, "interrupted", stop_at=stop, **settings)))
         expected_step = stop if stop is not None else reference.step
         assert legs[-1].step == expected_step
-    for leg, previous in zip(legs[1:], legs):
+    for previous, leg in itertools.pairwise(legs):
         assert leg.resumed_from is not None and CheckpointManager.step_of(leg.resumed_from) == previous.step
 
     losses = {step: loss for leg in legs for step, loss in leg.losses.items()}
@@ -105,7 +106,7 @@ def steps_per_epoch(tmp_path: Path, corpus: Path) -> int:
 
 @pytest.mark.slow  # the default suite keeps the epoch-boundary, workers and SIGKILL resumes
 def test_resume_mid_epoch(tmp_path: Path, corpus: Path) -> None:
-    assert 5 < steps_per_epoch(tmp_path, corpus)
+    assert steps_per_epoch(tmp_path, corpus) > 5
     assert_resumes_identically(tmp_path, corpus, [5])
 
 
@@ -173,7 +174,7 @@ def test_resume_path_to_a_corrupt_checkpoint_is_a_clear_error(
     target = Path(first.run_dir) / CHECKPOINT_FOLDER / "step-00000004"
     corrupt(target)
     config = tiny(tmp_path, corpus, "run", resume=str(target))
-    with pytest.raises(ResumeError, match="step-00000004.*checksum mismatch"):
+    with pytest.raises(ResumeError, match=r"step-00000004.*checksum mismatch"):
         train(config)
     # The command line says the same in one line, with exit code 2.
     argv = ["train", "--run-dir", config.run_dir, "--data", str(corpus), "--cache-dir", str(config.cache_dir),
@@ -182,7 +183,7 @@ def test_resume_path_to_a_corrupt_checkpoint_is_a_clear_error(
     assert "error: cannot load checkpoint" in capsys.readouterr().err
     garbage = tmp_path / "garbage.pt"
     garbage.write_bytes(b"not a checkpoint")
-    with pytest.raises(ResumeError, match="garbage.pt is not a checkpoint"):
+    with pytest.raises(ResumeError, match=r"garbage.pt is not a checkpoint"):
         train(replace(config, resume=str(garbage)))
 
 
@@ -217,7 +218,7 @@ def _events(run_dir: str) -> list[dict[str, Any]]:
 
 def test_resume_never_refuses_a_folder_with_checkpoints(tmp_path: Path, corpus: Path) -> None:
     train(tiny(tmp_path, corpus, "run", stop_at=4))
-    with pytest.raises(ResumeError, match="--resume never, but .* already holds checkpoints"):
+    with pytest.raises(ResumeError, match=r"--resume never, but .* already holds checkpoints"):
         train(tiny(tmp_path, corpus, "run", resume="never"))
 
 
@@ -233,9 +234,9 @@ def test_architecture_comes_from_the_checkpoint_and_a_conflicting_flag_is_an_err
 
 def test_resume_audit_catches_a_changed_schedule_or_data_order(tmp_path: Path, corpus: Path) -> None:
     train(tiny(tmp_path, corpus, "run", stop_at=5))
-    with pytest.raises(ResumeError, match="resume audit failed.*learning rate"):
+    with pytest.raises(ResumeError, match=r"resume audit failed.*learning rate"):
         train(tiny(tmp_path, corpus, "run", max_steps=30))
-    with pytest.raises(ResumeError, match="resume audit failed.*next batch"):
+    with pytest.raises(ResumeError, match=r"resume audit failed.*next batch"):
         train(tiny(tmp_path, corpus, "run", grad_accum=2))
     ok = train(tiny(tmp_path, corpus, "run"))
     assert any(e["event"] == "resume" and e["audit"] == "ok" for e in read_metrics(ok.run_dir))

@@ -20,13 +20,13 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from harness import GlobalRandomAugment, assert_batches_equal, checkpoint_roundtrip, resume_from, run_with_snapshots
-from streams_harness import write_token_shards
 from torch.utils.data import DataLoader, DistributedSampler, RandomSampler
 from torchdata.stateful_dataloader import StatefulDataLoader
 
+from harness import GlobalRandomAugment, assert_batches_equal, checkpoint_roundtrip, resume_from, run_with_snapshots
 from resumable_data import ResumableDataLoader, ResumableSampler, ResumeError, ResumeWarning, wrap
 from resumable_data.streams import ShardedIterable, StreamLoader, TokenShardReader
+from streams_harness import write_token_shards
 
 pytestmark = pytest.mark.filterwarnings("ignore:'set_vital' is deprecated")
 
@@ -124,13 +124,13 @@ def test_global_rng_none_leaves_worker_augmentation_unreproducible() -> None:
     reference, states = run_with_snapshots(make, 1, {("in", 2)})
     resumed = resume_from(make, states[("in", 2)], len(reference) - 2)
     assert [b[1].tolist() for b in resumed] == [b[1].tolist() for b in reference[2:]]
-    assert any(not torch.equal(a[0], b[0]) for a, b in zip(reference[2:], resumed))
+    assert any(not torch.equal(a[0], b[0]) for a, b in zip(reference[2:], resumed, strict=True))
 
 
 def test_per_sample_global_rng_is_independent_of_batch_size() -> None:
     def samples(batch_size: int) -> dict[int, torch.Tensor]:
         loader = ResumableDataLoader(GlobalRandomAugment(10), batch_size=batch_size, seed=2, global_rng="sample")
-        return {int(i): image for images, indices in loader for image, i in zip(images, indices)}
+        return {int(i): image for images, indices in loader for image, i in zip(images, indices, strict=True)}
 
     three, five = samples(3), samples(5)
     assert three.keys() == five.keys() and all(torch.equal(three[i], five[i]) for i in three)
@@ -298,7 +298,7 @@ def test_remedy_for_owned_dataloader_arguments() -> None:
     data = torch.arange(10)
     with pytest.raises(ResumeError, match=r"remove generator=\.\.\. and pass shuffle=/seed= instead"):
         ResumableDataLoader(data, generator=torch.Generator())
-    with pytest.raises(ResumeError, match="sampler must be a ResumableSampler.*pass shuffle=/seed="):
+    with pytest.raises(ResumeError, match=r"sampler must be a ResumableSampler.*pass shuffle=/seed="):
         ResumableDataLoader(data, sampler=RandomSampler(data))  # type: ignore[arg-type]
     ResumableDataLoader(data, shuffle=True, seed=0)
 

@@ -9,8 +9,8 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
-from harness import GlobalRandomAugment, assert_batches_equal, resume_from, run_with_snapshots
 
+from harness import GlobalRandomAugment, assert_batches_equal, resume_from, run_with_snapshots
 from resumable_data import ResumableDataLoader
 
 
@@ -38,11 +38,11 @@ def _fetched_in_main_process(make: Callable[[], Any]) -> Callable[[], Any]:
 
     def counting() -> Any:
         loader = make()
-        original = loader._fetch_here  # noqa: SLF001 - the test observes where batches came from
+        original = loader._fetch_here
         def fetch(segment: Any, batch: int) -> Any:
             counting.served += 1
             return original(segment, batch)
-        loader._fetch_here = fetch  # noqa: SLF001
+        loader._fetch_here = fetch
         return loader
 
     counting.served = 0  # type: ignore[attr-defined]

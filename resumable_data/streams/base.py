@@ -12,20 +12,36 @@ after the epoch by :func:`mix`. Keys are what make the rest exact and small:
 * ``map(fn, seed=...)`` draws each record's randomness from its key, so augmentation does not
   depend on the order, the worker or the number of resumes;
 * ``shuffle_buffer`` saves the keys of its buffered records, never their payloads, and re-reads
-  them through :meth:`Stream._fetch` on restore;
+  them through :meth:`Stream.fetch` on restore;
 * a different worker/rank layout puts buffered records back into the sources as *pending* keys
-  (:meth:`Stream._rebalance`), so every record is still consumed exactly once.
+  (:meth:`Stream.rebalance`), so every record is still consumed exactly once.
 
 Epochs. ``set_epoch(e)`` starts epoch ``e`` from its beginning unless ``e`` is already the current
 epoch (so calling it right after ``load_state_dict`` keeps the restored position). A stage holds
 all of its iteration state on itself, not in the generator: iterating again after a ``break``
 continues where the last yielded item left off. One active iterator per stage object.
 
-Loading is validate-then-mutate: :meth:`Stream._check` validates a whole nested state and returns
+Loading is validate-then-mutate: :meth:`Stream.check` validates a whole nested state and returns
 a thunk that applies it, so a failed ``load_state_dict`` leaves the pipeline unchanged. A state is
-untrusted data: saved keys are vouched for by the source (:meth:`Stream._key_checker`: right shape,
+untrusted data: saved keys are vouched for by the source (:meth:`Stream.key_checker`: right shape,
 epoch and shard, already read), each stage's epoch must agree with its source's, and every counter
 is an int64, so an edited or corrupted state is refused rather than yielding wrong records.
+
+The stage protocol. Stages talk to each other (and :class:`StreamLoader` to its pipeline) only
+through these public methods of :class:`Stream`, which a custom stage implements:
+
+* :meth:`~Stream.iter_keyed` -- yield ``(key, value)`` pairs from the current position;
+* :meth:`~Stream.reset` ``(epoch, slot)`` -- start an epoch, optionally for a (rank, worker) slot;
+* :meth:`~Stream.state_dict` / :meth:`~Stream.check` ``(state)`` -- save; validate and return the
+  thunk that applies;
+* :meth:`~Stream.fetch` ``(key)`` / :meth:`~Stream.fetch_many` ``(keys)`` -- re-read records;
+* :meth:`~Stream.key_checker` ``(state)`` -- refuse keys this stage could not have yielded;
+* :meth:`~Stream.saved_slots` ``(state)`` -- the slots a state's sources were saved for;
+* :meth:`~Stream.rebalance` ``(states, num_slots, pending)`` -- re-split positions over a new layout.
+
+A one-source stage subclasses :class:`Wrapper`, which forwards all of them to its source and nests
+the state; it then overrides only what it changes (and :meth:`Wrapper.expected_source_epoch` when
+its epochs are not its source's).
 """
 
 from __future__ import annotations
@@ -35,12 +51,14 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 from .._state import (
+    EPOCH,
     INT64_MAX,
     VERSION,
     ResumeError,
     brief,
     check_int_arg,
     check_version,
+    is_int,
     keys_of,
     require_int,
     require_mapping,
@@ -55,22 +73,30 @@ Slot = tuple[int, int]
 """``(slot, num_slots)``: which of the global (rank, worker) slots a pipeline copy serves."""
 
 STREAM_STATE_VERSION = 1
+# Keys of stream stage states, declared once (EPOCH, SEED, SHUFFLE, WORLD_SIZE come from _state).
 SOURCE = "source"
 SOURCES = "sources"
-EPOCH = "epoch"
-SEED = "seed"
+DRAWS = "draws"  # random draws made so far: shuffle_buffer's and mix's position in their RNG stream
 
 
 class Stream:
     """Base class of stream stages; users compose them with the fluent methods below.
 
     Example:
-        >>> stream = ShardedIterable(paths, read_shard=TokenShardReader(1025))
-        >>> stream = stream.shuffle_buffer(1000, seed=0).map(augment, seed=0).batch(32)
-        >>> stream.load_state_dict(checkpoint["data"])  # when resuming
-        >>> for batch in stream:
-        ...     train_step(batch)
-        ...     checkpoint["data"] = stream.state_dict()
+        >>> from resumable_data import ShardedIterable
+        >>> records = {"a": [0, 1, 2, 3], "b": [4, 5, 6]}  # two shards, in memory here
+        >>> def read(shard, start):  # a shard's records from offset ``start`` on
+        ...     return iter(records[shard][start:])
+        >>> def pipeline():
+        ...     return ShardedIterable(["a", "b"], read_shard=read, seed=0).shuffle_buffer(3, seed=0).batch(2)
+        >>> stream = pipeline()
+        >>> batches = iter(stream)
+        >>> first = next(batches)
+        >>> state = stream.state_dict()  # shard cursors and 3 buffered keys: no records
+        >>> resumed = pipeline()
+        >>> resumed.load_state_dict(state)
+        >>> [b.tolist() for b in resumed] == [b.tolist() for b in batches]  # the rest of the epoch
+        True
     """
 
     #: Whether items carry a record key (batches do not).
@@ -81,12 +107,19 @@ class Stream:
     def __init__(self) -> None:
         self._epoch = 0
 
-    # -- what each stage implements ---------------------------------------------------------
-    def _keyed(self) -> Iterator[tuple[Key | None, Any]]:
-        """Yield ``(key, value)`` from the current position, updating the state before each yield."""
+    # -- the stage protocol: what each stage implements -------------------------------------
+    # These methods are public so that stages (and StreamLoader) call each other through a
+    # documented interface; a custom stage subclasses Stream (or Wrapper) and overrides them.
+    # Training code never needs them: it uses iteration, set_epoch, state_dict, load_state_dict.
+    def iter_keyed(self) -> Iterator[tuple[Key | None, Any]]:
+        """Yield ``(key, value)`` from the current position, updating the state before each yield.
+
+        The key is ``None`` only for stages whose items are not records (:attr:`keyed` is False,
+        e.g. batches).
+        """
         raise NotImplementedError
 
-    def _reset(self, epoch: int, slot: Slot | None) -> None:
+    def reset(self, epoch: int, slot: Slot | None) -> None:
         """Start ``epoch`` from its beginning (for ``slot`` when given, else the current one)."""
         raise NotImplementedError
 
@@ -94,34 +127,38 @@ class Stream:
         """The position after the last item this stage yielded, as plain nested data."""
         raise NotImplementedError
 
-    def _check(self, state: Any) -> Callable[[], None]:
-        """Validate ``state`` (recursively) and return a thunk that applies it."""
+    def check(self, state: Any) -> Callable[[], None]:
+        """Validate ``state`` (recursively, sources included) and return a thunk that applies it.
+
+        Nothing may change before the thunk runs: this is what makes ``load_state_dict``
+        validate-then-mutate across a whole pipeline.
+        """
         raise NotImplementedError
 
-    def _fetch(self, key: Key) -> Any:
+    def fetch(self, key: Key) -> Any:
         """Re-read the record with ``key`` (what this stage would yield for it)."""
         raise TypeError(f"{type(self).__name__} cannot re-read a record from its key")
 
-    def _fetch_many(self, keys: Sequence[Key]) -> list[Any]:
-        """Re-read the records with ``keys``, in that order (what ``_fetch`` gives for each).
+    def fetch_many(self, keys: Sequence[Key]) -> list[Any]:
+        """Re-read the records with ``keys``, in that order (what :meth:`fetch` gives for each).
 
         A shuffle buffer's restore re-reads up to its whole buffer at once; stages that can group
         those reads (one open per shard, contiguous records together) override this.
         """
-        return [self._fetch(key) for key in keys]
+        return [self.fetch(key) for key in keys]
 
-    def _key_checker(self, state: Mapping[str, Any] | None) -> Callable[[Key], None]:
+    def key_checker(self, state: Mapping[str, Any] | None) -> Callable[[Key], None]:
         """A function that refuses a saved record key this stage could not have yielded.
 
-        ``state`` is this stage's part of a state that :meth:`_check` has already accepted: a key
+        ``state`` is this stage's part of a state that :meth:`check` has already accepted: a key
         must then be one of the records read so far in that state's epoch (a shuffle buffer's
         saved keys are checked this way before anything is re-read). With ``state=None`` the key
         may be from another epoch, and only its shape and ranges are checked. A stage that cannot
-        tell accepts every key, and its :meth:`_fetch` must refuse what it cannot read.
+        tell accepts every key, and its :meth:`fetch` must refuse what it cannot read.
         """
         return _accept_any
 
-    def _saved_slots(self, state: Mapping[str, Any]) -> list[Slot]:
+    def saved_slots(self, state: Mapping[str, Any]) -> list[Slot]:
         """The ``(slot, num_slots)`` that the sources in a checked ``state`` were saved for.
 
         A loader compares them with the slot it loads the state into: a source that keeps its
@@ -129,11 +166,14 @@ class Stream:
         """
         return []
 
-    def _rebalance(self, states: Sequence[Mapping[str, Any]], num_slots: int, pending: list[Key]) -> list[dict[str, Any]]:
-        """Turn the (validated) states of every old slot into states for ``num_slots`` new slots.
+    def rebalance(self, states: Sequence[Mapping[str, Any]], num_slots: int, pending: list[Key]) -> list[dict[str, Any]]:
+        """Turn the (checked) states of every old slot into states for ``num_slots`` new slots.
 
         ``pending`` are keys of records this stage's consumer had read but not handed out (a
         shuffle buffer's contents): the new slots must yield them again.
+
+        Raises:
+            ResumeError: this stage cannot split its position over another layout (the default).
         """
         raise ResumeError(
             f"{type(self).__name__} keeps a per-stream count that cannot be split over a different "
@@ -150,7 +190,7 @@ class Stream:
         """Start ``epoch``; a no-op when it is already the current (e.g. restored) epoch."""
         check_int_arg("epoch", epoch, minimum=0)
         if epoch != self._epoch:
-            self._reset(epoch, None)
+            self.reset(epoch, None)
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Continue from ``state_dict`` (from :meth:`state_dict` of an identical pipeline).
@@ -159,10 +199,10 @@ class Stream:
             ResumeError: malformed state, or one that does not fit this pipeline; the pipeline is
                 unchanged.
         """
-        self._check(state_dict)()
+        self.check(state_dict)()
 
     def __iter__(self) -> Iterator[Any]:
-        for _, value in self._keyed():
+        for _, value in self.iter_keyed():
             yield value
 
     # -- fluent composition (the wrappers subclass Stream, hence the local imports) -------------
@@ -231,25 +271,25 @@ class Wrapper(Stream):
     def _reset_own(self) -> None:
         """Clear this stage's per-epoch fields."""
 
-    def _reset(self, epoch: int, slot: Slot | None) -> None:
+    def reset(self, epoch: int, slot: Slot | None) -> None:
         self._epoch = epoch
         self._reset_own()
-        self.source._reset(epoch, slot)
+        self.source.reset(epoch, slot)
 
     def state_dict(self) -> dict[str, Any]:
         return {VERSION: STREAM_STATE_VERSION, EPOCH: self._epoch, **self._own_state(), SOURCE: self.source.state_dict()}
 
-    def _check(self, state: Any) -> Callable[[], None]:
+    def check(self, state: Any) -> Callable[[], None]:
         state = require_mapping(state, self._what())
         check_version(state, STREAM_STATE_VERSION, self._what())
         epoch = require_epoch(state, self._what())
         if SOURCE not in state:
             raise ResumeError(f"{self._what()} state is missing the key {SOURCE!r}; got keys {keys_of(state)}")
         # The source first: the own fields (a shuffle buffer's keys) are checked against its state.
-        apply_source = self.source._check(state[SOURCE])
+        apply_source = self.source.check(state[SOURCE])
         apply_own = self._check_own(state)
         source_epoch = state[SOURCE].get(EPOCH) if isinstance(state[SOURCE], Mapping) else None
-        expected = self._expected_source_epoch(epoch, state)
+        expected = self.expected_source_epoch(epoch, state)
         if isinstance(source_epoch, int) and source_epoch != expected:
             raise ResumeError(
                 f"{self._what()} state is in epoch {epoch} but its source's state is in epoch {brief(source_epoch)} "
@@ -263,24 +303,28 @@ class Wrapper(Stream):
 
         return apply
 
-    def _fetch(self, key: Key) -> Any:
-        return self.source._fetch(key)
+    def fetch(self, key: Key) -> Any:
+        return self.source.fetch(key)
 
-    def _fetch_many(self, keys: Sequence[Key]) -> list[Any]:
-        return self.source._fetch_many(keys)
+    def fetch_many(self, keys: Sequence[Key]) -> list[Any]:
+        return self.source.fetch_many(keys)
 
-    def _key_checker(self, state: Mapping[str, Any] | None) -> Callable[[Key], None]:
-        return self.source._key_checker(None if state is None else state[SOURCE])
+    def key_checker(self, state: Mapping[str, Any] | None) -> Callable[[Key], None]:
+        return self.source.key_checker(None if state is None else state[SOURCE])
 
-    def _saved_slots(self, state: Mapping[str, Any]) -> list[Slot]:
-        return self.source._saved_slots(state[SOURCE])
+    def saved_slots(self, state: Mapping[str, Any]) -> list[Slot]:
+        return self.source.saved_slots(state[SOURCE])
 
-    def _expected_source_epoch(self, epoch: int, state: Mapping[str, Any]) -> int:
-        """The epoch the source's state must be in when this stage's (checked) state is in ``epoch``."""
+    def expected_source_epoch(self, epoch: int, state: Mapping[str, Any]) -> int:
+        """The epoch the source's state must be in when this stage's (checked) state is in ``epoch``.
+
+        Part of the stage protocol: a stage that runs several source epochs per epoch of its own
+        (``repeat``) overrides it.
+        """
         return epoch
 
-    def _rebalance(self, states: Sequence[Mapping[str, Any]], num_slots: int, pending: list[Key]) -> list[dict[str, Any]]:
-        sources = self.source._rebalance([s[SOURCE] for s in states], num_slots, pending)
+    def rebalance(self, states: Sequence[Mapping[str, Any]], num_slots: int, pending: list[Key]) -> list[dict[str, Any]]:
+        sources = self.source.rebalance([s[SOURCE] for s in states], num_slots, pending)
         return [{VERSION: STREAM_STATE_VERSION, EPOCH: states[0][EPOCH], **self._own_state_fresh(), SOURCE: s} for s in sources]
 
     def _own_state_fresh(self) -> dict[str, Any]:
@@ -289,7 +333,7 @@ class Wrapper(Stream):
 
 
 def fetch_grouped(keys: Sequence[Key], field: int, fetch: Callable[[int, list[int]], list[Any]]) -> list[Any]:
-    """Records for ``keys`` in their order, read one group at a time: what ``_fetch_many`` needs.
+    """Records for ``keys`` in their order, read one group at a time: what ``fetch_many`` needs.
 
     A group is the keys sharing ``key[field]`` (a shard, a source); within it, positions come in
     ascending order of ``key[field:]`` (for a shard: ascending offsets, so reads go forward).
@@ -331,7 +375,7 @@ def same_value(saved: Any, current: Any) -> bool:
         return (
             isinstance(saved, (list, tuple))
             and len(saved) == len(current)
-            and all(same_value(s, c) for s, c in zip(saved, current))
+            and all(same_value(s, c) for s, c in zip(saved, current, strict=True))
         )
     if isinstance(current, bool) or isinstance(saved, bool):
         return type(saved) is type(current) and saved == current
@@ -342,11 +386,16 @@ def same_value(saved: Any, current: Any) -> bool:
 
 def require_key(value: Any, what: str) -> Key:
     """Read a record key saved as a list of ints."""
-    if not isinstance(value, (list, tuple)) or len(value) < 2 or not all(
-        isinstance(v, int) and not isinstance(v, bool) for v in value
-    ):
+    if not isinstance(value, (list, tuple)) or len(value) < 2 or not all(is_int(v) for v in value):
         raise ResumeError(f"{what}: a record key must be a list of at least 2 ints, but got {brief(value)}")
     return tuple(value)
+
+
+def record_key(key: Key | None, what: str) -> Key:
+    """The key of an item from a stage whose :attr:`Stream.keyed` is True (only batches have none)."""
+    if key is None:
+        raise TypeError(f"{what} needs records with an identity (a key); apply it before batch()")
+    return key
 
 
 def _accept_any(key: Key) -> None:

@@ -19,9 +19,10 @@ class Batch(Wrapper):
     A batch is pulled whole before it is yielded, so a checkpoint between batches never splits one.
     Batches have no record identity: put ``map(seed=...)`` and ``shuffle_buffer`` before ``batch``.
 
-    Example:
-        >>> for inputs in stream.batch(32, drop_last=True):
-        ...     train_step(inputs)
+    Example::
+
+        for inputs in stream.batch(32, drop_last=True):
+            train_step(inputs)
     """
 
     def __init__(self, source: Stream, batch_size: int, *, drop_last: bool = False, collate_fn: Callable[[list[Any]], Any] | None = None) -> None:
@@ -31,9 +32,9 @@ class Batch(Wrapper):
         self.drop_last = drop_last
         self.collate_fn = default_collate if collate_fn is None else collate_fn
 
-    def _keyed(self) -> Iterator[tuple[Key | None, Any]]:
+    def iter_keyed(self) -> Iterator[tuple[Key | None, Any]]:
         records: list[Any] = []
-        for _, value in self.source._keyed():
+        for _, value in self.source.iter_keyed():
             records.append(value)
             if len(records) == self.batch_size:
                 yield None, self.collate_fn(records)

@@ -16,16 +16,17 @@ class Filter(Wrapper):
     The state is the source's position after the last *accepted* record, so records rejected before
     a checkpoint are not read again on resume, and nothing depends on how many were accepted.
 
-    Example:
-        >>> short = stream.filter(lambda doc: len(doc["text"]) < 10_000)
-        >>> short.load_state_dict(saved)
+    Example::
+
+        short = stream.filter(lambda doc: len(doc["text"]) < 10_000)
+        short.load_state_dict(saved)
     """
 
     def __init__(self, source: Stream, predicate: Callable[[Any], bool]) -> None:
         super().__init__(source)
         self.predicate = predicate
 
-    def _keyed(self) -> Iterator[tuple[Key | None, Any]]:
-        for key, value in self.source._keyed():
+    def iter_keyed(self) -> Iterator[tuple[Key | None, Any]]:
+        for key, value in self.source.iter_keyed():
             if self.predicate(value):
                 yield key, value

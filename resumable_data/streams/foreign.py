@@ -36,9 +36,10 @@ class IterableSource(Stream):
         iterable: the records.
         name: how warnings and errors call it.
 
-    Example:
-        >>> stream = IterableSource(my_generator_factory_object, name="legacy corpus")
-        >>> stream.load_state_dict(saved)   # warns: replays N records
+    Example::
+
+        stream = IterableSource(my_generator_factory_object, name="legacy corpus")
+        stream.load_state_dict(saved)   # warns: replays N records
     """
 
     fetchable = False
@@ -49,7 +50,7 @@ class IterableSource(Stream):
         self.name = name or type(iterable).__name__
         self._consumed = 0
 
-    def _keyed(self) -> Iterator[tuple[Key, Any]]:
+    def iter_keyed(self) -> Iterator[tuple[Key, Any]]:
         records = iter(self.iterable)
         if self._consumed:
             warnings.warn(
@@ -70,7 +71,7 @@ class IterableSource(Stream):
             self._consumed += 1
             yield key, record
 
-    def _reset(self, epoch: int, slot: Slot | None) -> None:
+    def reset(self, epoch: int, slot: Slot | None) -> None:
         if slot is not None and slot[1] > 1:
             raise ResumeError(
                 f"{self.name} cannot be split over {slot[1]} workers/ranks (every copy would read all "
@@ -81,7 +82,7 @@ class IterableSource(Stream):
     def state_dict(self) -> dict[str, Any]:
         return {VERSION: STREAM_STATE_VERSION, EPOCH: self._epoch, CONSUMED: self._consumed}
 
-    def _check(self, state: Any) -> Callable[[], None]:
+    def check(self, state: Any) -> Callable[[], None]:
         state = require_mapping(state, self.name)
         check_version(state, STREAM_STATE_VERSION, self.name)
         epoch = require_epoch(state, self.name)

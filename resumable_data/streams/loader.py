@@ -46,7 +46,18 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from .._cursor import EpochCursor
 from .._hash import hash_ints
-from .._state import VERSION, ResumeError, brief, check_int_arg, check_version, require_bool, require_int, require_mapping
+from .._state import (
+    VERSION,
+    WORLD_SIZE,
+    ResumeError,
+    brief,
+    check_int_arg,
+    check_version,
+    is_int,
+    require_bool,
+    require_int,
+    require_mapping,
+)
 from ..dataloader import distributed_defaults
 from .base import EPOCH, Stream, require_count
 from .batch import Batch
@@ -56,7 +67,6 @@ __all__ = ["StreamLoader"]
 _WHAT = "StreamLoader"
 LOADER_STATE_VERSION = 1
 EPOCH_DONE = "epoch_done"
-WORLD_SIZE = "world_size"
 NUM_WORKERS = "num_workers"
 NEXT_WORKER = "next_worker"
 SLOTS = "slots"
@@ -80,13 +90,15 @@ class StreamLoader:
         **dataloader_kwargs: other ``DataLoader`` keywords (``pin_memory``, ``prefetch_factor``,
             ``worker_init_fn``, ``multiprocessing_context``, ...).
 
-    Example:
-        >>> stream = ShardedIterable(paths, read_shard=TokenShardReader(1025)).shuffle_buffer(1000)
-        >>> loader = StreamLoader(stream, batch_size=32, num_workers=2)
-        >>> if checkpoint: loader.load_state_dict(checkpoint["dataloader"])
-        >>> for batch in loader:
-        ...     train_step(batch)
-        ...     save({"dataloader": loader.state_dict(), ...})
+    Example::
+
+        stream = ShardedIterable(paths, read_shard=TokenShardReader(1025)).shuffle_buffer(1000)
+        loader = StreamLoader(stream, batch_size=32, num_workers=2)
+        if checkpoint:
+            loader.load_state_dict(checkpoint["dataloader"])
+        for batch in loader:
+            train_step(batch)
+            save({"dataloader": loader.state_dict(), ...})
     """
 
     def __init__(
@@ -143,7 +155,7 @@ class StreamLoader:
     def _start_epoch(self, epoch: int) -> None:
         states = []
         for local in range(self._local):
-            self._stream._reset(epoch, (self.rank * self._local + local, self.num_slots))
+            self._stream.reset(epoch, (self.rank * self._local + local, self.num_slots))
             states.append(self._stream.state_dict())
         self._states, self._next_worker, self._fresh = states, 0, True
 
@@ -243,7 +255,7 @@ class StreamLoader:
                 )
             raw = [slots[g] for g in mine]
             next_worker = require_mapping(state.get(NEXT_WORKER), f"{_WHAT} {NEXT_WORKER!r}").get(str(self.rank))
-            if not _is_int(next_worker) or not 0 <= next_worker < self._local:
+            if not is_int(next_worker) or not 0 <= next_worker < self._local:
                 raise ResumeError(
                     f"{_WHAT} state field {NEXT_WORKER!r} has {brief(next_worker)} for rank {self.rank}, "
                     f"expected an int in [0, {self._local})"
@@ -260,13 +272,13 @@ class StreamLoader:
                     + "; load StreamLoader.merge_states([state of each rank]) instead"
                 )
             for g in sorted(slots):
-                self._stream._check(slots[g])
-            every = self._stream._rebalance([slots[g] for g in sorted(slots)], self.num_slots, [])
+                self._stream.check(slots[g])
+            every = self._stream.rebalance([slots[g] for g in sorted(slots)], self.num_slots, [])
             raw = [every[g] for g in mine]
             next_worker = 0
-        applies = [self._stream._check(s) for s in raw]
-        for g, s in zip(mine, raw):  # (a redistributed state is built for its slot)
-            wrong = [saved for saved in self._stream._saved_slots(s) if saved != (g, self.num_slots)]
+        applies = [self._stream.check(s) for s in raw]
+        for g, s in zip(mine, raw, strict=True):  # (a redistributed state is built for its slot)
+            wrong = [saved for saved in self._stream.saved_slots(s) if saved != (g, self.num_slots)]
             if wrong:
                 raise ResumeError(
                     f"{_WHAT} state: slot {g} holds a pipeline state saved for slot {wrong[0][0]} of "
@@ -285,10 +297,11 @@ class StreamLoader:
     def merge_states(states: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
         """One state holding the slots of every rank's state (all saved at the same step).
 
-        Example:
-            >>> gathered = [None] * world_size
-            >>> torch.distributed.all_gather_object(gathered, loader.state_dict())
-            >>> checkpoint["dataloader"] = StreamLoader.merge_states(gathered)
+        Example::
+
+            gathered = [None] * world_size
+            torch.distributed.all_gather_object(gathered, loader.state_dict())
+            checkpoint["dataloader"] = StreamLoader.merge_states(gathered)
 
         Raises:
             ResumeError: no states, a malformed one, or states that disagree or overlap.
@@ -329,9 +342,6 @@ def _slots_of(state: Mapping[str, Any], num_slots: int) -> dict[int, Any]:
         parsed[int(key)] = slots[key]
     return parsed
 
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def _unchanged(item: Any) -> Any:

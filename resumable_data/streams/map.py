@@ -8,9 +8,9 @@ from typing import Any
 import torch
 
 from .._hash import hash_ints
-from .._state import check_int_arg
+from .._state import SEED, check_int_arg
 from ..rng import sample_generator
-from .base import SEED, Key, Stream, Wrapper, check_same
+from .base import Key, Stream, Wrapper, check_same, record_key
 
 __all__ = ["Map"]
 
@@ -23,9 +23,10 @@ class Map(Wrapper):
     bitwise the same after any resume, with any number of workers, and in any order.
     Stateless itself: its state is its source's (plus the seed, checked on load).
 
-    Example:
-        >>> noisy = stream.map(lambda x, g: x + torch.randn(x.shape, generator=g), seed=0)
-        >>> noisy.load_state_dict(saved)  # the next record gets the same noise as before
+    Example::
+
+        noisy = stream.map(lambda x, g: x + torch.randn(x.shape, generator=g), seed=0)
+        noisy.load_state_dict(saved)  # the next record gets the same noise as before
     """
 
     def __init__(self, source: Stream, fn: Callable[..., Any], *, seed: int | None = None) -> None:
@@ -40,18 +41,19 @@ class Map(Wrapper):
     def _call(self, key: Key | None, value: Any) -> Any:
         if self.seed is None:
             return self.fn(value)
+        key = record_key(key, "map(seed=...)")
         generator: torch.Generator = sample_generator(self.seed, key[0], hash_ints(*key[1:]))
         return self.fn(value, generator)
 
-    def _keyed(self) -> Iterator[tuple[Key | None, Any]]:
-        for key, value in self.source._keyed():
+    def iter_keyed(self) -> Iterator[tuple[Key | None, Any]]:
+        for key, value in self.source.iter_keyed():
             yield key, self._call(key, value)
 
-    def _fetch(self, key: Key) -> Any:
-        return self._call(key, self.source._fetch(key))
+    def fetch(self, key: Key) -> Any:
+        return self._call(key, self.source.fetch(key))
 
-    def _fetch_many(self, keys: Sequence[Key]) -> list[Any]:
-        return [self._call(key, value) for key, value in zip(keys, self.source._fetch_many(keys), strict=True)]
+    def fetch_many(self, keys: Sequence[Key]) -> list[Any]:
+        return [self._call(key, value) for key, value in zip(keys, self.source.fetch_many(keys), strict=True)]
 
     def _own_state(self) -> dict[str, Any]:
         return {SEED: self.seed}
@@ -59,5 +61,5 @@ class Map(Wrapper):
     _own_state_fresh = _own_state
 
     def _check_own(self, state: Mapping[str, Any]) -> Callable[[], None]:
-        check_same("map", "seed", state.get(SEED), self.seed, "build the map with the checkpoint's seed")
+        check_same("map", SEED, state.get(SEED), self.seed, "build the map with the checkpoint's seed")
         return lambda: None

@@ -17,10 +17,10 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 from .._hash import hash_ints
-from .._state import VERSION, ResumeError, brief, check_int_arg, check_version, require_mapping
+from .._state import SEED, VERSION, ResumeError, brief, check_int_arg, check_version, require_mapping
 from .base import (
+    DRAWS,
     EPOCH,
-    SEED,
     SOURCES,
     STREAM_STATE_VERSION,
     Key,
@@ -28,6 +28,7 @@ from .base import (
     Stream,
     check_same,
     fetch_grouped,
+    record_key,
     require_count,
     require_epoch,
 )
@@ -36,7 +37,6 @@ __all__ = ["Mix", "mix"]
 
 _WHAT = "mix"
 WEIGHTS = "weights"
-DRAWS = "draws"
 EXHAUSTED = "exhausted"
 
 
@@ -48,9 +48,10 @@ class Mix(Stream):
         weights: one positive weight per stream; equal weights when None.
         seed: seed of the choices; only ``(seed, epoch, draw number)`` decide each one.
 
-    Example:
-        >>> data = mix([code, prose], weights=[1, 3], seed=0).batch(32)
-        >>> data.load_state_dict(saved)  # each source continues at its own cursor
+    Example::
+
+        data = mix([code, prose], weights=[1, 3], seed=0).batch(32)
+        data.load_state_dict(saved)  # each source continues at its own cursor
     """
 
     def __init__(self, streams: Sequence[Stream], weights: Sequence[float] | None = None, *, seed: int = 0) -> None:
@@ -80,32 +81,32 @@ class Mix(Stream):
                 return i
         return active[-1]  # float rounding at the very top of the range
 
-    def _keyed(self) -> Iterator[tuple[Key | None, Any]]:
-        iterators: dict[int, Iterator[tuple[Key, Any]]] = {}
+    def iter_keyed(self) -> Iterator[tuple[Key | None, Any]]:
+        iterators: dict[int, Iterator[tuple[Key | None, Any]]] = {}
         while not all(self._exhausted):
             i = self._choose()
             if i not in iterators:
-                iterators[i] = self.streams[i]._keyed()
+                iterators[i] = self.streams[i].iter_keyed()
             item = next(iterators[i], None)
             if item is None:
                 self._exhausted[i] = True
                 continue
-            key, value = item
+            key, value = record_key(item[0], _WHAT), item[1]
             yield (key[0], i, *key[1:]), value
 
-    def _fetch(self, key: Key) -> Any:
-        return self.streams[key[1]]._fetch((key[0], *key[2:]))
+    def fetch(self, key: Key) -> Any:
+        return self.streams[key[1]].fetch((key[0], *key[2:]))
 
-    def _fetch_many(self, keys: Sequence[Key]) -> list[Any]:
+    def fetch_many(self, keys: Sequence[Key]) -> list[Any]:
         def fetch(source: int, positions: list[int]) -> list[Any]:
-            return self.streams[source]._fetch_many([(keys[p][0], *keys[p][2:]) for p in positions])
+            return self.streams[source].fetch_many([(keys[p][0], *keys[p][2:]) for p in positions])
 
         return fetch_grouped(keys, 1, fetch)
 
-    def _key_checker(self, state: Mapping[str, Any] | None) -> Callable[[Key], None]:
+    def key_checker(self, state: Mapping[str, Any] | None) -> Callable[[Key], None]:
         subs = [
-            stream._key_checker(None if state is None else sub)
-            for stream, sub in zip(self.streams, [None] * len(self.streams) if state is None else self._sources_of(state))
+            stream.key_checker(None if state is None else sub)
+            for stream, sub in zip(self.streams, [None] * len(self.streams) if state is None else self._sources_of(state), strict=True)
         ]
 
         def check(key: Key) -> None:
@@ -118,13 +119,13 @@ class Mix(Stream):
 
         return check
 
-    def _saved_slots(self, state: Mapping[str, Any]) -> list[Slot]:
-        return [slot for stream, sub in zip(self.streams, self._sources_of(state)) for slot in stream._saved_slots(sub)]
+    def saved_slots(self, state: Mapping[str, Any]) -> list[Slot]:
+        return [slot for stream, sub in zip(self.streams, self._sources_of(state), strict=True) for slot in stream.saved_slots(sub)]
 
-    def _reset(self, epoch: int, slot: Slot | None) -> None:
+    def reset(self, epoch: int, slot: Slot | None) -> None:
         self._epoch, self._draws, self._exhausted = epoch, 0, [False] * len(self.streams)
         for stream in self.streams:
-            stream._reset(epoch, slot)
+            stream.reset(epoch, slot)
 
     def state_dict(self) -> dict[str, Any]:
         return {
@@ -143,18 +144,18 @@ class Mix(Stream):
             raise ResumeError(f"mix state field {SOURCES!r} must list {len(self.streams)} source states, got {brief(sources)}")
         return sources
 
-    def _check(self, state: Any) -> Callable[[], None]:
+    def check(self, state: Any) -> Callable[[], None]:
         state = require_mapping(state, _WHAT)
         check_version(state, STREAM_STATE_VERSION, _WHAT)
         epoch = require_epoch(state, _WHAT)
-        check_same(_WHAT, "seed", state.get(SEED), self.seed, "build the mix with the checkpoint's seed")
-        check_same(_WHAT, "weights", state.get(WEIGHTS), self.weights, "build the mix with the checkpoint's weights")
+        check_same(_WHAT, SEED, state.get(SEED), self.seed, "build the mix with the checkpoint's seed")
+        check_same(_WHAT, WEIGHTS, state.get(WEIGHTS), self.weights, "build the mix with the checkpoint's weights")
         draws = require_count(state, DRAWS, _WHAT)
         exhausted = state.get(EXHAUSTED)
         if not isinstance(exhausted, list) or len(exhausted) != len(self.streams) or not all(isinstance(e, bool) for e in exhausted):
             raise ResumeError(f"mix state field {EXHAUSTED!r} must be {len(self.streams)} bools, got {brief(exhausted)}")
         sources = self._sources_of(state)
-        applies = [s._check(sub) for s, sub in zip(self.streams, sources)]
+        applies = [s.check(sub) for s, sub in zip(self.streams, sources, strict=True)]
         for i, sub in enumerate(sources):
             sub_epoch = sub.get(EPOCH) if isinstance(sub, Mapping) else None
             if isinstance(sub_epoch, int) and sub_epoch != epoch:
@@ -170,11 +171,11 @@ class Mix(Stream):
 
         return apply
 
-    def _rebalance(self, states: Sequence[Mapping[str, Any]], num_slots: int, pending: list[Key]) -> list[dict[str, Any]]:
+    def rebalance(self, states: Sequence[Mapping[str, Any]], num_slots: int, pending: list[Key]) -> list[dict[str, Any]]:
         per_source = []
         for i, stream in enumerate(self.streams):
             routed = [(key[0], *key[2:]) for key in pending if key[1] == i]
-            per_source.append(stream._rebalance([self._sources_of(s)[i] for s in states], num_slots, routed))
+            per_source.append(stream.rebalance([self._sources_of(s)[i] for s in states], num_slots, routed))
         return [
             {
                 VERSION: STREAM_STATE_VERSION,

@@ -57,11 +57,12 @@ class ParquetReader:
             row groups a buffer spans (about ``buffer size / rows per group + 1``) so each is
             decoded once. 0 disables the cache. Each entry holds one row group's columns in memory.
 
-    Example:
-        >>> shards = sorted(glob("my_dataset/data/train-*.parquet"))   # a Hub dataset's files
-        >>> reader = ParquetReader(["input_ids"], parse=lambda row: torch.tensor(row["input_ids"]))
-        >>> stream = ShardedIterable(shards, read_shard=reader, seed=0).shuffle_buffer(10_000)
-        >>> stream.state_dict()["source"]["remaining"]   # [[shard index, name, row], ...]
+    Example::
+
+        shards = sorted(glob("my_dataset/data/train-*.parquet"))   # a Hub dataset's files
+        reader = ParquetReader(["input_ids"], parse=lambda row: torch.tensor(row["input_ids"]))
+        stream = ShardedIterable(shards, read_shard=reader, seed=0).shuffle_buffer(10_000)
+        stream.state_dict()["source"]["remaining"]   # [[shard index, name, row], ...]
     """
 
     def __init__(

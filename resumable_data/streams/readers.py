@@ -31,10 +31,11 @@ class TokenShardReader:
         stride: tokens between record starts (default ``window``: non-overlapping windows).
         dtype: element type of raw ``.bin`` files (``.npy`` files carry their own).
 
-    Example:
-        >>> reader = TokenShardReader(1025)   # 1024 inputs + 1 shifted target
-        >>> stream = ShardedIterable(sorted(glob("tokens/*.bin")), read_shard=reader)
-        >>> window = next(iter(stream))       # torch.int64 tensor of 1025 tokens
+    Example::
+
+        reader = TokenShardReader(1025)   # 1024 inputs + 1 shifted target
+        stream = ShardedIterable(sorted(glob("tokens/*.bin")), read_shard=reader)
+        window = next(iter(stream))       # torch.int64 tensor of 1025 tokens
     """
 
     def __init__(self, window: int, *, stride: int | None = None, dtype: Any = np.uint16) -> None:
@@ -116,9 +117,10 @@ class TextLineReader:
         parse: applied to each decoded line; the line string itself when None.
         encoding: text encoding of the file.
 
-    Example:
-        >>> stream = ShardedIterable(["a.jsonl", "b.jsonl"], read_shard=TextLineReader(json.loads))
-        >>> stream.state_dict()["remaining"]  # [[shard index, name, byte offset], ...]
+    Example::
+
+        stream = ShardedIterable(["a.jsonl", "b.jsonl"], read_shard=TextLineReader(json.loads))
+        stream.state_dict()["remaining"]  # [[shard index, name, byte offset], ...]
     """
 
     def __init__(self, parse: Callable[[str], Any] | None = None, *, encoding: str = "utf-8") -> None:

@@ -22,8 +22,9 @@ class Repeat(Wrapper):
     keys, so ``map(seed=...)`` augments them differently. Resumes only with the same worker and
     rank layout.
 
-    Example:
-        >>> mixed = mix([web.repeat(), books.repeat()], weights=[0.7, 0.3], seed=0)
+    Example::
+
+        mixed = mix([web.repeat(), books.repeat()], weights=[0.7, 0.3], seed=0)
     """
 
     def __init__(self, source: Stream, times: int | None = None) -> None:
@@ -31,28 +32,28 @@ class Repeat(Wrapper):
         self.times = None if times is None else check_int_arg("times", times, minimum=1)
         self._round = 0
         self._epoch = 0
-        self.source._reset(self._source_epoch(), None)
+        self.source.reset(self._source_epoch(), None)
 
     def _source_epoch(self) -> int:
         return self._round if self.times is None else self._epoch * self.times + self._round
 
-    def _keyed(self) -> Iterator[tuple[Key | None, Any]]:
+    def iter_keyed(self) -> Iterator[tuple[Key | None, Any]]:
         while True:
-            yield from self.source._keyed()
+            yield from self.source.iter_keyed()
             if self.times is not None and self._round + 1 >= self.times:
                 return
             self._round += 1
-            self.source._reset(self._source_epoch(), None)
+            self.source.reset(self._source_epoch(), None)
 
-    def _reset(self, epoch: int, slot: Slot | None) -> None:
+    def reset(self, epoch: int, slot: Slot | None) -> None:
         self._epoch, self._round = epoch, 0
-        self.source._reset(self._source_epoch(), slot)
+        self.source.reset(self._source_epoch(), slot)
 
     def _own_state(self) -> dict[str, Any]:
         return {TIMES: self.times, ROUND: self._round}
 
     def _check_own(self, state: Mapping[str, Any]) -> Callable[[], None]:
-        check_same("repeat", "times", state.get(TIMES), self.times, "build it with the checkpoint's times")
+        check_same("repeat", TIMES, state.get(TIMES), self.times, "build it with the checkpoint's times")
         round_ = require_count(state, ROUND, "repeat")
         if self.times is not None and round_ >= self.times:
             raise ResumeError(f"repeat state is in round {round_} but times is {self.times}")
@@ -62,16 +63,16 @@ class Repeat(Wrapper):
 
         return apply
 
-    def _expected_source_epoch(self, epoch: int, state: Mapping[str, Any]) -> int:
+    def expected_source_epoch(self, epoch: int, state: Mapping[str, Any]) -> int:
         round_ = state[ROUND]
         return round_ if self.times is None else epoch * self.times + round_
 
-    def _key_checker(self, state: Mapping[str, Any] | None) -> Callable[[Key], None]:
+    def key_checker(self, state: Mapping[str, Any] | None) -> Callable[[Key], None]:
         if state is None:
-            return self.source._key_checker(None)
-        current = self._expected_source_epoch(state[EPOCH], state)
+            return self.source.key_checker(None)
+        current = self.expected_source_epoch(state[EPOCH], state)
         first = current - state[ROUND]
-        check_current, check_earlier = self.source._key_checker(state[SOURCE]), self.source._key_checker(None)
+        check_current, check_earlier = self.source.key_checker(state[SOURCE]), self.source.key_checker(None)
 
         def check(key: Key) -> None:
             # Records of earlier rounds (a shuffle buffer keeps some across rounds) have earlier
@@ -85,4 +86,4 @@ class Repeat(Wrapper):
 
         return check
 
-    _rebalance = Stream._rebalance
+    rebalance = Stream.rebalance

@@ -18,7 +18,7 @@ Order. The shards of epoch ``e`` are read in the order of ``Permutation(num_shar
 (or in list order with ``shuffle=False``). Split over ``S`` (rank, worker) slots, slot ``s`` reads
 the ``s``-th, ``s+S``-th, ... shard of that order.
 
-Layout change. :meth:`ShardedIterable._rebalance` pools the unfinished shards of every old slot
+Layout change. :meth:`ShardedIterable.rebalance` pools the unfinished shards of every old slot
 with their cursors, sorts them back into the epoch order and deals them round-robin to the new
 slots (pending records likewise). Every record of the epoch is still read exactly once, but the
 order of the rest of the epoch differs from an uninterrupted run with the old layout.
@@ -32,12 +32,23 @@ from typing import Any
 
 import numpy as np
 
-from .._state import VERSION, ResumeError, brief, check_int_arg, check_version, require_bool, require_int, require_mapping
+from .._state import (
+    SEED,
+    SHUFFLE,
+    VERSION,
+    ResumeError,
+    brief,
+    check_int_arg,
+    check_version,
+    is_int,
+    require_bool,
+    require_int,
+    require_mapping,
+)
 from ..permutation import Permutation
 from .base import (
     EPOCH,
     MAX_COUNT,
-    SEED,
     STREAM_STATE_VERSION,
     Key,
     Slot,
@@ -51,7 +62,6 @@ from .base import (
 __all__ = ["ShardedIterable"]
 
 _WHAT = "ShardedIterable"
-SHUFFLE = "shuffle"
 NUM_SHARDS = "num_shards"
 SHARDS_DIGEST = "shards_digest"
 SLOT = "slot"
@@ -77,12 +87,22 @@ class ShardedIterable(Stream):
         seed: seed of the shard order; only ``(seed, epoch)`` decide it.
 
     Example:
-        >>> stream = ShardedIterable(sorted(glob("data/*.bin")), read_shard=TokenShardReader(1025))
-        >>> for window in stream:
-        ...     ...
-        >>> state = stream.state_dict()   # per-shard cursors, a few bytes per shard
-        >>> fresh = ShardedIterable(sorted(glob("data/*.bin")), read_shard=TokenShardReader(1025))
-        >>> fresh.load_state_dict(state)  # the next record is read directly at its cursor
+        With files, ``shards`` is e.g. ``sorted(glob("data/*.bin"))`` and ``read_shard`` a
+        :class:`TokenShardReader`; here two shards are held in memory:
+
+        >>> records = {"a": [0, 1, 2, 3], "b": [4, 5, 6]}
+        >>> def read(shard, start):  # a shard's records from offset ``start`` on
+        ...     return iter(records[shard][start:])
+        >>> stream = ShardedIterable(["a", "b"], read_shard=read, seed=0)
+        >>> records_read = iter(stream)
+        >>> [next(records_read) for _ in range(5)]
+        [0, 1, 2, 3, 4]
+        >>> stream.state_dict()["remaining"]  # [[shard index, name, cursor]]: a few bytes per shard
+        [[1, 'b', 1]]
+        >>> fresh = ShardedIterable(["a", "b"], read_shard=read, seed=0)
+        >>> fresh.load_state_dict(stream.state_dict())  # reads shard "b" directly at its cursor
+        >>> list(fresh)
+        [5, 6]
     """
 
     def __init__(self, shards: Iterable[Any], *, read_shard: Callable[[Any, int], Iterator[Any]], shuffle: bool = True, seed: int = 0) -> None:
@@ -100,7 +120,7 @@ class ShardedIterable(Stream):
         self._slot: Slot = (0, 1)
         self._remaining: list[list[int]] = []  # [shard index, cursor], the first one being read
         self._pending: list[list[int]] = []
-        self._reset(0, None)
+        self.reset(0, None)
 
     # -- order and reading ---------------------------------------------------------------------
     def shard_order(self, epoch: int) -> list[int]:
@@ -117,15 +137,14 @@ class ShardedIterable(Stream):
             if hasattr(self.read_shard, "read_from"):
                 yield from self.read_shard.read_from(shard, start)
             else:
-                for i, record in enumerate(self.read_shard(shard, start), start=start + 1):
-                    yield i, record
+                yield from enumerate(self.read_shard(shard, start), start=start + 1)
         except OSError as exc:
             raise ResumeError(f"cannot read shard {index} {self._names[index]!r} at offset {start}: {exc}") from exc
 
-    def _fetch(self, key: Key) -> Any:
-        return self._fetch_many([key])[0]
+    def fetch(self, key: Key) -> Any:
+        return self.fetch_many([key])[0]
 
-    def _fetch_many(self, keys: Sequence[Key]) -> list[Any]:
+    def fetch_many(self, keys: Sequence[Key]) -> list[Any]:
         """Re-read ``keys`` shard by shard: each shard opened once, its offsets read in ascending order.
 
         A reader with ``read_records(shard, offsets)`` gets all of a shard's offsets in one call (the
@@ -168,11 +187,11 @@ class ShardedIterable(Stream):
             run.close()  # releases the reader's file now, not at garbage collection
         return records
 
-    def _keyed(self) -> Iterator[tuple[Key, Any]]:
+    def iter_keyed(self) -> Iterator[tuple[Key, Any]]:
         epoch = self._epoch
         if self._pending:
             # Records a shuffle buffer held before a layout change: re-read them together.
-            records = self._fetch_many([(epoch, index, offset) for index, offset in self._pending])
+            records = self.fetch_many([(epoch, index, offset) for index, offset in self._pending])
             for record in records:
                 index, offset = self._pending[0]
                 del self._pending[0]
@@ -186,7 +205,7 @@ class ShardedIterable(Stream):
             del self._remaining[0]
 
     # -- epochs and state ------------------------------------------------------------------------
-    def _reset(self, epoch: int, slot: Slot | None) -> None:
+    def reset(self, epoch: int, slot: Slot | None) -> None:
         if slot is not None:
             self._slot = slot
         self._epoch = epoch
@@ -216,8 +235,8 @@ class ShardedIterable(Stream):
         state = require_mapping(state, _WHAT)
         check_version(state, STREAM_STATE_VERSION, _WHAT)
         epoch = require_epoch(state, _WHAT)
-        check_same(_WHAT, "seed", state.get(SEED), self.seed, "build the pipeline with the checkpoint's seed")
-        check_same(_WHAT, "shuffle", require_bool(state, SHUFFLE, _WHAT), self.shuffle, "build it with the checkpoint's shuffle")
+        check_same(_WHAT, SEED, state.get(SEED), self.seed, "build the pipeline with the checkpoint's seed")
+        check_same(_WHAT, SHUFFLE, require_bool(state, SHUFFLE, _WHAT), self.shuffle, "build it with the checkpoint's shuffle")
         n = len(self.shards)
         remaining_raw = state.get(REMAINING)
         pending_raw = state.get(PENDING)
@@ -225,7 +244,7 @@ class ShardedIterable(Stream):
             raise ResumeError(f"{_WHAT} state fields {REMAINING!r} and {PENDING!r} must be lists")
         remaining: list[list[int]] = []
         for entry in remaining_raw:
-            if not (isinstance(entry, (list, tuple)) and len(entry) == 3 and _is_int(entry[0]) and _is_int(entry[2])):
+            if not (isinstance(entry, (list, tuple)) and len(entry) == 3 and is_int(entry[0]) and is_int(entry[2])):
                 raise ResumeError(f"{_WHAT} state: a remaining shard must be [index, name, cursor], got {brief(entry)}")
             index, name, cursor = entry
             if not 0 <= index < n or not isinstance(name, str) or self._names[index] != name:
@@ -241,10 +260,10 @@ class ShardedIterable(Stream):
         check_same(_WHAT, "shard list (digest of the names)", state.get(SHARDS_DIGEST), self._digest, "pass the checkpoint's shard list, in its order")
         if len({i for i, _ in remaining}) != len(remaining):
             raise ResumeError(f"{_WHAT} state lists a shard twice in {REMAINING!r}: {brief(remaining_raw)}")
-        cursors = dict(remaining)
+        cursors = {index: cursor for index, cursor in remaining}
         pending: list[list[int]] = []
         for entry in pending_raw:
-            if not (isinstance(entry, (list, tuple)) and len(entry) == 2 and all(_is_int(v) for v in entry)):
+            if not (isinstance(entry, (list, tuple)) and len(entry) == 2 and all(is_int(v) for v in entry)):
                 raise ResumeError(f"{_WHAT} state: a pending record must be [shard index, offset], got {brief(entry)}")
             _check_record(entry[0], entry[1], n, cursors, "pending record")
             pending.append([entry[0], entry[1]])
@@ -256,14 +275,14 @@ class ShardedIterable(Stream):
             raise ResumeError(f"{_WHAT} state has slot {slot} but only {num_slots} slots")
         return epoch, (slot, num_slots), remaining, pending
 
-    def _key_checker(self, state: Mapping[str, Any] | None) -> Callable[[Key], None]:
+    def key_checker(self, state: Mapping[str, Any] | None) -> Callable[[Key], None]:
         n = len(self.shards)
         epoch: int | None = None
         cursors: dict[int, int] = {}
         pending: set[tuple[int, int]] = set()
         if state is not None:
             epoch, _, remaining, pending_list = self._parse(state)
-            cursors = dict(remaining)
+            cursors = {index: cursor for index, cursor in remaining}
             pending = {(i, o) for i, o in pending_list}
 
         def check(key: Key) -> None:
@@ -281,10 +300,10 @@ class ShardedIterable(Stream):
 
         return check
 
-    def _saved_slots(self, state: Mapping[str, Any]) -> list[Slot]:
+    def saved_slots(self, state: Mapping[str, Any]) -> list[Slot]:
         return [self._parse(state)[1]]
 
-    def _check(self, state: Any) -> Callable[[], None]:
+    def check(self, state: Any) -> Callable[[], None]:
         epoch, slot, remaining, pending = self._parse(state)
 
         def apply() -> None:
@@ -292,7 +311,7 @@ class ShardedIterable(Stream):
 
         return apply
 
-    def _rebalance(self, states: Sequence[Mapping[str, Any]], num_slots: int, pending: list[Key]) -> list[dict[str, Any]]:
+    def rebalance(self, states: Sequence[Mapping[str, Any]], num_slots: int, pending: list[Key]) -> list[dict[str, Any]]:
         parsed = [self._parse(s) for s in states]
         epoch = parsed[0][0]
         if any(p[0] != epoch for p in parsed):
@@ -326,6 +345,3 @@ def _check_record(index: int, offset: int, n: int, cursors: Mapping[int, int], w
             f"cursor {cursors[index]}: that record was not read yet; pass a state_dict() of this pipeline unchanged"
         )
 
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)

@@ -17,13 +17,12 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 from .._hash import hash_ints
-from .._state import ResumeError, brief, check_int_arg
-from .base import SEED, SOURCE, Key, Stream, Wrapper, check_same, require_count, require_key
+from .._state import SEED, ResumeError, brief, check_int_arg
+from .base import DRAWS, SOURCE, Key, Stream, Wrapper, check_same, record_key, require_count, require_key
 
 __all__ = ["ShuffleBuffer"]
 
 SIZE = "size"
-DRAWS = "draws"
 BUFFER = "buffer"
 
 
@@ -33,10 +32,11 @@ class ShuffleBuffer(Wrapper):
     Needs a source whose records can be re-read from their key (a :class:`ShardedIterable`,
     possibly behind ``map``/``filter``/``mix``).
 
-    Example:
-        >>> shuffled = stream.shuffle_buffer(10_000, seed=0)
-        >>> state = shuffled.state_dict()   # 10_000 keys, not 10_000 samples
-        >>> shuffled.load_state_dict(state)
+    Example::
+
+        shuffled = stream.shuffle_buffer(10_000, seed=0)
+        state = shuffled.state_dict()   # 10_000 keys, not 10_000 samples
+        shuffled.load_state_dict(state)
     """
 
     def __init__(self, source: Stream, size: int, *, seed: int = 0) -> None:
@@ -57,14 +57,15 @@ class ShuffleBuffer(Wrapper):
         self._draws += 1
         return choice
 
-    def _keyed(self) -> Iterator[tuple[Key | None, Any]]:
+    def iter_keyed(self) -> Iterator[tuple[Key | None, Any]]:
         if self._unread:
             # One grouped re-read (each shard opened once), and only then the buffer changes: a
             # failed re-read leaves the restored state as it was.
-            records = self.source._fetch_many(self._unread)
+            records = self.source.fetch_many(self._unread)
             self._buffer.extend(zip(self._unread, records, strict=True))
             self._unread = []
-        for item in self.source._keyed():
+        for key, value in self.source.iter_keyed():
+            item = record_key(key, "shuffle_buffer"), value
             if len(self._buffer) < self.size:
                 self._buffer.append(item)
                 continue
@@ -90,15 +91,15 @@ class ShuffleBuffer(Wrapper):
 
     def _check_own(self, state: Mapping[str, Any]) -> Callable[[], None]:
         what = "shuffle_buffer"
-        check_same(what, "seed", state.get(SEED), self.seed, "build it with the checkpoint's seed")
-        check_same(what, "size", state.get(SIZE), self.size, "build it with the checkpoint's size")
+        check_same(what, SEED, state.get(SEED), self.seed, "build it with the checkpoint's seed")
+        check_same(what, SIZE, state.get(SIZE), self.size, "build it with the checkpoint's size")
         draws = require_count(state, DRAWS, what)
         keys = self._buffered_keys(state, self.size)
         if len(set(keys)) != len(keys):
             raise ResumeError(f"{what} state holds a record twice in {BUFFER!r}: {brief(state[BUFFER])}")
         # Every key must be a record the source has already read in this state: the source's state
-        # was checked first (Wrapper._check), so its checker knows the epoch, shards and cursors.
-        check_key = self.source._key_checker(state[SOURCE])
+        # was checked first (Wrapper.check), so its checker knows the epoch, shards and cursors.
+        check_key = self.source.key_checker(state[SOURCE])
         for key in keys:
             check_key(key)
 
@@ -107,9 +108,9 @@ class ShuffleBuffer(Wrapper):
 
         return apply
 
-    def _key_checker(self, state: Mapping[str, Any] | None) -> Callable[[Key], None]:
+    def key_checker(self, state: Mapping[str, Any] | None) -> Callable[[Key], None]:
         # A key this stage yielded left its buffer: it cannot also be in it (nested buffers).
-        check_source = super()._key_checker(state)
+        check_source = super().key_checker(state)
         held = set() if state is None else set(self._buffered_keys(state, self.size))
 
         def check(key: Key) -> None:
@@ -128,7 +129,7 @@ class ShuffleBuffer(Wrapper):
             raise ResumeError(f"shuffle_buffer state holds {len(raw)} records but the buffer size is {size}")
         return [require_key(key, "shuffle_buffer state") for key in raw]
 
-    def _rebalance(self, states: Sequence[Mapping[str, Any]], num_slots: int, pending: list[Key]) -> list[dict[str, Any]]:
+    def rebalance(self, states: Sequence[Mapping[str, Any]], num_slots: int, pending: list[Key]) -> list[dict[str, Any]]:
         # Buffered records go back to the sources as pending records, to be read again exactly once.
         held = [key for state in states for key in self._buffered_keys(state)]
-        return super()._rebalance(states, num_slots, pending + held)
+        return super().rebalance(states, num_slots, pending + held)

@@ -20,9 +20,10 @@ class Take(Wrapper):
     The count belongs to one stream, so a pipeline with ``take`` resumes only with the same worker
     and rank layout.
 
-    Example:
-        >>> for record in stream.take(1000):  # a quick validation pass
-        ...     ...
+    Example::
+
+        for record in stream.take(1000):  # a quick validation pass
+            ...
     """
 
     def __init__(self, source: Stream, n: int) -> None:
@@ -30,8 +31,8 @@ class Take(Wrapper):
         self.limit = check_int_arg("n", n, minimum=0)
         self._taken = 0
 
-    def _keyed(self) -> Iterator[tuple[Key | None, Any]]:
-        records = self.source._keyed()
+    def iter_keyed(self) -> Iterator[tuple[Key | None, Any]]:
+        records = self.source.iter_keyed()
         while self._taken < self.limit:
             item = next(records, None)
             if item is None:
@@ -56,4 +57,4 @@ class Take(Wrapper):
 
         return apply
 
-    _rebalance = Stream._rebalance
+    rebalance = Stream.rebalance
