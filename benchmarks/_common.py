@@ -336,7 +336,7 @@ def parse_markdown_rows(text: str, first_header: str) -> list[dict[str, str]]:
         elif headers is None:
             headers = cells if cells[0] == first_header else []
         elif headers and not set(line) <= set("|-: "):
-            rows.append(dict(zip(headers, cells)))
+            rows.append(dict(zip(headers, cells, strict=False)))
     return rows
 
 
@@ -377,14 +377,14 @@ def plot_lines(
     columns = min(2, len(panels))
     rows = -(-len(panels) // columns)
     fig, axes = plt.subplots(rows, columns, figsize=(6.4 * columns, 4.4 * rows), squeeze=False, sharey=True)
-    for ax, (title, series) in zip(axes.flat, panels):
+    for ax, (title, series) in zip(axes.flat, panels, strict=False):
         for method, points in series.items():
             if not points:
                 continue
             color = colors[method]
-            xs, ys, hollow = zip(*sorted(points))
+            xs, ys, hollow = zip(*sorted(points), strict=False)
             ax.plot(xs, ys, "-", color=color, label=method)
-            for x, y, extrapolated in zip(xs, ys, hollow):
+            for x, y, extrapolated in zip(xs, ys, hollow, strict=False):
                 ax.plot(x, y, "o", color=color, markerfacecolor="white" if extrapolated else color)
         skipped = (not_run or {}).get(title, ())
         for i, (x, method) in enumerate(skipped):
@@ -451,11 +451,11 @@ def plot_bars(
         ys = [groups[group][method] for _, group in members]
         bars = ax.bar(xs, ys, width=width, label=method, color=f"C{i}")
         if spreads is not None:
-            ranges = [(spreads.get(group, {}).get(method, (y, y))) for (_, group), y in zip(members, ys)]
-            low = [max(0.0, y - lo) for (lo, _), y in zip(ranges, ys)]
-            high = [max(0.0, hi - y) for (_, hi), y in zip(ranges, ys)]
+            ranges = [(spreads.get(group, {}).get(method, (y, y))) for (_, group), y in zip(members, ys, strict=False)]
+            low = [max(0.0, y - lo) for (lo, _), y in zip(ranges, ys, strict=False)]
+            high = [max(0.0, hi - y) for (_, hi), y in zip(ranges, ys, strict=False)]
             ax.errorbar(xs, ys, yerr=[low, high], fmt="none", ecolor="black", elinewidth=0.8, capsize=2)
-        for bar, y in zip(bars, ys):
+        for bar, y in zip(bars, ys, strict=False):
             # On the bar's own top (not the error bar's), on white, so it reads even where a range crosses it.
             clipped = ymax is not None and y > ymax
             ax.annotate(value_format.format(y) + (" ↑" if clipped else ""), (bar.get_x() + bar.get_width() / 2, ymax * 0.85 if clipped else y),

@@ -24,10 +24,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
-
 import _common  # first: it puts this checkout's resumable_data and trainer on the path
+import torch
 from _common import format_seconds, markdown_table, run_isolated
+
 from resumable_data import CheckpointManager, ResumableDataLoader
 from trainer.model import GPT, ModelConfig
 
@@ -72,7 +72,7 @@ def _tensors_equal(a: Any, b: Any) -> bool:
     if isinstance(a, dict):
         return isinstance(b, dict) and a.keys() == b.keys() and all(_tensors_equal(a[k], b[k]) for k in a)
     if isinstance(a, (list, tuple)):
-        return isinstance(b, (list, tuple)) and len(a) == len(b) and all(_tensors_equal(x, y) for x, y in zip(a, b))
+        return isinstance(b, (list, tuple)) and len(a) == len(b) and all(_tensors_equal(x, y) for x, y in zip(a, b, strict=False))
     return a == b
 
 
@@ -160,7 +160,7 @@ def run(plan: Plan, root: Path) -> dict[tuple[str, int], list[dict[str, Any]]]:
 
 def _round_ratios(results: dict[tuple[str, int], list[dict[str, Any]]], key: tuple[str, int]) -> list[float]:
     """Per round: total time / the no-checkpoint total of the same round."""
-    pairs = zip(results[key], results[(NONE, 0)])
+    pairs = zip(results[key], results[(NONE, 0)], strict=False)
     return [r["total_s"] / base["total_s"] for r, base in pairs if "total_s" in r and "total_s" in base]
 
 

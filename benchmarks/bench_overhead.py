@@ -42,9 +42,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
-
 import _common  # first: it puts this checkout's resumable_data on the path
+import torch
 from _common import SyntheticDataset, format_count, format_seconds, markdown_table, run_isolated
 
 # torchdata 0.11 calls a deprecated torch API on every StatefulDataLoader; the warning is noise here.
@@ -224,7 +223,7 @@ def _overhead(epochs: Epochs, method: str, cost: float, workers: int) -> float |
 
 
 def _spread(ratios: list[float]) -> str:
-    """``+1.2 % (−0.8 … +3.1 %)``: the median overhead and its range over rounds."""
+    """``+1.2 % (-0.8 … +3.1 %)``: the median overhead and its range over rounds."""
     if not ratios:
         return ""
     return f"{statistics.median(ratios) - 1:+.1%} ({min(ratios) - 1:+.1%} … {max(ratios) - 1:+.1%})"

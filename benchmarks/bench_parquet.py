@@ -31,7 +31,13 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 from _common import machine_header, markdown_table, parse_args, write_report
-from bench_streams import TABLE_HEADERS, Pipeline, checkpoint, table_row, time_rounds  # the same timing as the token-shard rows
+from bench_streams import (  # the same timing as the token-shard rows
+    TABLE_HEADERS,
+    Pipeline,
+    checkpoint,
+    table_row,
+    time_rounds,
+)
 
 from resumable_data.streams import ParquetReader, ShardedIterable, Stream, StreamLoader
 

@@ -51,14 +51,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import _common  # first: it puts this checkout's resumable_data on the path
 import numpy as np
 import torch
 import torchdata.nodes as tn
-from torch.utils.data import BatchSampler, DataLoader, RandomSampler, Sampler, default_collate
-from torchdata.stateful_dataloader.sampler import BatchSampler as StatefulBatchSampler
-from torchdata.stateful_dataloader.sampler import RandomSampler as StatefulRandomSampler
-
-import _common  # first: it puts this checkout's resumable_data on the path
 from _common import (
     PeakMemory,
     SyntheticDataset,
@@ -69,6 +65,10 @@ from _common import (
     run_isolated,
     seeded_generator,
 )
+from torch.utils.data import BatchSampler, DataLoader, RandomSampler, Sampler, default_collate
+from torchdata.stateful_dataloader.sampler import BatchSampler as StatefulBatchSampler
+from torchdata.stateful_dataloader.sampler import RandomSampler as StatefulRandomSampler
+
 from resumable_data import ResumableSampler
 from resumable_data.permutation import Permutation
 

@@ -68,7 +68,7 @@ def stop_and_resume(name: str, make_loader, num_epochs: int) -> bool:
     before, state = run(make_loader, num_epochs, stop_after=stop)
     after, _ = run(make_loader, num_epochs, state=state)
     resumed = before + after
-    same = len(resumed) == len(reference) and all(torch.equal(a, b) for a, b in zip(reference, resumed))
+    same = len(resumed) == len(reference) and all(torch.equal(a, b) for a, b in zip(reference, resumed, strict=False))
     print(f"{name}: {len(reference)} batches, stopped after {stop}, resumed: identical {same}")
     return same
 

@@ -94,7 +94,7 @@ def main() -> None:
         resumed = train(interrupted, samples=samples, num_epochs=num_epochs)
         same_weights = all(
             torch.equal(a, b)
-            for a, b in zip(torch.load(f"{straight}/final.pt").values(), torch.load(f"{interrupted}/final.pt").values())
+            for a, b in zip(torch.load(f"{straight}/final.pt").values(), torch.load(f"{interrupted}/final.pt").values(), strict=False)
         )
     print(f"{len(reference)} steps, stopped after step {stop_at} (epoch 1, mid-epoch) and resumed")
     print(f"final loss {reference[-1]:.6f} (uninterrupted) vs {resumed[-1]:.6f} (resumed)")

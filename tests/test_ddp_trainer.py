@@ -226,9 +226,9 @@ def _c_threads() -> list[str]:
 def _teardown_main(rank: int, world_size: int, tmp: str, config: TrainConfig) -> None:
     import gc
 
-    from dist_harness import init_gloo
     from torch.nn.parallel import DistributedDataParallel
 
+    from dist_harness import init_gloo
     from trainer.train import train
 
     torch.set_num_threads(1)

@@ -32,7 +32,12 @@ from typing import Any, TextIO
 
 import numpy as np
 import torch
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_state_dict,
+    set_state_dict,
+)
 from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
 
@@ -222,7 +227,7 @@ class _Metrics:
     """Appends one JSON line per event; line-buffered, so a kill -9 loses at most a partial line."""
 
     def __init__(self, path: Path) -> None:
-        self._file: TextIO = open(path, "a", buffering=1)
+        self._file: TextIO = open(path, "a", buffering=1)  # noqa: SIM115 - kept open for the run; close() ends it
 
     def log(self, event: str, **values: Any) -> None:
         self._file.write(json.dumps({"event": event, "time": time.time(), **values}) + "\n")

@@ -68,7 +68,7 @@ def first_difference(a: Any, b: Any, where: str = "") -> str | None:
     if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
         if len(a) != len(b):
             return f"{where}: lengths {len(a)} vs {len(b)}"
-        for i, (x, y) in enumerate(zip(a, b)):
+        for i, (x, y) in enumerate(zip(a, b, strict=False)):
             diff = first_difference(x, y, f"{where}[{i}]")
             if diff is not None:
                 return diff
