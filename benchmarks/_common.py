@@ -43,7 +43,9 @@ SAMPLE_WIDTH = 16
 # -- command line and header -----------------------------------------------------------------------
 
 
-def parse_args(description: str, add_arguments: Callable[[argparse.ArgumentParser], None] | None = None) -> argparse.Namespace:
+def parse_args(
+    description: str, add_arguments: Callable[[argparse.ArgumentParser], None] | None = None
+) -> argparse.Namespace:
     """The options every benchmark takes (``--quick``, ``--out``) plus its own."""
     parser = argparse.ArgumentParser(description=description)
     parser.add_argument(
@@ -121,7 +123,10 @@ def _cell_context() -> Any:
 
 
 def _cell_entry(
-    conn: multiprocessing.connection.Connection, start_method: str, fn: Callable[..., dict[str, Any]], kwargs: dict[str, Any]
+    conn: multiprocessing.connection.Connection,
+    start_method: str,
+    fn: Callable[..., dict[str, Any]],
+    kwargs: dict[str, Any],
 ) -> None:
     # A forkserver child inherits "forkserver" as its default start method; DataLoader and
     # torchdata.nodes workers must start the way they would in the user's own main process.
@@ -273,9 +278,13 @@ def seeded_generator(seed: int) -> torch.Generator:
 # ``loader_kwargs`` go to the loader's constructor unchanged (e.g. ``collate_fn``).
 
 
-def plain_loader(dataset: Sized, *, batch_size: int, seed: int, workers: int, **loader_kwargs: Any) -> torch.utils.data.DataLoader:
+def plain_loader(
+    dataset: Sized, *, batch_size: int, seed: int, workers: int, **loader_kwargs: Any
+) -> torch.utils.data.DataLoader:
     sampler = torch.utils.data.RandomSampler(dataset, generator=seeded_generator(seed))
-    return torch.utils.data.DataLoader(dataset, batch_size=batch_size, sampler=sampler, num_workers=workers, **loader_kwargs)
+    return torch.utils.data.DataLoader(
+        dataset, batch_size=batch_size, sampler=sampler, num_workers=workers, **loader_kwargs
+    )
 
 
 def stateful_loader(dataset: Sized, *, batch_size: int, seed: int, workers: int, **loader_kwargs: Any) -> Any:
@@ -289,7 +298,9 @@ def stateful_loader(dataset: Sized, *, batch_size: int, seed: int, workers: int,
 def resumable_loader(dataset: Sized, *, batch_size: int, seed: int, workers: int, **loader_kwargs: Any) -> Any:
     from resumable_data import ResumableDataLoader
 
-    return ResumableDataLoader(dataset, batch_size=batch_size, shuffle=True, seed=seed, num_workers=workers, **loader_kwargs)
+    return ResumableDataLoader(
+        dataset, batch_size=batch_size, shuffle=True, seed=seed, num_workers=workers, **loader_kwargs
+    )
 
 
 # -- tables and plots ----------------------------------------------------------------------------
@@ -389,8 +400,16 @@ def plot_lines(
         skipped = (not_run or {}).get(title, ())
         for i, (x, method) in enumerate(skipped):
             # y in axes coordinates: the cross sits at the top whatever the data's range.
-            ax.plot(x, 0.96 - 0.04 * (i % 4), "x", color=colors.get(method, "black"), markersize=8, mew=2,
-                    transform=ax.get_xaxis_transform(), clip_on=False)
+            ax.plot(
+                x,
+                0.96 - 0.04 * (i % 4),
+                "x",
+                color=colors.get(method, "black"),
+                markersize=8,
+                mew=2,
+                transform=ax.get_xaxis_transform(),
+                clip_on=False,
+            )
         if skipped:
             ax.text(0.02, 0.97, f"× {not_run_label}", transform=ax.transAxes, fontsize=8, va="top")
         if xscale == "symlog":
@@ -408,10 +427,23 @@ def plot_lines(
     for ax in list(axes.flat)[len(panels) :]:
         ax.axis("off")
     # One legend for the figure (a method has one color everywhere), below the panels, so it hides no line.
-    handles = [matplotlib.lines.Line2D([], [], color=color, marker="o", label=method) for method, color in colors.items()]
-    fig.legend(handles=handles, loc="lower center", ncol=min(4, len(handles)), fontsize=8, frameon=False, bbox_to_anchor=(0.5, 0.015))
-    fig.text(0.01, 0.005, "hollow marker: extrapolated (the cell stopped at its deadline); all panels share one log y axis",
-             fontsize=8)
+    handles = [
+        matplotlib.lines.Line2D([], [], color=color, marker="o", label=method) for method, color in colors.items()
+    ]
+    fig.legend(
+        handles=handles,
+        loc="lower center",
+        ncol=min(4, len(handles)),
+        fontsize=8,
+        frameon=False,
+        bbox_to_anchor=(0.5, 0.015),
+    )
+    fig.text(
+        0.01,
+        0.005,
+        "hollow marker: extrapolated (the cell stopped at its deadline); all panels share one log y axis",
+        fontsize=8,
+    )
     legend_rows = -(-len(handles) // 4)
     fig.tight_layout(rect=(0, 0.02 + 0.03 * legend_rows * 4.4 / (4.4 * rows), 1, 1))
     fig.savefig(path, dpi=110)
@@ -458,10 +490,17 @@ def plot_bars(
         for bar, y in zip(bars, ys, strict=False):
             # On the bar's own top (not the error bar's), on white, so it reads even where a range crosses it.
             clipped = ymax is not None and y > ymax
-            ax.annotate(value_format.format(y) + (" ↑" if clipped else ""), (bar.get_x() + bar.get_width() / 2, ymax * 0.85 if clipped else y),
-                        xytext=(0, 2), textcoords="offset points",
-                        ha="center", va="bottom", fontsize=7, rotation=90 if len(methods) > 3 else 0,
-                        bbox={"boxstyle": "square,pad=0.1", "facecolor": "white", "edgecolor": "none", "alpha": 0.8})
+            ax.annotate(
+                value_format.format(y) + (" ↑" if clipped else ""),
+                (bar.get_x() + bar.get_width() / 2, ymax * 0.85 if clipped else y),
+                xytext=(0, 2),
+                textcoords="offset points",
+                ha="center",
+                va="bottom",
+                fontsize=7,
+                rotation=90 if len(methods) > 3 else 0,
+                bbox={"boxstyle": "square,pad=0.1", "facecolor": "white", "edgecolor": "none", "alpha": 0.8},
+            )
     if reference is not None:
         ax.axhline(reference, color="black", linestyle="--", linewidth=0.8)
     ax.margins(y=0.15)

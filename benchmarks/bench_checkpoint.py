@@ -45,8 +45,22 @@ class Plan:
     rounds: int
 
 
-FULL = Plan(model={"block_size": 64, "n_layer": 4, "n_head": 4, "n_embd": 256}, batch_size=8, steps=160, warmup=10, intervals=(50, 10), rounds=2)
-QUICK = Plan(model={"block_size": 32, "n_layer": 1, "n_head": 2, "n_embd": 64}, batch_size=4, steps=24, warmup=2, intervals=(5,), rounds=1)
+FULL = Plan(
+    model={"block_size": 64, "n_layer": 4, "n_head": 4, "n_embd": 256},
+    batch_size=8,
+    steps=160,
+    warmup=10,
+    intervals=(50, 10),
+    rounds=2,
+)
+QUICK = Plan(
+    model={"block_size": 32, "n_layer": 1, "n_head": 2, "n_embd": 64},
+    batch_size=4,
+    steps=24,
+    warmup=2,
+    intervals=(5,),
+    rounds=1,
+)
 
 
 class TokenWindows(torch.utils.data.Dataset):
@@ -72,11 +86,17 @@ def _tensors_equal(a: Any, b: Any) -> bool:
     if isinstance(a, dict):
         return isinstance(b, dict) and a.keys() == b.keys() and all(_tensors_equal(a[k], b[k]) for k in a)
     if isinstance(a, (list, tuple)):
-        return isinstance(b, (list, tuple)) and len(a) == len(b) and all(_tensors_equal(x, y) for x, y in zip(a, b, strict=False))
+        return (
+            isinstance(b, (list, tuple))
+            and len(a) == len(b)
+            and all(_tensors_equal(x, y) for x, y in zip(a, b, strict=False))
+        )
     return a == b
 
 
-def train_cell(model_config: dict[str, int], batch_size: int, steps: int, warmup: int, mode: str, interval: int, directory: str) -> dict[str, Any]:
+def train_cell(
+    model_config: dict[str, int], batch_size: int, steps: int, warmup: int, mode: str, interval: int, directory: str
+) -> dict[str, Any]:
     """Train ``steps`` steps, checkpointing every ``interval`` in ``mode``; times and a restore check."""
     # One compute thread: on a shared machine a step that wants every core is at the mercy of
     # everything else running, and a spare core for the writer thread is what a GPU job's host
@@ -86,7 +106,9 @@ def train_cell(model_config: dict[str, int], batch_size: int, steps: int, warmup
     config = ModelConfig(**model_config)
     model = GPT(config)
     optimizer = torch.optim.AdamW(model.param_groups(weight_decay=0.1), lr=3e-4)
-    loader = ResumableDataLoader(TokenWindows(10**6, config.block_size, config.vocab_size), batch_size=batch_size, seed=SEED)
+    loader = ResumableDataLoader(
+        TokenWindows(10**6, config.block_size, config.vocab_size), batch_size=batch_size, seed=SEED
+    )
     batches = iter(loader)
     manager = CheckpointManager(directory, async_save=(mode == ASYNC)) if mode != NONE else None
     step_times, save_call_times = [], []
@@ -100,13 +122,22 @@ def train_cell(model_config: dict[str, int], batch_size: int, steps: int, warmup
         optimizer.step()
         saved = manager is not None and step > 0 and step % interval == 0
         if saved:
-            state = {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "dataloader": loader.state_dict(), "train_state": {"step": step}}
+            state = {
+                "model": model.state_dict(),
+                "optimizer": optimizer.state_dict(),
+                "dataloader": loader.state_dict(),
+                "train_state": {"step": step},
+            }
             call = time.perf_counter()
             manager.save(step, state)
             save_call_times.append(time.perf_counter() - call)
         step_times.append(time.perf_counter() - start)
         if saved:  # outside the timed region: what the newest checkpoint must hold
-            expected = {"model": {k: v.clone() for k, v in model.state_dict().items()}, "dataloader": loader.state_dict(), "step": step}
+            expected = {
+                "model": {k: v.clone() for k, v in model.state_dict().items()},
+                "dataloader": loader.state_dict(),
+                "step": step,
+            }
     drain = 0.0
     restored = "—"
     if manager is not None:
@@ -147,13 +178,20 @@ def run(plan: Plan, root: Path) -> dict[tuple[str, int], list[dict[str, Any]]]:
         for mode, interval in modes:
             directory = root / f"{mode}-{interval}-{round_}"
             kwargs = {
-                "model_config": plan.model, "batch_size": plan.batch_size, "steps": plan.steps, "warmup": plan.warmup,
-                "mode": mode, "interval": interval, "directory": str(directory),
+                "model_config": plan.model,
+                "batch_size": plan.batch_size,
+                "steps": plan.steps,
+                "warmup": plan.warmup,
+                "mode": mode,
+                "interval": interval,
+                "directory": str(directory),
             }
             result = run_isolated(train_cell, kwargs, timeout_s=900)
             shutil.rmtree(directory, ignore_errors=True)
             results.setdefault((mode, interval), []).append(result)
-            shown = f"{result['total_s']:.2f} s, restored {result['restored']}" if "total_s" in result else result["error"]
+            shown = (
+                f"{result['total_s']:.2f} s, restored {result['restored']}" if "total_s" in result else result["error"]
+            )
             print(f"round {round_ + 1}: {mode} every {interval or '-'}: {shown}", flush=True)
     return results
 
@@ -179,32 +217,61 @@ def report(plan: Plan, results: dict[tuple[str, int], list[dict[str, Any]]]) -> 
             rows.append([mode, interval or "—", runs[0].get("error", "error"), "", "", "", "", "", ""])
             continue
         ratio = _ratio(results, (mode, interval))
-        rows.append([
-            mode, interval or "—", f"{ratio:.3f}" if ratio is not None else "",
-            fmt(statistics.median(r["median_step_s"] for r in ok)), fmt(max(r["max_step_s"] for r in ok)),
-            fmt(statistics.median(r["save_call_s"] for r in ok)) if mode != NONE else "—",
-            fmt(statistics.median(r["drain_s"] for r in ok)) if mode != NONE else "—",
-            f"{ok[0]['checkpoint_bytes'] / 2**20:.1f} MB" if mode != NONE else "—",
-            ", ".join(r["restored"] for r in ok),
-        ])
+        rows.append(
+            [
+                mode,
+                interval or "—",
+                f"{ratio:.3f}" if ratio is not None else "",
+                fmt(statistics.median(r["median_step_s"] for r in ok)),
+                fmt(max(r["max_step_s"] for r in ok)),
+                fmt(statistics.median(r["save_call_s"] for r in ok)) if mode != NONE else "—",
+                fmt(statistics.median(r["drain_s"] for r in ok)) if mode != NONE else "—",
+                f"{ok[0]['checkpoint_bytes'] / 2**20:.1f} MB" if mode != NONE else "—",
+                ", ".join(r["restored"] for r in ok),
+            ]
+        )
     first = next(r for runs in results.values() for r in runs if "parameters" in r)
     targets = []
     if 50 in plan.intervals and (ratio := _ratio(results, (ASYNC, 50))) is not None:
-        targets.append(f"- asynchronous checkpoints every 50 steps: step time × {ratio:.3f} ({ratio - 1:+.1%}; target ≤ +5 %: "
-                       f"{'met' if ratio <= 1.05 else 'missed'})")
+        targets.append(
+            f"- asynchronous checkpoints every 50 steps: step time × {ratio:.3f} ({ratio - 1:+.1%}; target ≤ +5 %: "
+            f"{'met' if ratio <= 1.05 else 'missed'})"
+        )
     if 50 in plan.intervals and (ratio := _ratio(results, (SYNC, 50))) is not None:
-        targets.append(f"- synchronous checkpoints every 50 steps, for comparison: step time × {ratio:.3f} ({ratio - 1:+.1%})")
-    return "\n".join([
-        _common.machine_header("Checkpointing cost in a training loop"),
-        f"GPT {plan.model} ({first['parameters'] / 1e6:.2f} M parameters), AdamW, batch {plan.batch_size}, "
-        f"{plan.steps} steps of which the first {plan.warmup} are not counted, {plan.rounds} round(s), one torch thread. "
-        "Ratio: (measured steps + final wait for the last write) / the same without checkpoints, median over rounds. "
-        "Max step: the slowest step (a synchronous save stalls one step for the whole write). Save call: time "
-        "inside `CheckpointManager.save()`.",
-        "", "## Targets", "", *targets, "",
-        "## Step time", "",
-        markdown_table(["mode", "every K steps", "time ratio", "median step", "max step", "save call", "final wait", "checkpoint", "restored"], rows),
-    ])
+        targets.append(
+            f"- synchronous checkpoints every 50 steps, for comparison: step time × {ratio:.3f} ({ratio - 1:+.1%})"
+        )
+    return "\n".join(
+        [
+            _common.machine_header("Checkpointing cost in a training loop"),
+            f"GPT {plan.model} ({first['parameters'] / 1e6:.2f} M parameters), AdamW, batch {plan.batch_size}, "
+            f"{plan.steps} steps of which the first {plan.warmup} are not counted, {plan.rounds} round(s), one torch thread. "
+            "Ratio: (measured steps + final wait for the last write) / the same without checkpoints, median over rounds. "
+            "Max step: the slowest step (a synchronous save stalls one step for the whole write). Save call: time "
+            "inside `CheckpointManager.save()`.",
+            "",
+            "## Targets",
+            "",
+            *targets,
+            "",
+            "## Step time",
+            "",
+            markdown_table(
+                [
+                    "mode",
+                    "every K steps",
+                    "time ratio",
+                    "median step",
+                    "max step",
+                    "save call",
+                    "final wait",
+                    "checkpoint",
+                    "restored",
+                ],
+                rows,
+            ),
+        ]
+    )
 
 
 def plot(results: dict[tuple[str, int], list[dict[str, Any]]], out: Path) -> None:
@@ -218,13 +285,20 @@ def plot(results: dict[tuple[str, int], list[dict[str, Any]]], out: Path) -> Non
         group = f"every {interval} steps"
         groups.setdefault(group, {})[mode] = statistics.median(ratios)
         spreads.setdefault(group, {})[mode] = (min(ratios), max(ratios))
-    _common.plot_bars(out / "checkpoint_step_time.png",
-                      "Training time with checkpoints / without (lower is better; bars: min–max over rounds)",
-                      groups, ylabel="time ratio", reference=1.0, spreads=spreads)
+    _common.plot_bars(
+        out / "checkpoint_step_time.png",
+        "Training time with checkpoints / without (lower is better; bars: min–max over rounds)",
+        groups,
+        ylabel="time ratio",
+        reference=1.0,
+        spreads=spreads,
+    )
 
 
 def _add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--ckpt-dir", type=Path, default=None, help="where the checkpoints are written (default: a temp dir)")
+    parser.add_argument(
+        "--ckpt-dir", type=Path, default=None, help="where the checkpoints are written (default: a temp dir)"
+    )
 
 
 def main() -> None:

@@ -54,12 +54,16 @@ SEED = 1234
 STATE_DICT_CALLS = 2000
 
 
-def control_loader(dataset: Sized, *, batch_size: int, seed: int, workers: int, **loader_kwargs: Any) -> torch.utils.data.DataLoader:
+def control_loader(
+    dataset: Sized, *, batch_size: int, seed: int, workers: int, **loader_kwargs: Any
+) -> torch.utils.data.DataLoader:
     """A plain DataLoader fed resumable_data's exact order (precomputed, outside the timed part)."""
     from resumable_data import ResumableSampler
 
     order = list(ResumableSampler(len(dataset), shuffle=True, seed=seed))
-    return torch.utils.data.DataLoader(dataset, batch_size=batch_size, sampler=order, num_workers=workers, **loader_kwargs)
+    return torch.utils.data.DataLoader(
+        dataset, batch_size=batch_size, sampler=order, num_workers=workers, **loader_kwargs
+    )
 
 
 @dataclass(frozen=True)
@@ -84,7 +88,9 @@ METHODS: list[Method] = [
     Method("control: DataLoader fed resumable_data's order", control_loader, stateful=False),
     # The global-RNG variants: their state_dict() is resumable_data's, so no state cells of their own.
     Method(RNG_OFF, functools.partial(_common.resumable_loader, global_rng=None, warm_start=False), stateful=False),
-    Method(RNG_SAMPLE, functools.partial(_common.resumable_loader, global_rng="sample", warm_start=False), stateful=False),
+    Method(
+        RNG_SAMPLE, functools.partial(_common.resumable_loader, global_rng="sample", warm_start=False), stateful=False
+    ),
 ]
 GLOBAL_RNG_ROWS = {OURS: 'global_rng="batch" (default)', RNG_SAMPLE: 'global_rng="sample"'}
 GLOBAL_RNG_TARGET = 0.02  # "batch" vs None at 50 µs/sample
@@ -107,7 +113,9 @@ QUICK = Plan(sizes={50.0: 320}, workers=(0, 2), rounds=1, state_size=10**3, mach
 def epoch_cell(method: str, n: int, work_iterations: int, workers: int) -> dict[str, Any]:
     """One full epoch; steady-state seconds and CPU seconds (first batch → end), and whether it covered N once."""
     torch.set_num_threads(1)
-    loader = BY_NAME[method].build(SyntheticDataset(n, work_iterations), batch_size=BATCH_SIZE, seed=SEED, workers=workers)
+    loader = BY_NAME[method].build(
+        SyntheticDataset(n, work_iterations), batch_size=BATCH_SIZE, seed=SEED, workers=workers
+    )
     iterator = iter(loader)
     seen = [next(iterator)[:, 0]]
     gc.collect()
@@ -143,7 +151,9 @@ def machinery_cell(method: str, batches: int, rounds: int) -> dict[str, Any]:
     n = batches * BATCH_SIZE
     per_batch = []
     for _ in range(rounds):
-        loader = BY_NAME[method].build(IndexDataset(n), batch_size=BATCH_SIZE, seed=SEED, workers=0, collate_fn=_as_list)
+        loader = BY_NAME[method].build(
+            IndexDataset(n), batch_size=BATCH_SIZE, seed=SEED, workers=0, collate_fn=_as_list
+        )
         iterator = iter(loader)
         next(iterator)
         gc.collect()
@@ -188,7 +198,9 @@ def rotated(items: list[Any], shift: int) -> list[Any]:
     return items[shift:] + items[:shift]
 
 
-def run(plan: Plan, work_iterations: dict[float, int]) -> tuple[Epochs, dict[tuple[str, int], dict[str, Any]], dict[str, dict[str, Any]]]:
+def run(
+    plan: Plan, work_iterations: dict[float, int]
+) -> tuple[Epochs, dict[tuple[str, int], dict[str, Any]], dict[str, dict[str, Any]]]:
     epochs: Epochs = {}
     names = [m.name for m in METHODS]
     for round_ in range(plan.rounds):
@@ -200,17 +212,26 @@ def run(plan: Plan, work_iterations: dict[float, int]) -> tuple[Epochs, dict[tup
                     result = run_isolated(epoch_cell, kwargs, timeout_s=600)
                     epochs.setdefault((method, cost, workers), []).append(result)
                     shown = format_seconds(result["seconds"]) if "seconds" in result else result["error"]
-                    print(f"round {round_ + 1}: {method} {cost:.0f}µs w{workers}: {shown} {result.get('coverage', '')}", flush=True)
+                    print(
+                        f"round {round_ + 1}: {method} {cost:.0f}µs w{workers}: {shown} {result.get('coverage', '')}",
+                        flush=True,
+                    )
     machinery_kwargs = {"batches": plan.machinery_batches, "rounds": max(3, plan.rounds)}
-    machinery = {name: run_isolated(machinery_cell, {"method": name, **machinery_kwargs}, timeout_s=600) for name in names}
+    machinery = {
+        name: run_isolated(machinery_cell, {"method": name, **machinery_kwargs}, timeout_s=600) for name in names
+    }
     states = {}
     for workers in plan.workers:
         for method in (m.name for m in METHODS if m.stateful):
-            states[(method, workers)] = run_isolated(state_dict_cell, {"method": method, "n": plan.state_size, "workers": workers}, timeout_s=600)
+            states[(method, workers)] = run_isolated(
+                state_dict_cell, {"method": method, "n": plan.state_size, "workers": workers}, timeout_s=600
+            )
     return epochs, states, machinery
 
 
-def _ratios(epochs: Epochs, method: str, cost: float, workers: int, field: str = "seconds", baseline: str = PLAIN) -> list[float]:
+def _ratios(
+    epochs: Epochs, method: str, cost: float, workers: int, field: str = "seconds", baseline: str = PLAIN
+) -> list[float]:
     """Per round: this method's epoch ``field`` / ``baseline``'s (the plain DataLoader's) in the same round."""
     pairs = zip(epochs[(method, cost, workers)], epochs[(baseline, cost, workers)], strict=True)
     return [mine[field] / plain[field] for mine, plain in pairs if field in mine and field in plain]
@@ -229,9 +250,21 @@ def _spread(ratios: list[float]) -> str:
     return f"{statistics.median(ratios) - 1:+.1%} ({min(ratios) - 1:+.1%} … {max(ratios) - 1:+.1%})"
 
 
-def report(plan: Plan, epochs: Epochs, states: dict[tuple[str, int], dict[str, Any]], machinery: dict[str, dict[str, Any]], work_iterations: dict[float, int]) -> str:
+def report(
+    plan: Plan,
+    epochs: Epochs,
+    states: dict[tuple[str, int], dict[str, Any]],
+    machinery: dict[str, dict[str, Any]],
+    work_iterations: dict[float, int],
+) -> str:
     configs = [(cost, workers) for cost in plan.sizes for workers in plan.workers]
-    headers = ["method", *(f"{cost:.0f} µs/sample, N = {format_count(plan.sizes[cost])}, {workers} workers" for cost, workers in configs)]
+    headers = [
+        "method",
+        *(
+            f"{cost:.0f} µs/sample, N = {format_count(plan.sizes[cost])}, {workers} workers"
+            for cost, workers in configs
+        ),
+    ]
     rows = []
     for method in (m.name for m in METHODS):
         row: list[str] = [method]
@@ -244,15 +277,20 @@ def report(plan: Plan, epochs: Epochs, states: dict[tuple[str, int], dict[str, A
             row.append(f"{rate:,.0f} samples/s" if method == PLAIN else _spread(_ratios(epochs, method, cost, workers)))
         rows.append(row)
     cpu_configs = [(cost, workers) for cost, workers in configs if workers == 0]
-    cpu_rows = [[method, *(_spread(_ratios(epochs, method, cost, 0, "cpu_seconds")) for cost, _ in cpu_configs)]
-                for method in (m.name for m in METHODS) if method != PLAIN]
+    cpu_rows = [
+        [method, *(_spread(_ratios(epochs, method, cost, 0, "cpu_seconds")) for cost, _ in cpu_configs)]
+        for method in (m.name for m in METHODS)
+        if method != PLAIN
+    ]
     machinery_rows = []
     for method in (m.name for m in METHODS):
         r = machinery[method]
         if "error" in r:
             machinery_rows.append([method, r["error"], ""])
             continue
-        machinery_rows.append([method, format_seconds(r["per_batch_s"]), f"{format_seconds(r['min_s'])} – {format_seconds(r['max_s'])}"])
+        machinery_rows.append(
+            [method, format_seconds(r["per_batch_s"]), f"{format_seconds(r['min_s'])} – {format_seconds(r['max_s'])}"]
+        )
     state_rows = []
     for method in (m.name for m in METHODS if m.stateful):
         for workers in plan.workers:
@@ -260,13 +298,33 @@ def report(plan: Plan, epochs: Epochs, states: dict[tuple[str, int], dict[str, A
             if "error" in r:
                 state_rows.append([method, workers, r["error"], "", "", ""])
                 continue
-            state_rows.append([method, workers, format_seconds(r["median_s"]), format_seconds(r["p99_s"]), f"{r['bytes']:,} B", r["json"]])
+            state_rows.append(
+                [
+                    method,
+                    workers,
+                    format_seconds(r["median_s"]),
+                    format_seconds(r["p99_s"]),
+                    f"{r['bytes']:,} B",
+                    r["json"],
+                ]
+            )
     every = []
     for (method, cost, workers), runs in epochs.items():
         for i, r in enumerate(runs):
             timing = format_seconds(r["seconds"]) if "seconds" in r else r.get("error", "")
             cpu = format_seconds(r["cpu_seconds"]) if "cpu_seconds" in r else ""
-            every.append([method, f"{cost:.0f} µs", workers, i + 1, format_count(plan.sizes[cost]), timing, cpu, r.get("coverage", "error")])
+            every.append(
+                [
+                    method,
+                    f"{cost:.0f} µs",
+                    workers,
+                    i + 1,
+                    format_count(plan.sizes[cost]),
+                    timing,
+                    cpu,
+                    r.get("coverage", "error"),
+                ]
+            )
     targets = []
     worst = max(configs, key=lambda c: _overhead(epochs, OURS, *c) or float("-inf"))
     ours_worst = _overhead(epochs, OURS, *worst)
@@ -280,9 +338,13 @@ def report(plan: Plan, epochs: Epochs, states: dict[tuple[str, int], dict[str, A
     ours_machinery, plain_machinery = machinery.get(OURS, {}), machinery.get(PLAIN, {})
     if "per_batch_s" in ours_machinery and "per_batch_s" in plain_machinery:
         extra = ours_machinery["per_batch_s"] - plain_machinery["per_batch_s"]
-        costs = ", ".join(f"{extra / (BATCH_SIZE * cost * 1e-6):+.2%} at {cost:.0f} µs/sample" for cost in plan.sizes if cost > 0)
-        targets.append(f"- resumable_data's machinery costs {format_seconds(extra)} per batch more than DataLoader's "
-                       f"(sampler, batching, iterator; no dataset): the overhead it can cause is {costs}")
+        costs = ", ".join(
+            f"{extra / (BATCH_SIZE * cost * 1e-6):+.2%} at {cost:.0f} µs/sample" for cost in plan.sizes if cost > 0
+        )
+        targets.append(
+            f"- resumable_data's machinery costs {format_seconds(extra)} per batch more than DataLoader's "
+            f"(sampler, batching, iterator; no dataset): the overhead it can cause is {costs}"
+        )
     for cost, workers in configs:
         if cost > 0:
             ratios = _ratios(epochs, OURS, cost, workers, baseline=RNG_OFF)
@@ -293,48 +355,97 @@ def report(plan: Plan, epochs: Epochs, states: dict[tuple[str, int], dict[str, A
                     # A median inside a spread many times the target says nothing about the target.
                     verdict = f"not settled by the wall clock: the rounds spread over {max(ratios) - min(ratios):.0%}"
                 cpu = _ratios(epochs, OURS, cost, workers, "cpu_seconds", baseline=RNG_OFF) if workers == 0 else []
-                cpu_text = f"; CPU time {_spread(cpu)} ({'met' if statistics.median(cpu) - 1 <= GLOBAL_RNG_TARGET else 'missed'})" if cpu else ""
-                targets.append(f"- global_rng=\"batch\" vs global_rng=None, {cost:.0f} µs/sample, {workers} workers: {_spread(ratios)} epoch time "
-                               f"(target ≤ {GLOBAL_RNG_TARGET:.0%}: {verdict}){cpu_text}")
+                cpu_text = (
+                    f"; CPU time {_spread(cpu)} ({'met' if statistics.median(cpu) - 1 <= GLOBAL_RNG_TARGET else 'missed'})"
+                    if cpu
+                    else ""
+                )
+                targets.append(
+                    f'- global_rng="batch" vs global_rng=None, {cost:.0f} µs/sample, {workers} workers: {_spread(ratios)} epoch time '
+                    f"(target ≤ {GLOBAL_RNG_TARGET:.0%}: {verdict}){cpu_text}"
+                )
     rng_machinery = {m: machinery.get(m, {}).get("per_batch_s") for m in (OURS, RNG_SAMPLE, RNG_OFF)}
     if all(v is not None for v in rng_machinery.values()):
         per_batch = rng_machinery[OURS] - rng_machinery[RNG_OFF]
         per_sample = rng_machinery[RNG_SAMPLE] - rng_machinery[RNG_OFF]
-        targets.append(f"- the seeding itself, CPU time per batch of {BATCH_SIZE} without a dataset: \"batch\" {format_seconds(per_batch)}, "
-                       f"\"sample\" {format_seconds(per_sample)} more than None (at 50 µs/sample a batch is {format_seconds(BATCH_SIZE * 50e-6)} of work: "
-                       f"{per_batch / (BATCH_SIZE * 50e-6):+.2%} and {per_sample / (BATCH_SIZE * 50e-6):+.2%})")
+        targets.append(
+            f'- the seeding itself, CPU time per batch of {BATCH_SIZE} without a dataset: "batch" {format_seconds(per_batch)}, '
+            f'"sample" {format_seconds(per_sample)} more than None (at 50 µs/sample a batch is {format_seconds(BATCH_SIZE * 50e-6)} of work: '
+            f"{per_batch / (BATCH_SIZE * 50e-6):+.2%} and {per_sample / (BATCH_SIZE * 50e-6):+.2%})"
+        )
     ours_state = max((states[(OURS, w)].get("median_s", float("inf")) for w in plan.workers), default=None)
     if ours_state is not None:
-        targets.append(f"- resumable_data `state_dict()` median, worst configuration: {format_seconds(ours_state)} "
-                       f"(target ≤ 50 µs: {'met' if ours_state <= 50e-6 else 'missed'})")
-    return "\n".join([
-        _common.machine_header("Steady-state overhead and state_dict() cost"),
-        f"Batch size {BATCH_SIZE}, shuffled, seed {SEED}; {plan.rounds} round(s), methods interleaved in each, in an order rotated "
-        "every round. Per-sample work: "
-        + ", ".join(f"{us:.0f} µs ≈ {it} LCG iterations" for us, it in work_iterations.items())
-        + ". The percentages are the median over rounds of the epoch-time ratio to the plain DataLoader of the same round, "
-        "then the lowest and highest round (positive = slower). The control is a plain DataLoader fed resumable_data's exact "
-        "order through a list sampler: it runs none of our code, so what it shows is noise, or the order.",
-        "", "## Targets", "", *targets, "",
-        "## Epoch throughput, wall clock (first batch → end of epoch)", "", markdown_table(headers, rows), "",
-        "## Epoch CPU time with 0 workers (the whole epoch runs in the measured process)", "",
-        markdown_table(["method", *(f"{cost:.0f} µs/sample, N = {format_count(plan.sizes[cost])}" for cost, _ in cpu_configs)], cpu_rows), "",
-        "## Global RNGs: epoch time vs global_rng=None in the same round", "",
-        "Median over rounds of the epoch-time ratio to `ResumableDataLoader(global_rng=None)` of the same round, then the lowest "
-        "and highest round (positive = slower). With 0 workers the global RNGs are also forked around each fetch "
-        "(saved and restored), so the training loop's own stream is untouched.", "",
-        markdown_table(["global_rng", *(f"{cost:.0f} µs/sample, {workers} workers" for cost, workers in configs)],
-                       [[GLOBAL_RNG_ROWS[m], *(_spread(_ratios(epochs, m, cost, workers, baseline=RNG_OFF)) for cost, workers in configs)]
-                        for m in (OURS, RNG_SAMPLE)]
-                       + [[f"{GLOBAL_RNG_ROWS[m]}, CPU time", *(_spread(_ratios(epochs, m, cost, 0, "cpu_seconds", baseline=RNG_OFF)) if w == 0 else "—"
-                                                                for cost, w in configs)] for m in (OURS, RNG_SAMPLE)]), "",
-        f"## Machinery: CPU time per batch without a dataset ({plan.machinery_batches} batches, median of {max(3, plan.rounds)})", "",
-        markdown_table(["method", "per batch", "range"], machinery_rows), "",
-        f"## `state_dict()` mid-epoch, N = {format_count(plan.state_size)} ({STATE_DICT_CALLS} calls)", "",
-        markdown_table(["method", "workers", "median", "p99", "pickled size", "JSON-serializable"], state_rows), "",
-        "## Every epoch", "",
-        markdown_table(["method", "work", "workers", "round", "N", "first batch → end", "CPU time", "coverage"], every),
-    ])
+        targets.append(
+            f"- resumable_data `state_dict()` median, worst configuration: {format_seconds(ours_state)} "
+            f"(target ≤ 50 µs: {'met' if ours_state <= 50e-6 else 'missed'})"
+        )
+    return "\n".join(
+        [
+            _common.machine_header("Steady-state overhead and state_dict() cost"),
+            f"Batch size {BATCH_SIZE}, shuffled, seed {SEED}; {plan.rounds} round(s), methods interleaved in each, in an order rotated "
+            "every round. Per-sample work: "
+            + ", ".join(f"{us:.0f} µs ≈ {it} LCG iterations" for us, it in work_iterations.items())
+            + ". The percentages are the median over rounds of the epoch-time ratio to the plain DataLoader of the same round, "
+            "then the lowest and highest round (positive = slower). The control is a plain DataLoader fed resumable_data's exact "
+            "order through a list sampler: it runs none of our code, so what it shows is noise, or the order.",
+            "",
+            "## Targets",
+            "",
+            *targets,
+            "",
+            "## Epoch throughput, wall clock (first batch → end of epoch)",
+            "",
+            markdown_table(headers, rows),
+            "",
+            "## Epoch CPU time with 0 workers (the whole epoch runs in the measured process)",
+            "",
+            markdown_table(
+                ["method", *(f"{cost:.0f} µs/sample, N = {format_count(plan.sizes[cost])}" for cost, _ in cpu_configs)],
+                cpu_rows,
+            ),
+            "",
+            "## Global RNGs: epoch time vs global_rng=None in the same round",
+            "",
+            "Median over rounds of the epoch-time ratio to `ResumableDataLoader(global_rng=None)` of the same round, then the lowest "
+            "and highest round (positive = slower). With 0 workers the global RNGs are also forked around each fetch "
+            "(saved and restored), so the training loop's own stream is untouched.",
+            "",
+            markdown_table(
+                ["global_rng", *(f"{cost:.0f} µs/sample, {workers} workers" for cost, workers in configs)],
+                [
+                    [
+                        GLOBAL_RNG_ROWS[m],
+                        *(_spread(_ratios(epochs, m, cost, workers, baseline=RNG_OFF)) for cost, workers in configs),
+                    ]
+                    for m in (OURS, RNG_SAMPLE)
+                ]
+                + [
+                    [
+                        f"{GLOBAL_RNG_ROWS[m]}, CPU time",
+                        *(
+                            _spread(_ratios(epochs, m, cost, 0, "cpu_seconds", baseline=RNG_OFF)) if w == 0 else "—"
+                            for cost, w in configs
+                        ),
+                    ]
+                    for m in (OURS, RNG_SAMPLE)
+                ],
+            ),
+            "",
+            f"## Machinery: CPU time per batch without a dataset ({plan.machinery_batches} batches, median of {max(3, plan.rounds)})",
+            "",
+            markdown_table(["method", "per batch", "range"], machinery_rows),
+            "",
+            f"## `state_dict()` mid-epoch, N = {format_count(plan.state_size)} ({STATE_DICT_CALLS} calls)",
+            "",
+            markdown_table(["method", "workers", "median", "p99", "pickled size", "JSON-serializable"], state_rows),
+            "",
+            "## Every epoch",
+            "",
+            markdown_table(
+                ["method", "work", "workers", "round", "N", "first batch → end", "CPU time", "coverage"], every
+            ),
+        ]
+    )
 
 
 def plot(plan: Plan, epochs: Epochs, out: Any) -> None:
@@ -348,16 +459,25 @@ def plot(plan: Plan, epochs: Epochs, out: Any) -> None:
     panels = [(cost, workers, "seconds") for cost in plan.sizes for workers in plan.workers]
     panels += [(cost, 0, "cpu_seconds") for cost in plan.sizes if 0 in plan.workers]
     for cost, workers, field in panels:
-        name = f"{cost:.0f} µs/sample\n{workers} workers" + ("\n(CPU time)" if field == "cpu_seconds" else "\n(wall clock)")
+        name = f"{cost:.0f} µs/sample\n{workers} workers" + (
+            "\n(CPU time)" if field == "cpu_seconds" else "\n(wall clock)"
+        )
         for method in (m.name for m in METHODS if m.name != PLAIN):  # the DataLoader is the 1.0 line
             ratios = _ratios(epochs, method, cost, workers, field)
             if ratios:
                 groups.setdefault(name, {})[method] = statistics.median(ratios)
                 spreads.setdefault(name, {})[method] = (min(ratios), max(ratios))
-    _common.plot_bars(out / "overhead_throughput.png",
-                      f"Epoch time / plain DataLoader's in the same round (lower is better; median of {plan.rounds} rounds, "
-                      "error bars: min–max, cut at 3)", groups, ylabel="epoch time ratio", reference=1.0, spreads=spreads,
-                      value_format="{:.2f}", ymax=3.0)
+    _common.plot_bars(
+        out / "overhead_throughput.png",
+        f"Epoch time / plain DataLoader's in the same round (lower is better; median of {plan.rounds} rounds, "
+        "error bars: min–max, cut at 3)",
+        groups,
+        ylabel="epoch time ratio",
+        reference=1.0,
+        spreads=spreads,
+        value_format="{:.2f}",
+        ymax=3.0,
+    )
 
 
 def epochs_from_report(path: Any) -> tuple[Plan, Epochs]:
@@ -374,15 +494,23 @@ def epochs_from_report(path: Any) -> tuple[Plan, Epochs]:
         workers.add(n_workers)
         result: dict[str, Any] = {"coverage": row["coverage"]}
         if row["first batch → end"] and row["CPU time"]:
-            result |= {"seconds": _common.parse_seconds(row["first batch → end"]), "cpu_seconds": _common.parse_seconds(row["CPU time"])}
+            result |= {
+                "seconds": _common.parse_seconds(row["first batch → end"]),
+                "cpu_seconds": _common.parse_seconds(row["CPU time"]),
+            }
         epochs.setdefault((row["method"], cost, n_workers), []).append(result)
     rounds = max(len(runs) for runs in epochs.values())
     return Plan(sizes=sizes, workers=tuple(sorted(workers)), rounds=rounds, state_size=0, machinery_batches=0), epochs
 
 
 def _add_arguments(parser: Any) -> None:
-    parser.add_argument("--replot", type=Path, default=None, metavar="REPORT.md",
-                        help="redraw the plot from a written report's 'Every epoch' table (no measurement)")
+    parser.add_argument(
+        "--replot",
+        type=Path,
+        default=None,
+        metavar="REPORT.md",
+        help="redraw the plot from a written report's 'Every epoch' table (no measurement)",
+    )
 
 
 def main() -> None:
@@ -395,7 +523,10 @@ def main() -> None:
     work_iterations = {cost: _common.calibrate_work(cost) for cost in plan.sizes}
     started = time.perf_counter()
     epochs, states, machinery = run(plan, work_iterations)
-    text = report(plan, epochs, states, machinery, work_iterations) + f"\n\nTotal run time: {time.perf_counter() - started:.0f} s."
+    text = (
+        report(plan, epochs, states, machinery, work_iterations)
+        + f"\n\nTotal run time: {time.perf_counter() - started:.0f} s."
+    )
     print(text)
     _common.write_report(args.out, "bench_overhead", text)
     plot(plan, epochs, args.out)

@@ -70,7 +70,9 @@ def pipelines(paths: list[Path]) -> dict[str, Callable[[], StreamLoader]]:
 
     return {
         "parquet source": lambda: StreamLoader(source(), batch_size=BATCH),
-        f"parquet, shuffle buffer {BUFFER}": lambda: StreamLoader(source().shuffle_buffer(BUFFER, seed=1), batch_size=BATCH),
+        f"parquet, shuffle buffer {BUFFER}": lambda: StreamLoader(
+            source().shuffle_buffer(BUFFER, seed=1), batch_size=BATCH
+        ),
     }
 
 

@@ -265,7 +265,11 @@ def _skip_cell(
             batch = next(iter(loader))
         except DeadlineExceeded as stop:
             elapsed = time.perf_counter() - start
-            return elapsed * k / stop.done, None, f"> {deadline_s:.0f} s deadline: extrapolated (linear from {stop.done} batches)"
+            return (
+                elapsed * k / stop.done,
+                None,
+                f"> {deadline_s:.0f} s deadline: extrapolated (linear from {stop.done} batches)",
+            )
         return time.perf_counter() - start, batch, ""
     iterator = iter(_common.plain_loader(dataset, batch_size=BATCH_SIZE, seed=SEED, workers=workers))
     batch = next(iterator)
@@ -280,7 +284,9 @@ def _skip_cell(
     return time.perf_counter() - start, batch, ""
 
 
-def _restore_once(method: str, dataset: SyntheticDataset, workers: int, state: dict[str, Any]) -> tuple[float, torch.Tensor]:
+def _restore_once(
+    method: str, dataset: SyntheticDataset, workers: int, state: dict[str, Any]
+) -> tuple[float, torch.Tensor]:
     loader = _BUILDERS[method](dataset, workers=workers)
     gc.collect()
     start = time.perf_counter()
@@ -320,7 +326,14 @@ def _check_batch(batch: torch.Tensor, dataset: SyntheticDataset, expected: list[
 
 
 def data_cell(
-    method: str, n: int, k: int, work_iterations: int, workers: int, expected: list[int], deadline_s: float, max_reps: int
+    method: str,
+    n: int,
+    k: int,
+    work_iterations: int,
+    workers: int,
+    expected: list[int],
+    deadline_s: float,
+    max_reps: int,
 ) -> dict[str, Any]:
     """One cell with a dataset: restore at batch k of N samples; latency, peak memory, exactness."""
     torch.set_num_threads(1)  # as in a DataLoader worker; also keeps cells from fighting over cores
@@ -348,7 +361,14 @@ def data_cell(
         batch, note, extrapolated = batches[-1], "", False
     peak = memory.peak_mb()
     exact = "not reached (deadline)" if batch is None else _check_batch(batch, dataset, expected)
-    result = {"seconds": seconds, "reps": reps, "peak_mb": peak, "exact": exact, "extrapolated": extrapolated, "note": note}
+    result = {
+        "seconds": seconds,
+        "reps": reps,
+        "peak_mb": peak,
+        "exact": exact,
+        "extrapolated": extrapolated,
+        "note": note,
+    }
     if method == OURS:
         result["floor_seconds"] = statistics.median(floors)
     return result
@@ -368,15 +388,33 @@ def index_cell(method: str, n: int, k: int, expected: list[int], deadline_s: flo
         except DeadlineExceeded as stop:
             estimate = (time.perf_counter() - start) * k / stop.done
             note = f"> {deadline_s:.0f} s deadline: extrapolated (linear from {stop.done} batches)"
-            return {"seconds": estimate, "reps": 1, "peak_mb": memory.peak_mb(), "exact": "not reached (deadline)", "extrapolated": True, "note": note}
+            return {
+                "seconds": estimate,
+                "reps": 1,
+                "peak_mb": memory.peak_mb(),
+                "exact": "not reached (deadline)",
+                "extrapolated": True,
+                "note": note,
+            }
         seconds = time.perf_counter() - start
-        return {"seconds": seconds, "reps": 1, "peak_mb": memory.peak_mb(), "exact": _check(got, expected), "extrapolated": False, "note": ""}
+        return {
+            "seconds": seconds,
+            "reps": 1,
+            "peak_mb": memory.peak_mb(),
+            "exact": _check(got, expected),
+            "extrapolated": False,
+            "note": "",
+        }
 
     def build() -> Any:
         if method == STATEFUL:
-            return StatefulBatchSampler(StatefulRandomSampler(source, generator=seeded_generator(SEED)), BATCH_SIZE, False)
+            return StatefulBatchSampler(
+                StatefulRandomSampler(source, generator=seeded_generator(SEED)), BATCH_SIZE, False
+            )
         if method == NODES:
-            return tn.SamplerWrapper(BatchSampler(RandomSampler(source, generator=seeded_generator(SEED)), BATCH_SIZE, False))
+            return tn.SamplerWrapper(
+                BatchSampler(RandomSampler(source, generator=seeded_generator(SEED)), BATCH_SIZE, False)
+            )
         return ResumableSampler(n, shuffle=True, seed=SEED)
 
     # The checkpoint: each method's state after one batch, moved to batch k.
@@ -416,7 +454,14 @@ def index_cell(method: str, n: int, k: int, expected: list[int], deadline_s: flo
         return time.perf_counter() - start
 
     seconds, reps = repeat_timed(once, max_reps=max_reps)
-    return {"seconds": seconds, "reps": reps, "peak_mb": memory.peak_mb(), "exact": _check(results[-1], expected), "extrapolated": False, "note": ""}
+    return {
+        "seconds": seconds,
+        "reps": reps,
+        "peak_mb": memory.peak_mb(),
+        "exact": _check(results[-1], expected),
+        "extrapolated": False,
+        "note": "",
+    }
 
 
 def _data_methods(workers: int) -> tuple[str, ...]:
@@ -490,8 +535,14 @@ def epoch_start_cell(warm: bool, persistent: bool, n: int, work_iterations: int)
     (persistent workers are already running then, non-persistent ones start again).
     """
     torch.set_num_threads(1)
-    loader = _common.resumable_loader(SyntheticDataset(n, work_iterations), batch_size=BATCH_SIZE, seed=SEED, workers=EPOCH_WORKERS,
-                                      warm_start=warm, persistent_workers=persistent)
+    loader = _common.resumable_loader(
+        SyntheticDataset(n, work_iterations),
+        batch_size=BATCH_SIZE,
+        seed=SEED,
+        workers=EPOCH_WORKERS,
+        warm_start=warm,
+        persistent_workers=persistent,
+    )
     result: dict[str, Any] = {}
     for epoch in range(2):
         gc.collect()
@@ -503,10 +554,16 @@ def epoch_start_cell(warm: bool, persistent: bool, n: int, work_iterations: int)
         batches.append(next(iterator))
         second = time.perf_counter() - start
         batches += list(iterator)
-        result[f"first_{epoch}"], result[f"second_{epoch}"], result[f"total_{epoch}"] = first, second, time.perf_counter() - start
+        result[f"first_{epoch}"], result[f"second_{epoch}"], result[f"total_{epoch}"] = (
+            first,
+            second,
+            time.perf_counter() - start,
+        )
         contents = torch.cat(batches)
         # The batches' order and contents: equal digests in every variant mean the same epoch.
-        result[f"digest_{epoch}"] = int((contents[:, 0] * torch.arange(1, len(contents) + 1)).sum()) ^ int(contents.sum())
+        result[f"digest_{epoch}"] = int((contents[:, 0] * torch.arange(1, len(contents) + 1)).sum()) ^ int(
+            contents.sum()
+        )
         del iterator
     return result
 
@@ -520,7 +577,11 @@ def run_epoch_starts(plan: Plan, work_iterations: int) -> dict[str, list[dict[st
             kwargs = {"warm": warm, "persistent": persistent, "n": plan.epoch_n, "work_iterations": work_iterations}
             result = run_isolated(epoch_start_cell, kwargs, timeout_s=300)
             runs[label].append(result)
-            shown = f"epoch 1 first batch {format_seconds(result['first_1'])}, total {format_seconds(result['total_1'])}" if "first_1" in result else result["error"]
+            shown = (
+                f"epoch 1 first batch {format_seconds(result['first_1'])}, total {format_seconds(result['total_1'])}"
+                if "first_1" in result
+                else result["error"]
+            )
             print(f"epoch start, round {round_ + 1}: {label}: {shown}", flush=True)
     return runs
 
@@ -537,16 +598,45 @@ def epoch_start_report(runs: dict[str, list[dict[str, Any]]], plan: Plan) -> lis
     for label, _, _ in EPOCH_VARIANTS:
         good = [r for r in runs[label] if "first_1" in r]
         errors = [r["error"] for r in runs[label] if "error" in r]
-        same = all((r["digest_0"], r["digest_1"]) == (reference[0]["digest_0"], reference[0]["digest_1"]) for r in good) if reference else False
-        verdict = "ok" if same and good and not errors else ("; ".join(errors) or "MISMATCH: batches differ from the run without warm start")
-        rows.append([label, _median_range([r["first_0"] for r in good]), _median_range([r["first_1"] for r in good]),
-                     _median_range([r["second_1"] for r in good]), _median_range([r["total_1"] for r in good]), verdict])
+        same = (
+            all((r["digest_0"], r["digest_1"]) == (reference[0]["digest_0"], reference[0]["digest_1"]) for r in good)
+            if reference
+            else False
+        )
+        verdict = (
+            "ok"
+            if same and good and not errors
+            else ("; ".join(errors) or "MISMATCH: batches differ from the run without warm start")
+        )
+        rows.append(
+            [
+                label,
+                _median_range([r["first_0"] for r in good]),
+                _median_range([r["first_1"] for r in good]),
+                _median_range([r["second_1"] for r in good]),
+                _median_range([r["total_1"] for r in good]),
+                verdict,
+            ]
+        )
     return [
-        f"## Epoch start: a fresh epoch, {EPOCH_WORKERS} workers, N = {plan.epoch_n:,}, {EPOCH_COST_US:.0f} µs/sample", "",
+        f"## Epoch start: a fresh epoch, {EPOCH_WORKERS} workers, N = {plan.epoch_n:,}, {EPOCH_COST_US:.0f} µs/sample",
+        "",
         f"One loader per cell runs two epochs; epoch 1 is what every later epoch of a running job costs to start. Median "
-        f"(min–max) over {plan.epoch_rounds} round(s), the variants in an order rotated every round. \"same batches\": "
-        "every epoch of every variant has the order and contents of the run without warm start.", "",
-        markdown_table(["variant", "epoch 0: first batch", "epoch 1: first batch", "epoch 1: first two batches", "epoch 1: total", "same batches"], rows), "",
+        f'(min–max) over {plan.epoch_rounds} round(s), the variants in an order rotated every round. "same batches": '
+        "every epoch of every variant has the order and contents of the run without warm start.",
+        "",
+        markdown_table(
+            [
+                "variant",
+                "epoch 0: first batch",
+                "epoch 1: first batch",
+                "epoch 1: first two batches",
+                "epoch 1: total",
+                "same batches",
+            ],
+            rows,
+        ),
+        "",
     ]
 
 
@@ -570,9 +660,7 @@ class Cell:
 
 
 def plan_cells(plan: Plan) -> list[Cell]:
-    cells = [
-        Cell("index", m, n, p, 0.0, 0) for n in plan.index_sizes for p in plan.positions for m in INDEX_METHODS
-    ]
+    cells = [Cell("index", m, n, p, 0.0, 0) for n in plan.index_sizes for p in plan.positions for m in INDEX_METHODS]
     largest = max(plan.data_sizes)
     for cost, workers in plan.configs:
         for n in plan.data_sizes:
@@ -611,16 +699,30 @@ def run(plan: Plan, deadline_s: float, work_iterations: dict[float, int]) -> dic
             results[cell] = {"error": f"reference failed: {reference['error']}"}
             continue
         expected = reference["batches"][cell.k]
-        kwargs = {"method": cell.method, "n": cell.n, "k": cell.k, "expected": expected, "deadline_s": deadline_s, "max_reps": plan.max_reps}
+        kwargs = {
+            "method": cell.method,
+            "n": cell.n,
+            "k": cell.k,
+            "expected": expected,
+            "deadline_s": deadline_s,
+            "max_reps": plan.max_reps,
+        }
         if cell.sweep == "data":
             kwargs.update(work_iterations=work_iterations[cell.cost_us], workers=cell.workers)
         function = index_cell if cell.sweep == "index" else data_cell
         result = run_isolated(function, kwargs, timeout_s=timeout)
         result["reference"] = reference["how"]
         results[cell] = result
-        floor = f" (floor {format_seconds(result['floor_seconds'])}: {_floor_verdict(result)})" if "floor_seconds" in result else ""
-        print(f"[{i + 1}/{len(cells)}] {cell.sweep} {cell.method} N={format_count(cell.n)} {cell.percent}% "
-              f"{cell.cost_us:.0f}µs w{cell.workers}: {_latency(result)} {result.get('exact', '')}{floor}", flush=True)
+        floor = (
+            f" (floor {format_seconds(result['floor_seconds'])}: {_floor_verdict(result)})"
+            if "floor_seconds" in result
+            else ""
+        )
+        print(
+            f"[{i + 1}/{len(cells)}] {cell.sweep} {cell.method} N={format_count(cell.n)} {cell.percent}% "
+            f"{cell.cost_us:.0f}µs w{cell.workers}: {_latency(result)} {result.get('exact', '')}{floor}",
+            flush=True,
+        )
     return results
 
 
@@ -643,7 +745,12 @@ def _exact(result: Mapping[str, Any]) -> str:
 
 
 def _wide_table(
-    results: Mapping[Cell, dict[str, Any]], cells: list[Cell], column: Callable[[Cell], str], methods: tuple[str, ...], *, floor: bool = False
+    results: Mapping[Cell, dict[str, Any]],
+    cells: list[Cell],
+    column: Callable[[Cell], str],
+    methods: tuple[str, ...],
+    *,
+    floor: bool = False,
 ) -> str:
     """One row per method, one column per ``column(cell)``; with ``floor``, the floor and our ratio to it."""
     columns = list(dict.fromkeys(column(c) for c in cells))
@@ -655,7 +762,12 @@ def _wide_table(
         ours = {column(c): results[c] for c in cells if c.method == OURS}
         floors = {col: r["floor_seconds"] for col, r in ours.items() if "floor_seconds" in r}
         rows.append([FLOOR, *(format_seconds(floors[col]) if col in floors else "" for col in columns)])
-        rows.append([f"resumable_data / floor (target ≤ {FLOOR_TARGET:.0f}×)", *(_floor_verdict(ours.get(col, {})) for col in columns)])
+        rows.append(
+            [
+                f"resumable_data / floor (target ≤ {FLOOR_TARGET:.0f}×)",
+                *(_floor_verdict(ours.get(col, {})) for col in columns),
+            ]
+        )
     return markdown_table(["method", *columns], rows)
 
 
@@ -684,13 +796,17 @@ def _targets(results: Mapping[Cell, dict[str, Any]], plan: Plan) -> list[str]:
     n_data = max(plan.data_sizes)
     position_ratio = _ratio(results, Cell("data", OURS, n_data, 90, 0.0, 0), Cell("data", OURS, n_data, 0, 0.0, 0))
     if position_ratio is not None:
-        lines.append(f"- resumable_data 90 % / 0 % at N = {format_count(n_data)} (dataset, ≈0 µs, 0 workers): "
-                     f"{position_ratio:.2f} (target ≤ 1.5: {'met' if position_ratio <= 1.5 else 'missed'})")
+        lines.append(
+            f"- resumable_data 90 % / 0 % at N = {format_count(n_data)} (dataset, ≈0 µs, 0 workers): "
+            f"{position_ratio:.2f} (target ≤ 1.5: {'met' if position_ratio <= 1.5 else 'missed'})"
+        )
     for n in plan.index_focus:
         ratio = _ratio(results, Cell("index", OURS, n, 90, 0.0, 0), Cell("index", OURS, n, 0, 0.0, 0))
         if ratio is not None:
-            lines.append(f"- resumable_data 90 % / 0 % at N = {format_count(n)} (index generation): "
-                         f"{ratio:.2f} (target ≤ 1.5: {'met' if ratio <= 1.5 else 'missed'})")
+            lines.append(
+                f"- resumable_data 90 % / 0 % at N = {format_count(n)} (index generation): "
+                f"{ratio:.2f} (target ≤ 1.5: {'met' if ratio <= 1.5 else 'missed'})"
+            )
     ours_cells = [(c, r) for c, r in results.items() if c.method == OURS and _floor_ratio(r) is not None]
     if ours_cells:
         met = [c for c, r in ours_cells if _floor_ratio(r) <= FLOOR_TARGET]
@@ -706,29 +822,47 @@ def _targets(results: Mapping[Cell, dict[str, Any]], plan: Plan) -> list[str]:
             ratios = sorted(_floor_ratio(r) for r in config)
             if ratios:
                 verdict = "met" if ratios[-1] <= FLOOR_TARGET else "missed"
-                lines.append(f"  - {cost:.0f} µs/sample, {workers} workers: {ratios[0]:.2f}–{ratios[-1]:.2f}× over {len(ratios)} cells ({verdict})")
+                lines.append(
+                    f"  - {cost:.0f} µs/sample, {workers} workers: {ratios[0]:.2f}–{ratios[-1]:.2f}× over {len(ratios)} cells ({verdict})"
+                )
     for cost, workers in plan.configs:
-        warm, cold = results.get(Cell("data", WARM, n_data, 90, cost, workers), {}), results.get(Cell("data", OURS, n_data, 90, cost, workers), {})
+        warm, cold = (
+            results.get(Cell("data", WARM, n_data, 90, cost, workers), {}),
+            results.get(Cell("data", OURS, n_data, 90, cost, workers), {}),
+        )
         if "seconds" in warm and "seconds" in cold:
-            lines.append(f"- warm start, N = {format_count(n_data)}, 90 %, {cost:.0f} µs/sample, {workers} workers: first resumed batch in "
-                         f"{format_seconds(warm['seconds'])} (target ≤ 5 ms: {'met' if warm['seconds'] <= 5e-3 else 'missed'}); "
-                         f"without warm start {format_seconds(cold['seconds'])} in the same run")
+            lines.append(
+                f"- warm start, N = {format_count(n_data)}, 90 %, {cost:.0f} µs/sample, {workers} workers: first resumed batch in "
+                f"{format_seconds(warm['seconds'])} (target ≤ 5 ms: {'met' if warm['seconds'] <= 5e-3 else 'missed'}); "
+                f"without warm start {format_seconds(cold['seconds'])} in the same run"
+            )
     for cost, workers in plan.configs:
         ours = Cell("data", OURS, n_data, 90, cost, workers)
         for baseline in (STATEFUL, NODES, NAIVE):
             speedup = _ratio(results, Cell("data", baseline, n_data, 90, cost, workers), ours)
             if speedup is None:
                 continue
-            target = "target ≥ 100×: " + ("met" if speedup >= 100 else "missed") if baseline != NAIVE and workers == 0 else "no target"
+            target = (
+                "target ≥ 100×: " + ("met" if speedup >= 100 else "missed")
+                if baseline != NAIVE and workers == 0
+                else "no target"
+            )
             extrapolated = results[Cell("data", baseline, n_data, 90, cost, workers)].get("extrapolated")
             times = f"{speedup:,.0f}×" if speedup >= 10 else f"{speedup:.2f}×"
-            lines.append(f"- N = {format_count(n_data)}, 90 %, {cost:.0f} µs/sample, {workers} workers: {baseline} / resumable_data = "
-                         f"{times}{' (extrapolated)' if extrapolated else ''} ({target})")
+            lines.append(
+                f"- N = {format_count(n_data)}, 90 %, {cost:.0f} µs/sample, {workers} workers: {baseline} / resumable_data = "
+                f"{times}{' (extrapolated)' if extrapolated else ''} ({target})"
+            )
     return lines
 
 
-def report(results: Mapping[Cell, dict[str, Any]], plan: Plan, deadline_s: float, work_iterations: dict[float, int],
-           epoch_runs: dict[str, list[dict[str, Any]]]) -> str:
+def report(
+    results: Mapping[Cell, dict[str, Any]],
+    plan: Plan,
+    deadline_s: float,
+    work_iterations: dict[float, int],
+    epoch_runs: dict[str, list[dict[str, Any]]],
+) -> str:
     cells = list(results)
     largest = max(plan.data_sizes)
     parts = [
@@ -748,34 +882,99 @@ def report(results: Mapping[Cell, dict[str, Any]], plan: Plan, deadline_s: float
         "",
     ]
     for cost, workers in plan.configs:
-        chosen = [c for c in cells if c.sweep == "data" and c.n == largest and (c.cost_us, c.workers) == (cost, workers)]
-        parts += [f"## With a dataset: latency vs position, N = {format_count(largest)}, {cost:.0f} µs/sample, {workers} workers", "",
-                  _wide_table(results, chosen, lambda c: f"{c.percent} %", _data_methods(workers), floor=True), ""]
+        chosen = [
+            c for c in cells if c.sweep == "data" and c.n == largest and (c.cost_us, c.workers) == (cost, workers)
+        ]
+        parts += [
+            f"## With a dataset: latency vs position, N = {format_count(largest)}, {cost:.0f} µs/sample, {workers} workers",
+            "",
+            _wide_table(results, chosen, lambda c: f"{c.percent} %", _data_methods(workers), floor=True),
+            "",
+        ]
     for cost, workers in plan.configs:
-        chosen = [c for c in cells if c.sweep == "data" and c.percent == plan.vs_size_position and (c.cost_us, c.workers) == (cost, workers)]
-        parts += [f"## With a dataset: latency vs N at {plan.vs_size_position} %, {cost:.0f} µs/sample, {workers} workers", "",
-                  _wide_table(results, chosen, lambda c: f"N = {format_count(c.n)}", _data_methods(workers), floor=True), ""]
+        chosen = [
+            c
+            for c in cells
+            if c.sweep == "data" and c.percent == plan.vs_size_position and (c.cost_us, c.workers) == (cost, workers)
+        ]
+        parts += [
+            f"## With a dataset: latency vs N at {plan.vs_size_position} %, {cost:.0f} µs/sample, {workers} workers",
+            "",
+            _wide_table(results, chosen, lambda c: f"N = {format_count(c.n)}", _data_methods(workers), floor=True),
+            "",
+        ]
     parts += epoch_start_report(epoch_runs, plan)
     index_cells = [c for c in cells if c.sweep == "index"]
-    parts += [f"## Index generation alone: latency vs N at {plan.vs_size_position} %", "",
-              _wide_table(results, [c for c in index_cells if c.percent == plan.vs_size_position], lambda c: f"N = {format_count(c.n)}", INDEX_METHODS), ""]
+    parts += [
+        f"## Index generation alone: latency vs N at {plan.vs_size_position} %",
+        "",
+        _wide_table(
+            results,
+            [c for c in index_cells if c.percent == plan.vs_size_position],
+            lambda c: f"N = {format_count(c.n)}",
+            INDEX_METHODS,
+        ),
+        "",
+    ]
     for n in plan.index_focus:
-        parts += [f"## Index generation alone: latency vs position, N = {format_count(n)}", "",
-                  _wide_table(results, [c for c in index_cells if c.n == n], lambda c: f"{c.percent} %", INDEX_METHODS), ""]
+        parts += [
+            f"## Index generation alone: latency vs position, N = {format_count(n)}",
+            "",
+            _wide_table(results, [c for c in index_cells if c.n == n], lambda c: f"{c.percent} %", INDEX_METHODS),
+            "",
+        ]
     rows = []
     for cell, result in results.items():
         peak = f"{result['peak_mb']:.0f} MB" if "peak_mb" in result else ""
         note = result.get("not_run") or result.get("note", "")
         floor = format_seconds(result["floor_seconds"]) if "floor_seconds" in result else ""
-        rows.append([cell.method, cell.sweep, format_count(cell.n), f"{cell.percent} %", f"{cell.cost_us:.0f} µs", cell.workers,
-                     _latency(result), floor, _floor_verdict(result), peak, _exact(result), result.get("reps", ""), result.get("reference", ""), note])
-    parts += ["## Every cell", "",
-              markdown_table(["method", "sweep", "N", "position", "work", "workers", "latency", "floor", "÷ floor", "peak RSS", "exact", "reps",
-                              "reference", "note"], rows)]
+        rows.append(
+            [
+                cell.method,
+                cell.sweep,
+                format_count(cell.n),
+                f"{cell.percent} %",
+                f"{cell.cost_us:.0f} µs",
+                cell.workers,
+                _latency(result),
+                floor,
+                _floor_verdict(result),
+                peak,
+                _exact(result),
+                result.get("reps", ""),
+                result.get("reference", ""),
+                note,
+            ]
+        )
+    parts += [
+        "## Every cell",
+        "",
+        markdown_table(
+            [
+                "method",
+                "sweep",
+                "N",
+                "position",
+                "work",
+                "workers",
+                "latency",
+                "floor",
+                "÷ floor",
+                "peak RSS",
+                "exact",
+                "reps",
+                "reference",
+                "note",
+            ],
+            rows,
+        ),
+    ]
     return "\n".join(parts)
 
 
-def _points(results: Mapping[Cell, dict[str, Any]], cells: list[Cell], x: Callable[[Cell], float], methods: tuple[str, ...]) -> dict[str, list[tuple[float, float, bool]]]:
+def _points(
+    results: Mapping[Cell, dict[str, Any]], cells: list[Cell], x: Callable[[Cell], float], methods: tuple[str, ...]
+) -> dict[str, list[tuple[float, float, bool]]]:
     series: dict[str, list[tuple[float, float, bool]]] = {m: [] for m in methods}
     for cell in cells:
         result = results[cell]
@@ -792,23 +991,53 @@ def plot(results: Mapping[Cell, dict[str, Any]], plan: Plan, out: Any) -> None:
     by_position = []
     for n in plan.index_focus:
         chosen = [c for c in cells if c.sweep == "index" and c.n == n]
-        by_position.append((f"index generation alone, N = {format_count(n)}", _points(results, chosen, lambda c: c.percent, INDEX_METHODS)))
+        by_position.append(
+            (
+                f"index generation alone, N = {format_count(n)}",
+                _points(results, chosen, lambda c: c.percent, INDEX_METHODS),
+            )
+        )
     for cost, workers in plan.configs:
-        chosen = [c for c in cells if c.sweep == "data" and c.n == largest and (c.cost_us, c.workers) == (cost, workers)]
-        by_position.append((f"dataset N = {format_count(largest)}, {cost:.0f} µs/sample, {workers} workers",
-                            _points(results, chosen, lambda c: c.percent, DATA_METHODS)))
-    _common.plot_lines(out / "resume_vs_position.png", by_position, xlabel="position in the epoch (%)",
-                       ylabel="checkpoint → first batch (s)", xscale="linear", xlim=(0, 100))
+        chosen = [
+            c for c in cells if c.sweep == "data" and c.n == largest and (c.cost_us, c.workers) == (cost, workers)
+        ]
+        by_position.append(
+            (
+                f"dataset N = {format_count(largest)}, {cost:.0f} µs/sample, {workers} workers",
+                _points(results, chosen, lambda c: c.percent, DATA_METHODS),
+            )
+        )
+    _common.plot_lines(
+        out / "resume_vs_position.png",
+        by_position,
+        xlabel="position in the epoch (%)",
+        ylabel="checkpoint → first batch (s)",
+        xscale="linear",
+        xlim=(0, 100),
+    )
     at = plan.vs_size_position
     index_title = f"index generation alone, {at} %"
     index_cells = [c for c in cells if c.sweep == "index" and c.percent == at]
     by_size = [(index_title, _points(results, index_cells, lambda c: c.n, INDEX_METHODS))]
     not_run = {index_title: [(c.n, c.method) for c in index_cells if "not_run" in results[c]]}
     for cost, workers in plan.configs:
-        chosen = [c for c in cells if c.sweep == "data" and c.percent == at and (c.cost_us, c.workers) == (cost, workers)]
-        by_size.append((f"dataset, {at} %, {cost:.0f} µs/sample, {workers} workers", _points(results, chosen, lambda c: c.n, DATA_METHODS)))
-    _common.plot_lines(out / "resume_vs_n.png", by_size, xlabel="dataset size N", ylabel="checkpoint → first batch (s)",
-                       not_run=not_run, not_run_label=f"not run (would materialize > {MEMORY_CAP_BYTES / 2**30:.0f} GB)")
+        chosen = [
+            c for c in cells if c.sweep == "data" and c.percent == at and (c.cost_us, c.workers) == (cost, workers)
+        ]
+        by_size.append(
+            (
+                f"dataset, {at} %, {cost:.0f} µs/sample, {workers} workers",
+                _points(results, chosen, lambda c: c.n, DATA_METHODS),
+            )
+        )
+    _common.plot_lines(
+        out / "resume_vs_n.png",
+        by_size,
+        xlabel="dataset size N",
+        ylabel="checkpoint → first batch (s)",
+        not_run=not_run,
+        not_run_label=f"not run (would materialize > {MEMORY_CAP_BYTES / 2**30:.0f} GB)",
+    )
 
 
 def results_from_report(path: Path) -> dict[Cell, dict[str, Any]]:
@@ -818,7 +1047,14 @@ def results_from_report(path: Path) -> dict[Cell, dict[str, Any]]:
         if "sweep" not in row:
             continue
         n = 10 ** int(row["N"].split("^")[1]) if "^" in row["N"] else int(row["N"].replace(",", ""))
-        cell = Cell(row["sweep"], row["method"], n, int(row["position"].split()[0]), float(row["work"].split()[0]), int(row["workers"]))
+        cell = Cell(
+            row["sweep"],
+            row["method"],
+            n,
+            int(row["position"].split()[0]),
+            float(row["work"].split()[0]),
+            int(row["workers"]),
+        )
         latency = row["latency"]
         if latency == "not run":
             results[cell] = {"not_run": row["note"]}
@@ -827,7 +1063,10 @@ def results_from_report(path: Path) -> dict[Cell, dict[str, Any]]:
             results[cell] = {"error": latency}
             continue
         extrapolated = latency.startswith("≈")
-        result: dict[str, Any] = {"seconds": _common.parse_seconds(latency.strip("≈ ").replace(" (extrapolated)", "")), "extrapolated": extrapolated}
+        result: dict[str, Any] = {
+            "seconds": _common.parse_seconds(latency.strip("≈ ").replace(" (extrapolated)", "")),
+            "extrapolated": extrapolated,
+        }
         if row["floor"]:
             result["floor_seconds"] = _common.parse_seconds(row["floor"])
         results[cell] = result
@@ -835,11 +1074,19 @@ def results_from_report(path: Path) -> dict[Cell, dict[str, Any]]:
 
 
 def _add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--replot", type=Path, default=None, metavar="REPORT.md",
-                        help="redraw the plots from a written report's 'Every cell' table (no measurement)")
-    parser.add_argument("--deadline", type=float, default=None,
-                        help="seconds after which a skip baseline stops and its latency is extrapolated "
-                        "(default 15; 5 with --quick)")
+    parser.add_argument(
+        "--replot",
+        type=Path,
+        default=None,
+        metavar="REPORT.md",
+        help="redraw the plots from a written report's 'Every cell' table (no measurement)",
+    )
+    parser.add_argument(
+        "--deadline",
+        type=float,
+        default=None,
+        help="seconds after which a skip baseline stops and its latency is extrapolated (default 15; 5 with --quick)",
+    )
 
 
 def main() -> None:

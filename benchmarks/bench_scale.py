@@ -146,20 +146,33 @@ def main() -> None:
         stream_worlds, shard_counts = [1, 8, 1024], [10**4, 10**5]
     map_rows = map_cases(worlds, lengths)
     stream_rows = stream_cases(stream_worlds, shard_counts)
-    text = "\n".join([
-        machine_header("Scale: restore latency and state size of rank W-1 (ranks simulated in one process)"),
-        "## Map-style: ResumableDataLoader, halfway through an epoch, batch 32 per rank",
-        "",
-        markdown_table(["N", "W", "state JSON (B)", "state torch.save (B)", "restore + first batch, median (min-max)"], map_rows),
-        "",
-        "## Streams: StreamLoader over S shards, the merged global state of W ranks",
-        "",
-        markdown_table(
-            ["S", "W", "rank W-1 own state (B)", "merged global state (B)", "merge_states", "restore same W",
-             "restore elastic", "simulating W ranks' states"],
-            stream_rows,
-        ),
-    ])
+    text = "\n".join(
+        [
+            machine_header("Scale: restore latency and state size of rank W-1 (ranks simulated in one process)"),
+            "## Map-style: ResumableDataLoader, halfway through an epoch, batch 32 per rank",
+            "",
+            markdown_table(
+                ["N", "W", "state JSON (B)", "state torch.save (B)", "restore + first batch, median (min-max)"],
+                map_rows,
+            ),
+            "",
+            "## Streams: StreamLoader over S shards, the merged global state of W ranks",
+            "",
+            markdown_table(
+                [
+                    "S",
+                    "W",
+                    "rank W-1 own state (B)",
+                    "merged global state (B)",
+                    "merge_states",
+                    "restore same W",
+                    "restore elastic",
+                    "simulating W ranks' states",
+                ],
+                stream_rows,
+            ),
+        ]
+    )
     print(text)
     write_report(args.out, "bench_scale", text)
 

@@ -135,16 +135,36 @@ def time_rounds(measured: dict[str, Pipeline], rounds: int) -> None:
             pipeline.restores.append(seconds)
             pipeline.restores_cpu.append(cpu_seconds)
             pipeline.fresh.append(first_batch(pipeline, restore=False)[0])
-            print(f"round {round_ + 1}: {name}: restore {format_seconds(pipeline.restores[-1])}, fresh start {format_seconds(pipeline.fresh[-1])}", flush=True)
+            print(
+                f"round {round_ + 1}: {name}: restore {format_seconds(pipeline.restores[-1])}, fresh start {format_seconds(pipeline.fresh[-1])}",
+                flush=True,
+            )
 
 
 def table_row(name: str, p: Pipeline) -> list[str]:
     restore = statistics.median(p.restores)
-    return [name, f"{p.position:,} of {p.epoch_batches:,}", format_seconds(p.replay), spread(p.restores), spread(p.restores_cpu), spread(p.fresh),
-            f"{p.replay / restore:,.0f}x", f"{len(json.dumps(p.state)):,} B"]
+    return [
+        name,
+        f"{p.position:,} of {p.epoch_batches:,}",
+        format_seconds(p.replay),
+        spread(p.restores),
+        spread(p.restores_cpu),
+        spread(p.fresh),
+        f"{p.replay / restore:,.0f}x",
+        f"{len(json.dumps(p.state)):,} B",
+    ]
 
 
-TABLE_HEADERS = ["pipeline", "position (batches)", "replay", "restore", "restore, CPU time", "fresh start", "speed-up (replay / restore)", "state (JSON)"]
+TABLE_HEADERS = [
+    "pipeline",
+    "position (batches)",
+    "replay",
+    "restore",
+    "restore, CPU time",
+    "fresh start",
+    "speed-up (replay / restore)",
+    "state (JSON)",
+]
 
 
 def spread(times: list[float]) -> str:
@@ -164,10 +184,12 @@ def main() -> None:
     except ImportError as e:
         bench_parquet, parquet_note = None, f"Parquet rows: not run ({e}; install the [parquet] extra)."
     else:
-        parquet_note = (f"Parquet rows: {parquet_shards} shards x {parquet_rows_per_shard:,} rows of {bench_parquet.TOKENS} int32 token ids, row "
-                        f"groups of {bench_parquet.ROW_GROUP:,} rows (a tokenized Hugging Face dataset's Parquet layout), batches of "
-                        f"{bench_parquet.BATCH} rows, read by `ParquetReader`; a restore reads one row group of the current shard "
-                        "(through the shuffle buffer: the row groups its buffered rows come from).")
+        parquet_note = (
+            f"Parquet rows: {parquet_shards} shards x {parquet_rows_per_shard:,} rows of {bench_parquet.TOKENS} int32 token ids, row "
+            f"groups of {bench_parquet.ROW_GROUP:,} rows (a tokenized Hugging Face dataset's Parquet layout), batches of "
+            f"{bench_parquet.BATCH} rows, read by `ParquetReader`; a restore reads one row group of the current shard "
+            "(through the shuffle buffer: the row groups its buffered rows come from)."
+        )
     with tempfile.TemporaryDirectory(prefix="bench-streams-") as tmp:
         paths = write_shards(Path(tmp), num_shards)
         measured = {name: checkpoint(make, position, windows // BATCH) for name, make in pipelines(paths).items()}

@@ -39,7 +39,9 @@ def corpus(rows: int) -> datasets.Dataset:
     return text.map(tokenize)
 
 
-def run(make_loader, num_epochs: int, stop_after: int | None = None, state: dict | None = None) -> tuple[list[Any], dict]:
+def run(
+    make_loader, num_epochs: int, stop_after: int | None = None, state: dict | None = None
+) -> tuple[list[Any], dict]:
     """An epoch loop over a fresh loader (restored from ``state``), stopped after ``stop_after`` batches."""
     loader = make_loader()
     if state is not None:

@@ -90,7 +90,9 @@ def main() -> None:
     resumed = before + after
     print(f"{len(reference)} batches of 8 x {BLOCK} tokens over {num_epochs} epochs; stopped after {stop}")
     print(f"state: {len(str(state))} characters of plain data (cursors and buffered record keys)")
-    identical = len(resumed) == len(reference) and all(torch.equal(a, b) for a, b in zip(reference, resumed, strict=False))
+    identical = len(resumed) == len(reference) and all(
+        torch.equal(a, b) for a, b in zip(reference, resumed, strict=False)
+    )
     print(f"identical: {identical}")
     raise SystemExit(0 if identical else 1)
 

@@ -45,7 +45,9 @@ def build(images: int, num_workers: int) -> tuple[nn.Module, torch.optim.Optimiz
     return model, optimizer, loader
 
 
-def train(images: int, num_epochs: int, *, num_workers: int = 2, stop_at: int | None = None, checkpoint: dict | None = None):
+def train(
+    images: int, num_epochs: int, *, num_workers: int = 2, stop_at: int | None = None, checkpoint: dict | None = None
+):
     """Returns (losses, final weights or None, checkpoint or None)."""
     model, optimizer, loader = build(images, num_workers)
     losses: list[float] = []
@@ -87,7 +89,9 @@ def main() -> None:
     _, _, checkpoint = train(images, num_epochs, stop_at=stop_at)
     # Resume with a different number of workers: the augmented batches do not depend on it.
     resumed, final_resumed, _ = train(images, num_epochs, num_workers=1, checkpoint=checkpoint)
-    same_weights = all(torch.equal(a, b) for a, b in zip(final_reference.values(), final_resumed.values(), strict=False))
+    same_weights = all(
+        torch.equal(a, b) for a, b in zip(final_reference.values(), final_resumed.values(), strict=False)
+    )
     print(f"{len(reference)} steps with 2 workers; stopped after step {stop_at}, resumed with 1 worker")
     print(f"final loss {reference[-1]:.6f} (uninterrupted) vs {resumed[-1]:.6f} (resumed)")
     identical = resumed == reference and same_weights

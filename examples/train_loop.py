@@ -31,7 +31,9 @@ def build(samples: int) -> tuple[nn.Module, torch.optim.Optimizer, torch.optim.l
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=20, gamma=0.7)
     # The one line that makes the loader resumable: same dataset, batch size, workers, shuffle.
-    loader = wrap(DataLoader(TensorDataset(x, y), batch_size=16, shuffle=True, num_workers=2, persistent_workers=True), seed=0)
+    loader = wrap(
+        DataLoader(TensorDataset(x, y), batch_size=16, shuffle=True, num_workers=2, persistent_workers=True), seed=0
+    )
     return model, optimizer, scheduler, loader
 
 
@@ -94,7 +96,11 @@ def main() -> None:
         resumed = train(interrupted, samples=samples, num_epochs=num_epochs)
         same_weights = all(
             torch.equal(a, b)
-            for a, b in zip(torch.load(f"{straight}/final.pt").values(), torch.load(f"{interrupted}/final.pt").values(), strict=False)
+            for a, b in zip(
+                torch.load(f"{straight}/final.pt").values(),
+                torch.load(f"{interrupted}/final.pt").values(),
+                strict=False,
+            )
         )
     print(f"{len(reference)} steps, stopped after step {stop_at} (epoch 1, mid-epoch) and resumed")
     print(f"final loss {reference[-1]:.6f} (uninterrupted) vs {resumed[-1]:.6f} (resumed)")

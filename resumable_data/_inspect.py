@@ -60,7 +60,9 @@ class Report:
         out = [f"checkpoint {self.payload.parent if self.manifest else self.payload}"]
         out.append(f"  step          {'unknown' if self.step is None else self.step}")
         if self.manifest is not None:
-            out.append(f"  integrity     ok: {MANIFEST_NAME} matches {PAYLOAD_NAME} (size and sha256 {self.manifest.sha256[:16]}...)")
+            out.append(
+                f"  integrity     ok: {MANIFEST_NAME} matches {PAYLOAD_NAME} (size and sha256 {self.manifest.sha256[:16]}...)"
+            )
             if self.manifest.created is not None:
                 created = datetime.datetime.fromtimestamp(self.manifest.created, datetime.timezone.utc)
                 out.append(f"  created       {created.isoformat(timespec='seconds')}")
@@ -76,7 +78,9 @@ class Report:
             out.append(f"  data position {where}: epoch {state[EPOCH]}, position {state[POSITION]}, world size {world}")
         out.append(f"  size          {self.payload_bytes:,} bytes in {PAYLOAD_NAME}")
         for key, sizes in self.sizes.items():
-            out.append(f"    {key:<20} {sizes.nbytes:>14,} bytes in {sizes.count} tensor{'s' if sizes.count != 1 else ''}")
+            out.append(
+                f"    {key:<20} {sizes.nbytes:>14,} bytes in {sizes.count} tensor{'s' if sizes.count != 1 else ''}"
+            )
         return out
 
     def as_json(self) -> dict[str, Any]:

@@ -196,7 +196,9 @@ def _typed(record: Mapping[str, Any], path: Path) -> Manifest:
             f"{MANIFEST_VERSION}; load it with the release that wrote it"
         )
     step = field(STEP, lambda v: is_int(v) and v >= 0, "an int >= 0", required=True)
-    sha256 = field(SHA256, lambda v: isinstance(v, str) and _SHA256_RE.match(v), "64 lowercase hex digits", required=True)
+    sha256 = field(
+        SHA256, lambda v: isinstance(v, str) and _SHA256_RE.match(v), "64 lowercase hex digits", required=True
+    )
     size = field(SIZE, lambda v: is_int(v) and v >= 0, "an int >= 0", required=True)
     field(PAYLOAD, lambda v: v == PAYLOAD_NAME, repr(PAYLOAD_NAME), required=False)
     metric = field(METRIC, lambda v: v is None or _is_number(v), "a number or null", required=False)
@@ -211,7 +213,6 @@ def _typed(record: Mapping[str, Any], path: Path) -> Manifest:
         created=None if created is None else float(created),
         library_version=library,
     )
-
 
 
 def _is_number(value: Any) -> bool:

@@ -114,9 +114,7 @@ def copy_tensor(tensor: torch.Tensor, memo: dict[Any, Any]) -> torch.Tensor:
         # Keep the source alive with its copy, so its address cannot be reused by another storage.
         memo[key] = (source, copied)
     copied = memo[key][1]
-    return torch.empty(0, dtype=tensor.dtype).set_(
-        copied, tensor.storage_offset(), tensor.size(), tensor.stride()
-    )
+    return torch.empty(0, dtype=tensor.dtype).set_(copied, tensor.storage_offset(), tensor.size(), tensor.stride())
 
 
 def load_weights_only(path: str | os.PathLike[str], *, map_location: Any = "cpu") -> Any:

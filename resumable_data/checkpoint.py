@@ -183,7 +183,9 @@ class CheckpointManager:
         if not self.async_save:
             return self._write(step, copied, metric)
         if self._executor is None:
-            self._executor = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-writer")
+            self._executor = concurrent.futures.ThreadPoolExecutor(
+                max_workers=1, thread_name_prefix="checkpoint-writer"
+            )
         self._pending = self._executor.submit(self._write, step, copied, metric)
         return target
 
@@ -475,4 +477,11 @@ def _stat_key(folder: Path) -> _StatKey | None:
         payload, manifest = (folder / PAYLOAD_NAME).stat(), (folder / MANIFEST_NAME).stat()
     except OSError:
         return None
-    return (payload.st_ino, payload.st_size, payload.st_mtime_ns, manifest.st_ino, manifest.st_size, manifest.st_mtime_ns)
+    return (
+        payload.st_ino,
+        payload.st_size,
+        payload.st_mtime_ns,
+        manifest.st_ino,
+        manifest.st_size,
+        manifest.st_mtime_ns,
+    )

@@ -163,7 +163,9 @@ class ResumableDataLoader(DataLoader):
         self._cursor = sampler.cursor
         self._plan = _BatchPlan(sampler, batch_size, drop_last)
         if warm_start is None:
-            warm_start = not dataloader_kwargs.get("persistent_workers") and dataloader_kwargs.get("worker_init_fn") is None
+            warm_start = (
+                not dataloader_kwargs.get("persistent_workers") and dataloader_kwargs.get("worker_init_fn") is None
+            )
         self._warm_start = bool(warm_start)
         self._warm_pass: WarmStart | None = None
         fetcher = BatchFetcher(
@@ -477,4 +479,3 @@ def wrap(dataloader: DataLoader, *, seed: int | None = None, global_rng: str | N
         global_rng=global_rng,
         **kwargs,
     )
-

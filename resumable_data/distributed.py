@@ -185,9 +185,10 @@ class DataLoaderState:
     Example::
 
         import torch.distributed.checkpoint as dcp
+
         app = {"model": model_state, "dataloader": DataLoaderState(loader)}
-        dcp.save(app, checkpoint_id=path)      # every rank
-        dcp.load(app, checkpoint_id=path)      # every rank, any world size
+        dcp.save(app, checkpoint_id=path)  # every rank
+        dcp.load(app, checkpoint_id=path)  # every rank, any world size
     """
 
     def __init__(
@@ -198,7 +199,9 @@ class DataLoaderState:
         allow_world_size_change: bool = True,
     ) -> None:
         if not isinstance(loader, Stateful):
-            raise TypeError(f"DataLoaderState takes an object with state_dict/load_state_dict, got {type(loader).__name__}")
+            raise TypeError(
+                f"DataLoaderState takes an object with state_dict/load_state_dict, got {type(loader).__name__}"
+            )
         self.loader = loader
         self.group = group
         self.allow_world_size_change = allow_world_size_change
@@ -209,7 +212,9 @@ class DataLoaderState:
         try:
             text = json.dumps(state, sort_keys=True)
         except (TypeError, ValueError) as e:
-            raise ResumeError(f"{_WHAT}: the loader's state is not JSON-able, so it cannot be stored safely: {e}") from e
+            raise ResumeError(
+                f"{_WHAT}: the loader's state is not JSON-able, so it cannot be stored safely: {e}"
+            ) from e
         return {keys.VERSION: DATA_STATE_VERSION, STATE_JSON: text}
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:

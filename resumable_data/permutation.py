@@ -99,8 +99,9 @@ class Permutation:
         """Map positions (int array, each in ``[0, length)``) to indices, elementwise."""
         positions = np.asarray(positions)
         if positions.size and (positions.min() < 0 or positions.max() >= self.length):
-            raise IndexError(f"positions must lie in [0, {self.length}), got range "
-                             f"[{positions.min()}, {positions.max()}]")
+            raise IndexError(
+                f"positions must lie in [0, {self.length}), got range [{positions.min()}, {positions.max()}]"
+            )
         out = self._feistel(positions.astype(np.uint64))
         outside = np.flatnonzero(out >= self.length)
         while outside.size > SCALAR_TAIL:  # cycle walking: only the stragglers are re-encrypted

@@ -226,7 +226,6 @@ def _malformed(field: str, expected: str, got: Any) -> ResumeError:
     return ResumeError(f"RNG state field {field!r} must be {expected}, but got {brief(got)}; {_REMEDY}")
 
 
-
 def _is_cpu_tensor(value: Any, dtype: torch.dtype) -> bool:
     return (
         isinstance(value, torch.Tensor)
@@ -259,7 +258,9 @@ def _python_state(part: Any) -> tuple[int, tuple[int, ...], float | None]:
         and all(is_int(w) and 0 <= w < 2**32 for w in internal)
         and internal[-1] <= _MT_WORDS
     ):
-        raise _malformed(f"{_PYTHON}.{_PY_INTERNAL}", f"{_MT_WORDS} ints in [0, 2**32) and an index in [0, {_MT_WORDS}]", internal)
+        raise _malformed(
+            f"{_PYTHON}.{_PY_INTERNAL}", f"{_MT_WORDS} ints in [0, 2**32) and an index in [0, {_MT_WORDS}]", internal
+        )
     if not any(internal[:-1]):
         raise _malformed(f"{_PYTHON}.{_PY_INTERNAL}", "a Mersenne Twister state (all zeros is degenerate)", internal)
     if gauss_next is not None and not _is_finite_number(gauss_next):
@@ -326,5 +327,7 @@ def _cuda_states(value: Any, have: int, strict: bool) -> list[torch.Tensor]:
         try:
             torch.Generator(device=f"cuda:{i}").set_state(cuda_state)
         except (RuntimeError, TypeError, ValueError) as exc:
-            raise ResumeError(f"RNG state field {_CUDA!r} entry {i} is not a CUDA generator state: {exc}; {_REMEDY}") from exc
+            raise ResumeError(
+                f"RNG state field {_CUDA!r} entry {i} is not a CUDA generator state: {exc}; {_REMEDY}"
+            ) from exc
     return states

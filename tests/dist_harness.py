@@ -38,7 +38,9 @@ def spawn(fn: Callable[..., None], world_size: int, *args: Any, timeout: float =
 
 def init_gloo(rank: int, world_size: int, init_file: str) -> None:
     """Join a gloo group through a rendezvous file (one fresh file per run)."""
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size, timeout=COLLECTIVE_TIMEOUT)
+    dist.init_process_group(
+        "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size, timeout=COLLECTIVE_TIMEOUT
+    )
 
 
 def finish(out_dir: str | Path, name: str, rank: int, result: Any) -> None:

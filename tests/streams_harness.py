@@ -26,7 +26,9 @@ class MemoryShards:
 
     def __init__(self, sizes: Sequence[int]) -> None:
         self.names = [f"m{s}" for s in range(len(sizes))]
-        self.records = {name: [s * 1000 + i for i in range(n)] for s, (name, n) in enumerate(zip(self.names, sizes, strict=True))}
+        self.records = {
+            name: [s * 1000 + i for i in range(n)] for s, (name, n) in enumerate(zip(self.names, sizes, strict=True))
+        }
 
     def __call__(self, shard: str, start: int) -> Iterator[int]:
         return iter(self.records[shard][start:])

@@ -33,8 +33,13 @@ def _run_quick(script: str, out: Path) -> str:
 
 def _replot(script: str, report: Path, out: Path) -> None:
     """``--replot`` redraws a written report's plots without measuring anything."""
-    completed = subprocess.run([sys.executable, str(REPO / "benchmarks" / script), "--replot", str(report), "--out", str(out)],
-                               capture_output=True, text=True, timeout=QUICK_TIMEOUT_S, cwd=REPO)
+    completed = subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / script), "--replot", str(report), "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=QUICK_TIMEOUT_S,
+        cwd=REPO,
+    )
     assert completed.returncode == 0, completed.stderr[-4000:]
 
 
@@ -49,7 +54,14 @@ def test_bench_resume_quick(tmp_path: Path) -> None:
     text = (tmp_path / "bench_resume.md").read_text()
     rows = [row for row in _rows(tmp_path, "bench_resume", "method") if "exact" in row]
     methods = {(row["sweep"], row["method"]) for row in rows}
-    data_methods = ("naive skip", "index-only skip", "StatefulDataLoader", "torchdata.nodes", "resumable_data", "resumable_data, warm start")
+    data_methods = (
+        "naive skip",
+        "index-only skip",
+        "StatefulDataLoader",
+        "torchdata.nodes",
+        "resumable_data",
+        "resumable_data, warm start",
+    )
     expected = {("data", m) for m in data_methods}
     expected |= {("index", m) for m in ("index-only skip", "StatefulDataLoader", "torchdata.nodes", "resumable_data")}
     assert methods == expected
@@ -78,8 +90,14 @@ def test_bench_overhead_quick(tmp_path: Path) -> None:
     rows = _rows(tmp_path, "bench_overhead", "method")
     epochs = [row for row in rows if "coverage" in row]
     control = "control: DataLoader fed resumable_data's order"
-    methods = {"DataLoader", "StatefulDataLoader", "resumable_data", control,
-               "resumable_data, global_rng=None", 'resumable_data, global_rng="sample"'}
+    methods = {
+        "DataLoader",
+        "StatefulDataLoader",
+        "resumable_data",
+        control,
+        "resumable_data, global_rng=None",
+        'resumable_data, global_rng="sample"',
+    }
     assert {row["method"] for row in epochs} == methods
     assert all(row["coverage"] == "ok" for row in epochs), epochs
     machinery = [row for row in rows if "per batch" in row]
@@ -117,4 +135,3 @@ def test_bench_checkpoint_quick(tmp_path: Path) -> None:
     assert {row["mode"] for row in rows} == {"no checkpoints", "synchronous", "asynchronous"}
     assert all(row["restored"] == "ok" for row in rows if row["mode"] != "no checkpoints"), rows
     assert (tmp_path / "checkpoint_step_time.png").stat().st_size > 0
-

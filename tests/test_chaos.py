@@ -18,7 +18,9 @@ SESSION_TIMEOUT_S = 240
 
 def run_session(kills: int, run_dir: Path, seed: int) -> ChaosReport:
     result: list[ChaosReport] = []
-    thread = threading.Thread(target=lambda: result.append(chaos(kills, run_dir, seed=seed, log=lambda _: None)), daemon=True)
+    thread = threading.Thread(
+        target=lambda: result.append(chaos(kills, run_dir, seed=seed, log=lambda _: None)), daemon=True
+    )
     thread.start()
     thread.join(timeout=SESSION_TIMEOUT_S if kills <= 3 else None)
     assert result, f"the chaos session did not finish within {SESSION_TIMEOUT_S} s"

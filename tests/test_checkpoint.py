@@ -306,9 +306,7 @@ def blocks_until_released(writer: SlowWriter, call: Callable[[], Any]) -> Any:
     return results[0]
 
 
-def test_async_save_returns_before_the_write_and_snapshots_state(
-    tmp_path: Path, slow_writer: SlowWriter
-) -> None:
+def test_async_save_returns_before_the_write_and_snapshots_state(tmp_path: Path, slow_writer: SlowWriter) -> None:
     state = make_state(1)
     expected = make_state(1)
     with CheckpointManager(tmp_path / "run", async_save=True) as m:
@@ -410,6 +408,7 @@ def test_async_keeps_storage_sharing_like_sync(tmp_path: Path) -> None:
         path = m.save(1, {"v": v, "bits": v.view(torch.int32)})
     loaded = torch.load(path / "state.pt", weights_only=True)
     assert torch.equal(loaded["v"], v) and torch.equal(loaded["bits"], v.view(torch.int32))
+
 
 def test_async_error_is_reraised_on_next_call(tmp_path: Path, monkeypatch) -> None:
     def fail(state: dict[str, Any], path: Path) -> None:

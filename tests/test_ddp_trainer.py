@@ -41,7 +41,9 @@ def tiny(base: Path, name: str, **overrides: Any) -> TrainConfig:
     corpus = base / "text.txt"
     if not corpus.exists():
         corpus.write_bytes(Path(random.__file__).read_bytes()[:2000])
-    return TrainConfig(run_dir=str(base / name), data=str(corpus), cache_dir=str(base / "cache"), **{**TINY, **overrides})
+    return TrainConfig(
+        run_dir=str(base / name), data=str(corpus), cache_dir=str(base / "cache"), **{**TINY, **overrides}
+    )
 
 
 def torchrun(config: TrainConfig, nproc: int, *, wait: bool = True) -> subprocess.Popen[bytes] | int:
@@ -150,13 +152,21 @@ def test_sigterm_to_one_rank_stops_every_rank_after_the_same_step_with_a_checkpo
 def test_elastic_policies_keep_the_per_rank_or_the_global_batch() -> None:
     same = elastic_plan(policy="global-batch", saved_world=2, saved_batch=4, saved_accum=1, world=2, batch=4, accum=1)
     assert (same.grad_accum, same.changes) == (1, {})
-    per_rank = elastic_plan(policy="per-rank-batch", saved_world=2, saved_batch=4, saved_accum=3, world=3, batch=4, accum=3)
+    per_rank = elastic_plan(
+        policy="per-rank-batch", saved_world=2, saved_batch=4, saved_accum=3, world=3, batch=4, accum=3
+    )
     assert (per_rank.grad_accum, per_rank.changes) == (3, {"world_size": [2, 3], "global_batch": [24, 36]})
     keep = elastic_plan(policy="global-batch", saved_world=4, saved_batch=4, saved_accum=3, world=2, batch=4, accum=3)
     assert (keep.grad_accum, keep.changes["global_batch"]) == (6, [48, 48])
-    with pytest.raises(ResumeError, match=r"global batch of 8 sequences \(2 ranks x --batch-size 4 x --grad-accum 1\) cannot be split over 3 ranks"):
+    with pytest.raises(
+        ResumeError,
+        match=r"global batch of 8 sequences \(2 ranks x --batch-size 4 x --grad-accum 1\) cannot be split over 3 ranks",
+    ):
         elastic_plan(policy="global-batch", saved_world=2, saved_batch=4, saved_accum=1, world=3, batch=4, accum=1)
-    assert elastic_plan(policy="refuse", saved_world=2, saved_batch=4, saved_accum=1, world=2, batch=4, accum=1).changes == {}
+    assert (
+        elastic_plan(policy="refuse", saved_world=2, saved_batch=4, saved_accum=1, world=2, batch=4, accum=1).changes
+        == {}
+    )
     with pytest.raises(ResumeError, match=r"world size changed: the checkpoint was written by 2 ranks, this job has 3"):
         elastic_plan(policy="refuse", saved_world=2, saved_batch=4, saved_accum=1, world=3, batch=4, accum=1)
 
@@ -195,7 +205,10 @@ def _decisions_main(rank: int, world_size: int, tmp: str) -> None:
 
     for name, call in (
         ("rank0_error", lambda: ranks.decide(locked)),
-        ("unreadable", lambda: ranks.all_or_none(ResumeError("sha256 mismatch") if rank == 1 else None, "reading step-8")),
+        (
+            "unreadable",
+            lambda: ranks.all_or_none(ResumeError("sha256 mismatch") if rank == 1 else None, "reading step-8"),
+        ),
     ):
         try:
             call()

@@ -29,8 +29,12 @@ def _rank_main(rank: int, world_size: int, init_file: str, out_dir: str) -> None
         resumed = ResumableDataLoader(torch.arange(LENGTH), batch_size=BATCH, seed=5)
         resumed.load_state_dict(states[(rank + 1) % world_size])  # another rank's state
         tail = [b.tolist() for b in resumed]
-        result = {"rank": loader.sampler.rank, "world_size": loader.sampler.world_size,
-                  "same_states": all(s == state for s in states), "indices": head + tail}
+        result = {
+            "rank": loader.sampler.rank,
+            "world_size": loader.sampler.world_size,
+            "same_states": all(s == state for s in states),
+            "indices": head + tail,
+        }
         Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result))
     finally:
         dist.destroy_process_group()

@@ -80,7 +80,9 @@ def _job_a(rank: int, world: int, tmp: str) -> None:
     dcp.save({"loader": {f"dp_rank_{rank}": torch.tensor([rank])}}, checkpoint_id=f"{tmp}/ckpt_per_rank")
     # async_save snapshots the state at the call; the loaders move on while it writes.
     ckpt_group = dist.new_group(backend="gloo")
-    future = dcp.async_save(app_state(loader, stream, group=None), checkpoint_id=f"{tmp}/ckpt_async", process_group=ckpt_group)
+    future = dcp.async_save(
+        app_state(loader, stream, group=None), checkpoint_id=f"{tmp}/ckpt_async", process_group=ckpt_group
+    )
     rest = {"map": read(loader), "stream": read(stream)}
     future.result()
     fresh_map, fresh_stream = make_map(), make_stream()
@@ -95,7 +97,9 @@ def _job_a(rank: int, world: int, tmp: str) -> None:
         refused = None
     except ResumeError as e:
         refused = str(e)
-    finish(tmp, "a", rank, {"head": head, "rest": rest, "at_save": at_save, "from_async": from_async, "refused": refused})
+    finish(
+        tmp, "a", rank, {"head": head, "rest": rest, "at_save": at_save, "from_async": from_async, "refused": refused}
+    )
 
 
 def _job_resume(rank: int, world: int, tmp: str, name: str, source: str, save_after: int | None) -> None:
@@ -116,7 +120,9 @@ def _job_resume(rank: int, world: int, tmp: str, name: str, source: str, save_af
         result["strict"] = str(e)
     try:
         with dcp_errors("load", f"{tmp}/ckpt_per_rank"):
-            dcp.load({"loader": {f"dp_rank_{rank}": torch.zeros(1, dtype=torch.long)}}, checkpoint_id=f"{tmp}/ckpt_per_rank")
+            dcp.load(
+                {"loader": {f"dp_rank_{rank}": torch.zeros(1, dtype=torch.long)}}, checkpoint_id=f"{tmp}/ckpt_per_rank"
+            )
         result["per_rank_keys"] = None
     except ResumeError as e:
         result["per_rank_keys"] = str(e)
@@ -146,10 +152,14 @@ def ids(per_rank: list[dict[str, list[int]]], epoch: int) -> collections.Counter
     return collections.Counter(i for part in per_rank for i in part.get(str(epoch), []))
 
 
-def assert_exactly_once(parts: list[dict[str, list[int]]], everything: set[int], epoch: int, *, padding: int = 0) -> None:
+def assert_exactly_once(
+    parts: list[dict[str, list[int]]], everything: set[int], epoch: int, *, padding: int = 0
+) -> None:
     """Every id once, plus ``padding`` repeats (DistributedSampler-style padding of an uneven tail)."""
     counts = ids(parts, epoch)
-    assert set(counts) == everything, f"missing {sorted(everything - set(counts))}, extra {sorted(set(counts) - everything)}"
+    assert set(counts) == everything, (
+        f"missing {sorted(everything - set(counts))}, extra {sorted(set(counts) - everything)}"
+    )
     repeated = sorted(i for i, n in counts.items() for _ in range(n - 1))
     assert len(repeated) == padding, f"read more than once: {repeated}, expected {padding} padding repeats"
 
@@ -182,7 +192,9 @@ def test_async_save_keeps_the_position_at_call_time(chain: dict[str, list[Any]])
 
 
 @pytest.mark.parametrize(("job", "kind"), [("b", "map"), ("c", "map"), ("b", "stream"), ("c", "stream")])
-def test_world_size_change_reads_the_rest_of_the_epoch_exactly_once(chain: dict[str, list[Any]], job: str, kind: str) -> None:
+def test_world_size_change_reads_the_rest_of_the_epoch_exactly_once(
+    chain: dict[str, list[Any]], job: str, kind: str
+) -> None:
     """2→3 (B) and 2→1 (C): A's head plus the new ranks' rest cover epoch 0 once; epoch 1 is complete."""
     everything = MAP_IDS if kind == "map" else STREAM_IDS
     head = [r["head"][kind] for r in chain["a"]]
@@ -205,7 +217,9 @@ def test_a_job_that_refuses_a_world_size_change_names_both_sizes(chain: dict[str
     assert chain["d"][0]["strict"] is None  # same size: accepted
     for job, size in (("b", 3), ("c", 1)):
         message = chain[job][0]["strict"]
-        assert message.startswith(f"world size changed: the checkpoint was written by 2 data-parallel ranks, this job has {size}")
+        assert message.startswith(
+            f"world size changed: the checkpoint was written by 2 data-parallel ranks, this job has {size}"
+        )
 
 
 def test_per_rank_keys_fail_at_another_world_size_with_a_clear_error(chain: dict[str, list[Any]]) -> None:

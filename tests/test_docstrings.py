@@ -26,7 +26,9 @@ def test_docstring_examples_run(name: str) -> None:
     module = importlib.import_module(name)
     flags = doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE
     result = doctest.testmod(module, optionflags=flags, report=True, verbose=False)
-    assert result.failed == 0, f"{result.failed} of {result.attempted} docstring examples in {name} failed (see the output above)"
+    assert result.failed == 0, (
+        f"{result.failed} of {result.attempted} docstring examples in {name} failed (see the output above)"
+    )
 
 
 def test_the_examples_are_found() -> None:

@@ -111,8 +111,19 @@ class TestWrap:
 
     def test_keeps_the_loader_settings(self) -> None:
         collate = lambda items: torch.stack(items) * 10
-        loader = wrap(DataLoader(self.dataset, batch_size=6, shuffle=True, drop_last=True, collate_fn=collate,
-                                 num_workers=2, prefetch_factor=3, persistent_workers=True), seed=7)
+        loader = wrap(
+            DataLoader(
+                self.dataset,
+                batch_size=6,
+                shuffle=True,
+                drop_last=True,
+                collate_fn=collate,
+                num_workers=2,
+                prefetch_factor=3,
+                persistent_workers=True,
+            ),
+            seed=7,
+        )
         assert isinstance(loader, ResumableDataLoader)
         assert (loader.batch_size, loader.drop_last, loader.num_workers, loader.prefetch_factor) == (6, True, 2, 3)
         assert loader.persistent_workers and loader.collate_fn is collate

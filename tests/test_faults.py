@@ -146,9 +146,9 @@ def valid_manifest(folder: Path) -> dict[str, Any]:
 
 ODD_MANIFESTS: dict[str, Callable[[dict[str, Any]], bytes]] = {
     "nested 100,000 levels": lambda m: b"[" * 100_000 + b"]" * 100_000,
-    "a field nested 100,000 levels": lambda m: json.dumps({**m, "metric": 0}).replace(
-        '"metric": 0', '"metric": ' + "[" * 100_000 + "]" * 100_000
-    ).encode(),
+    "a field nested 100,000 levels": lambda m: (
+        json.dumps({**m, "metric": 0}).replace('"metric": 0', '"metric": ' + "[" * 100_000 + "]" * 100_000).encode()
+    ),
     "metric is a string": lambda m: json.dumps({**m, "metric": "low"}).encode(),
     "metric is a bool": lambda m: json.dumps({**m, "metric": True}).encode(),
     "metric is a list": lambda m: json.dumps({**m, "metric": [0.1]}).encode(),
@@ -170,7 +170,9 @@ ODD_MANIFESTS: dict[str, Callable[[dict[str, Any]], bytes]] = {
     "empty": lambda m: b"",
     "not UTF-8": lambda m: b"\xff\xfe{\x00",
     "huge (20 MB)": lambda m: json.dumps({**m, "library_version": "x" * 20_000_000}).encode(),
-    "a 10,000-digit integer": lambda m: json.dumps({**m, "size": 0}).replace('"size": 0', '"size": ' + "9" * 10_000).encode(),
+    "a 10,000-digit integer": lambda m: (
+        json.dumps({**m, "size": 0}).replace('"size": 0', '"size": ' + "9" * 10_000).encode()
+    ),
 }
 
 
@@ -208,7 +210,17 @@ JSON = st.recursive(
     lambda children: st.lists(children, max_size=3) | st.dictionaries(st.text(max_size=5), children, max_size=3),
     max_leaves=8,
 )
-MANIFEST_FIELDS = ["version", "step", "created", "created_iso", "payload", "sha256", "size", "library_version", "metric"]
+MANIFEST_FIELDS = [
+    "version",
+    "step",
+    "created",
+    "created_iso",
+    "payload",
+    "sha256",
+    "size",
+    "library_version",
+    "metric",
+]
 
 
 @settings(max_examples=100, suppress_health_check=[HealthCheck.function_scoped_fixture])

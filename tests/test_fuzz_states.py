@@ -64,7 +64,6 @@ def fuzz(examples: int) -> settings:
     )
 
 
-
 # -- the damage ------------------------------------------------------------------------------------
 def _deep(depth: int) -> list[Any]:
     value: list[Any] = []
@@ -166,7 +165,13 @@ def damage(data: st.DataObject, state: Any, *, max_steps: int = 3) -> Any:
 def same(a: Any, b: Any) -> bool:
     """Structural equality of plain states (tensors compared by value, dtype and shape)."""
     if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
-        return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+        return (
+            isinstance(a, torch.Tensor)
+            and isinstance(b, torch.Tensor)
+            and a.dtype == b.dtype
+            and a.shape == b.shape
+            and torch.equal(a, b)
+        )
     if isinstance(a, dict):
         return isinstance(b, dict) and a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
     if isinstance(a, (list, tuple)):
@@ -248,20 +253,32 @@ def files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[Path]]:
 # name -> (make(files), unique records within an epoch)
 PIPELINES: dict[str, tuple[Callable[[dict[str, list[Path]]], Stream], bool]] = {
     "sharded (callable reader)": (lambda f: memory(), True),
-    "sharded (TokenShardReader)": (lambda f: ShardedIterable(f["tokens"], read_shard=TokenShardReader(4, stride=3)), True),
+    "sharded (TokenShardReader)": (
+        lambda f: ShardedIterable(f["tokens"], read_shard=TokenShardReader(4, stride=3)),
+        True,
+    ),
     "sharded (TextLineReader)": (lambda f: ShardedIterable(f["text"], read_shard=TextLineReader()), True),
     "map": (lambda f: memory().map(noisy, seed=5), True),
     "filter": (lambda f: memory().filter(lambda x: x % 3 != 0), True),
     "batch": (lambda f: memory().batch(4), True),
     "shuffle_buffer": (lambda f: memory().shuffle_buffer(4, seed=1), True),
-    "shuffle_buffer (text)": (lambda f: ShardedIterable(f["text"], read_shard=TextLineReader()).shuffle_buffer(3), True),
+    "shuffle_buffer (text)": (
+        lambda f: ShardedIterable(f["text"], read_shard=TextLineReader()).shuffle_buffer(3),
+        True,
+    ),
     "take": (lambda f: memory().take(9), True),
     "repeat": (lambda f: memory().repeat(2), False),
     "repeat + shuffle_buffer": (lambda f: memory().repeat(3).shuffle_buffer(4, seed=2), False),
-    "mix + shuffle_buffer": (lambda f: mix([memory(), other()], weights=[2, 1], seed=3).shuffle_buffer(3).map(noisy, seed=1), True),
+    "mix + shuffle_buffer": (
+        lambda f: mix([memory(), other()], weights=[2, 1], seed=3).shuffle_buffer(3).map(noisy, seed=1),
+        True,
+    ),
     "nested shuffle_buffers": (lambda f: memory().shuffle_buffer(3, seed=1).shuffle_buffer(2, seed=2), True),
     "IterableSource": (lambda f: IterableSource(list(range(12))), True),
-    "composed": (lambda f: memory().filter(lambda x: x % 5 != 0).shuffle_buffer(4, seed=2).map(noisy, seed=1).batch(3), True),
+    "composed": (
+        lambda f: memory().filter(lambda x: x % 5 != 0).shuffle_buffer(4, seed=2).map(noisy, seed=1).batch(3),
+        True,
+    ),
 }
 
 
@@ -274,7 +291,9 @@ def midway(stream: Stream, n: int) -> Stream:
 @pytest.mark.parametrize("name", sorted(PIPELINES))
 @fuzz(40)
 @given(data=st.data())
-def test_stream_loads_a_damaged_state_consistently_or_refuses_it_unchanged(files, name: str, data: st.DataObject) -> None:
+def test_stream_loads_a_damaged_state_consistently_or_refuses_it_unchanged(
+    files, name: str, data: st.DataObject
+) -> None:
     make, unique = PIPELINES[name]
     valid = midway(make(files), 7).state_dict()
     stream = midway(make(files), 2)
@@ -316,7 +335,9 @@ LOADER_STATES = _loader_states()
 @pytest.mark.parametrize("which", sorted(LOADER_STATES))
 @fuzz(30)
 @given(data=st.data())
-def test_stream_loader_loads_a_damaged_state_consistently_or_refuses_it_unchanged(which: str, data: st.DataObject) -> None:
+def test_stream_loader_loads_a_damaged_state_consistently_or_refuses_it_unchanged(
+    which: str, data: st.DataObject
+) -> None:
     loader = after_batches(stream_loader(), 1)
     if not load_or_refuse(loader, damage(data, LOADER_STATES[which])):
         return
@@ -356,7 +377,9 @@ MAP_STYLE: dict[str, Callable[[], Any]] = {"ResumableSampler": sampler, "Resumab
 @pytest.mark.parametrize("strict", [True, False])
 @fuzz(40)
 @given(data=st.data())
-def test_map_style_loads_a_damaged_state_consistently_or_refuses_it_unchanged(name: str, strict: bool, data: st.DataObject) -> None:
+def test_map_style_loads_a_damaged_state_consistently_or_refuses_it_unchanged(
+    name: str, strict: bool, data: st.DataObject
+) -> None:
     make = MAP_STYLE[name]
     valid = make()
     midway(valid, 5)
@@ -381,7 +404,9 @@ def rng_same(a: dict[str, Any], b: dict[str, Any]) -> bool:
 
 @fuzz(80)
 @given(data=st.data(), strict=st.booleans())
-def test_restore_rng_state_restores_a_damaged_state_exactly_or_changes_nothing(data: st.DataObject, strict: bool) -> None:
+def test_restore_rng_state_restores_a_damaged_state_exactly_or_changes_nothing(
+    data: st.DataObject, strict: bool
+) -> None:
     random.seed(1), np.random.seed(2), torch.manual_seed(3)
     random.gauss(0, 1), np.random.randn()  # cached gaussians in both
     valid = capture_rng_state()

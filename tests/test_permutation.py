@@ -90,8 +90,15 @@ def test_first_positions_spread_evenly_over_a_mid_size_range(length: int) -> Non
     assert chi2 < df + 9 * np.sqrt(2 * df) + 15
 
 
-@given(length=st.integers(1, 3 * 10**9), seed=st.integers(-(2**63), 2**63 - 1), epoch=st.integers(0, 10**6), start=st.integers(0, 10**9))
-def test_scalar_tail_of_the_cycle_walk_equals_the_vectorized_walk(length: int, seed: int, epoch: int, start: int) -> None:
+@given(
+    length=st.integers(1, 3 * 10**9),
+    seed=st.integers(-(2**63), 2**63 - 1),
+    epoch=st.integers(0, 10**6),
+    start=st.integers(0, 10**9),
+)
+def test_scalar_tail_of_the_cycle_walk_equals_the_vectorized_walk(
+    length: int, seed: int, epoch: int, start: int
+) -> None:
     # The last stragglers of a cycle walk are finished in Python ints: the order must not change.
     import resumable_data.permutation as module
 

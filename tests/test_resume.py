@@ -12,11 +12,28 @@ from harness import NoisyIndexDataset, assert_resumes_identically, checkpoint_ro
 from resumable_data import ResumableDataLoader
 
 
-def _loader(length: int, batch_size: int, *, shuffle: bool, drop_last: bool, rank: int, world_size: int,
-            num_workers: int, seed: int = 3, **kwargs) -> ResumableDataLoader:
+def _loader(
+    length: int,
+    batch_size: int,
+    *,
+    shuffle: bool,
+    drop_last: bool,
+    rank: int,
+    world_size: int,
+    num_workers: int,
+    seed: int = 3,
+    **kwargs,
+) -> ResumableDataLoader:
     return ResumableDataLoader(
-        NoisyIndexDataset(length), batch_size=batch_size, shuffle=shuffle, seed=seed, rank=rank,
-        world_size=world_size, drop_last=drop_last, num_workers=num_workers, **kwargs,
+        NoisyIndexDataset(length),
+        batch_size=batch_size,
+        shuffle=shuffle,
+        seed=seed,
+        rank=rank,
+        world_size=world_size,
+        drop_last=drop_last,
+        num_workers=num_workers,
+        **kwargs,
     )
 
 
@@ -84,7 +101,9 @@ def _check_resume_with_workers(data: st.DataObject) -> None:
     extra = dict(persistent_workers=True) if persistent else {}
     extra_resumed = dict(persistent_workers=True) if persistent and resumed_workers else {}
     assert_resumes_identically(
-        lambda: _loader(**config, prefetch_factor=3, **extra), cuts, total,
+        lambda: _loader(**config, prefetch_factor=3, **extra),
+        cuts,
+        total,
         make_resumed_loader=lambda: _loader(**resumed, **extra_resumed),
     )
 

@@ -85,7 +85,9 @@ class Images(torch.utils.data.Dataset):
 
 
 def _augmented(num_workers: int) -> ResumableDataLoader:
-    return ResumableDataLoader(RandomMap(Images(), _random_crop_and_noise), batch_size=4, seed=9, num_workers=num_workers)
+    return ResumableDataLoader(
+        RandomMap(Images(), _random_crop_and_noise), batch_size=4, seed=9, num_workers=num_workers
+    )
 
 
 def test_random_augmentation_resumes_bitwise() -> None:
@@ -117,4 +119,6 @@ def test_sample_key_is_a_frozen_record_whose_index_is_the_sample_index() -> None
         key.index = 18  # type: ignore[misc]
     # Workers receive keys through pickle; the copy draws the same randomness.
     copy = pickle.loads(pickle.dumps(key))
-    assert copy == key and torch.equal(torch.rand(3, generator=copy.generator()), torch.rand(3, generator=key.generator()))
+    assert copy == key and torch.equal(
+        torch.rand(3, generator=copy.generator()), torch.rand(3, generator=key.generator())
+    )

@@ -22,8 +22,9 @@ from resumable_data import ResumableDataLoader, ResumableSampler
 
 
 @given(length=st.integers(1, 50), world_size=st.integers(1, 5), drop_last=st.booleans(), data=st.data())
-def test_unshuffled_layout_matches_distributed_sampler(length: int, world_size: int, drop_last: bool,
-                                                       data: st.DataObject) -> None:
+def test_unshuffled_layout_matches_distributed_sampler(
+    length: int, world_size: int, drop_last: bool, data: st.DataObject
+) -> None:
     rank = data.draw(st.integers(0, world_size - 1))
     ours = ResumableSampler(length, shuffle=False, rank=rank, world_size=world_size, drop_last=drop_last)
     theirs = DistributedSampler(range(length), num_replicas=world_size, rank=rank, shuffle=False, drop_last=drop_last)
@@ -111,7 +112,9 @@ def test_works_in_torchdata_stateful_dataloader_and_restores_exactly(num_workers
     dataset = torch.arange(40)
 
     def make() -> StatefulDataLoader:
-        return StatefulDataLoader(dataset, batch_size=3, sampler=ResumableSampler(dataset, seed=4), num_workers=num_workers)
+        return StatefulDataLoader(
+            dataset, batch_size=3, sampler=ResumableSampler(dataset, seed=4), num_workers=num_workers
+        )
 
     def stream(loader: StatefulDataLoader, n: int) -> list[list[int]]:
         return [b.tolist() for b in itertools.islice((b for _ in range(10) for b in loader), n)]
@@ -185,11 +188,17 @@ def test_exhausted_epoch_advances_by_itself_but_not_after_set_epoch() -> None:
 
 
 @settings(max_examples=50)
-@given(length=st.integers(1, 10**9), position_fraction=st.floats(0, 1), world=st.integers(1, 4096),
-       epoch=st.integers(0, 10**6))
+@given(
+    length=st.integers(1, 10**9),
+    position_fraction=st.floats(0, 1),
+    world=st.integers(1, 4096),
+    epoch=st.integers(0, 10**6),
+)
 def test_state_is_small_plain_and_round_trips(length: int, position_fraction: float, world: int, epoch: int) -> None:
     loader_like = ResumableSampler(length, seed=2**62, world_size=world)
-    loader_like.load_state_dict({**loader_like.state_dict(), "epoch": epoch, "position": int(position_fraction * length)})
+    loader_like.load_state_dict(
+        {**loader_like.state_dict(), "epoch": epoch, "position": int(position_fraction * length)}
+    )
     state = {**loader_like.state_dict(), "batch_size": 4096}
     encoded = json.dumps(state)
     assert len(encoded) < 512

@@ -103,10 +103,14 @@ def consume_ranks(loaders: list[StreamLoader], batches_per_rank: list[int | None
 
 def assert_exactly_once_across_layout_change(make_stream, all_records, old, new, cuts) -> None:
     """``old``/``new``: (world_size, num_workers); ``cuts``: batches each old rank takes."""
-    before = [StreamLoader(make_stream(), batch_size=3, rank=r, world_size=old[0], num_workers=old[1]) for r in range(old[0])]
+    before = [
+        StreamLoader(make_stream(), batch_size=3, rank=r, world_size=old[0], num_workers=old[1]) for r in range(old[0])
+    ]
     seen = consume_ranks(before, cuts)
     merged = json.loads(json.dumps(StreamLoader.merge_states([loader.state_dict() for loader in before])))
-    after = [StreamLoader(make_stream(), batch_size=3, rank=r, world_size=new[0], num_workers=new[1]) for r in range(new[0])]
+    after = [
+        StreamLoader(make_stream(), batch_size=3, rank=r, world_size=new[0], num_workers=new[1]) for r in range(new[0])
+    ]
     for loader in after:
         loader.load_state_dict(merged)
     seen += consume_ranks(after, [None] * new[0])
@@ -127,7 +131,9 @@ def test_world_size_change_consumes_every_record_exactly_once(sizes, old_world, 
     def make() -> Stream:
         return ShardedIterable(shards.names, read_shard=shards, seed=5).shuffle_buffer(buffer, seed=6)
 
-    assert_exactly_once_across_layout_change(make, shards.all_records(), (old_world, 0), (new_world, 0), cuts[:old_world])
+    assert_exactly_once_across_layout_change(
+        make, shards.all_records(), (old_world, 0), (new_world, 0), cuts[:old_world]
+    )
 
 
 @pytest.mark.parametrize(("old", "new"), [((1, 2), (1, 0)), ((2, 1), (1, 2))])

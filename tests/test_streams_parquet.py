@@ -35,7 +35,9 @@ from streams_harness import assert_stream_resumes_identically, ids, json_roundtr
 ROW_GROUP = 5
 
 
-def write_parquet_shards(directory: Path, sizes: Sequence[int], *, row_group: int = ROW_GROUP, base: int = 0) -> list[Path]:
+def write_parquet_shards(
+    directory: Path, sizes: Sequence[int], *, row_group: int = ROW_GROUP, base: int = 0
+) -> list[Path]:
     """Shard ``s`` holds rows ``id = base + s * 1000 + i`` with a few derived columns."""
     paths = []
     for s, n in enumerate(sizes):
@@ -68,7 +70,9 @@ def shards(tmp_path: Path) -> list[Path]:
 
 def test_rows_golden(shards: list[Path]) -> None:
     assert ParquetReader().num_records(shards[0]) == 12
-    assert list(ParquetReader()(shards[1], 9)) == [{"id": 1009, "tokens": [1009 % 97, 1009 % 89, 1009 % 83], "text": "row 1009"}]
+    assert list(ParquetReader()(shards[1], 9)) == [
+        {"id": 1009, "tokens": [1009 % 97, 1009 % 89, 1009 % 83], "text": "row 1009"}
+    ]
     assert [r["id"] for r in ParquetReader(["id"])(shards[0], 3)] == list(range(3, 12))
     assert next(iter(ParquetReader(["id"])(shards[0], 3))) == {"id": 3}  # only the selected column
     assert list(ParquetReader(parse=row_id)(shards[2], 5)) == [2005, 2006]
@@ -82,7 +86,15 @@ def unshuffled(paths: list[Path], **kwargs: Any) -> ShardedIterable:
 @pytest.mark.parametrize(
     ("cut", "cursor"),
     [(3, (0, 3)), (5, (0, 5)), (10, (0, 10)), (12, (0, 12)), (14, (1, 2)), (22, (1, 10)), (29, (2, 7))],
-    ids=["mid-row-group", "row-group-boundary", "last-row-group", "shard-boundary", "next-shard", "next-shard-end", "epoch-end"],
+    ids=[
+        "mid-row-group",
+        "row-group-boundary",
+        "last-row-group",
+        "shard-boundary",
+        "next-shard",
+        "next-shard-end",
+        "epoch-end",
+    ],
 )
 def test_resume_at_each_kind_of_position(shards: list[Path], cut: int, cursor: tuple[int, int]) -> None:
     stream = unshuffled(shards)
@@ -126,7 +138,10 @@ def noisy(item: tuple[torch.Tensor, torch.Tensor], g: torch.Generator) -> tuple[
 
 
 def mixed(web: list[Path], books: list[Path]) -> Stream:
-    sources = [ShardedIterable(paths, read_shard=ParquetReader(parse=as_tensors), seed=i) for i, paths in enumerate((web, books))]
+    sources = [
+        ShardedIterable(paths, read_shard=ParquetReader(parse=as_tensors), seed=i)
+        for i, paths in enumerate((web, books))
+    ]
     return mix(sources, weights=[2, 1], seed=3).shuffle_buffer(4, seed=4).map(noisy, seed=5)
 
 
@@ -212,7 +227,9 @@ def test_restore_reads_no_byte_of_an_earlier_row_group_and_at_most_one_group(tmp
     assert sum(b - a for a, b in log) <= (groups[5][1] - groups[5][0]) + footer_read + 4096
 
 
-def test_shuffle_buffer_restore_decodes_a_few_row_groups_not_one_per_row(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_shuffle_buffer_restore_decodes_a_few_row_groups_not_one_per_row(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     (path,) = write_parquet_shards(tmp_path, [200], row_group=20)
 
     def make() -> Stream:
@@ -252,7 +269,10 @@ def after_three_rows(paths: list[Path]) -> tuple[ShardedIterable, dict[str, Any]
     ("damage", "message"),
     [
         (lambda p: p.unlink(), r"parquet shard '.*train-00000-of-00003.parquet' is missing"),
-        (lambda p: p.write_bytes(p.read_bytes()[:100]), r"'.*train-00000-of-00003.parquet' is not a readable Parquet file"),
+        (
+            lambda p: p.write_bytes(p.read_bytes()[:100]),
+            r"'.*train-00000-of-00003.parquet' is not a readable Parquet file",
+        ),
     ],
     ids=["missing", "cut"],
 )
@@ -279,12 +299,16 @@ def test_shard_shorter_than_the_cursor_names_shard_and_row(shards: list[Path]) -
 
 
 def test_unknown_column_names_the_columns_there_are(shards: list[Path]) -> None:
-    with pytest.raises(ResumeError, match=r"lacks the column\(s\) \['input_ids'\]; its columns are \['id', 'tokens', 'text'\]"):
+    with pytest.raises(
+        ResumeError, match=r"lacks the column\(s\) \['input_ids'\]; its columns are \['id', 'tokens', 'text'\]"
+    ):
         ParquetReader(["input_ids"]).num_records(shards[0])
     with pytest.raises(TypeError, match=r"pass \['id'\]"):
         ParquetReader("id")
 
 
 def test_rows_of_every_shard_once_per_epoch_in_a_stream_loader(shards: list[Path]) -> None:
-    loader = StreamLoader(ShardedIterable(shards, read_shard=ParquetReader(["id"], parse=row_id)), batch_size=4, num_workers=2)
+    loader = StreamLoader(
+        ShardedIterable(shards, read_shard=ParquetReader(["id"], parse=row_id)), batch_size=4, num_workers=2
+    )
     assert sorted(ids(list(loader))) == [s * 1000 + i for s, n in enumerate([12, 10, 7]) for i in range(n)]

@@ -123,7 +123,12 @@ def text_files(tmp_path: Path) -> list[Path]:
 @pytest.mark.parametrize(
     ("reader", "make_files", "damage", "message"),
     [
-        (TokenShardReader(4), lambda d: write_token_shards(d, [40, 40]), lambda p: p.unlink(), r"token shard '.*tok_000.bin' is missing"),
+        (
+            TokenShardReader(4),
+            lambda d: write_token_shards(d, [40, 40]),
+            lambda p: p.unlink(),
+            r"token shard '.*tok_000.bin' is missing",
+        ),
         (
             TokenShardReader(4),
             lambda d: write_token_shards(d, [40, 40]),
@@ -139,7 +144,9 @@ def text_files(tmp_path: Path) -> list[Path]:
         ),
     ],
 )
-def test_missing_or_truncated_shard_names_shard_and_offset_and_consumes_nothing(tmp_path, reader, make_files, damage, message) -> None:
+def test_missing_or_truncated_shard_names_shard_and_offset_and_consumes_nothing(
+    tmp_path, reader, make_files, damage, message
+) -> None:
     stream, paths = after_three_records(tmp_path, reader, make_files)
     state = stream.state_dict()
     backup = paths[0].read_bytes()

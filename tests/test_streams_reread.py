@@ -48,7 +48,9 @@ def run_starts(keys: list[list[int]], names: list[str]) -> list[tuple[str, int]]
     starts = []
     for shard in sorted({key[1] for key in keys}):
         offsets = sorted(key[2] for key in keys if key[1] == shard)
-        starts += [(names[shard], b) for a, b in zip([None, *offsets[:-1]], offsets, strict=True) if a is None or b != a + 1]
+        starts += [
+            (names[shard], b) for a, b in zip([None, *offsets[:-1]], offsets, strict=True) if a is None or b != a + 1
+        ]
     return starts
 
 
@@ -76,7 +78,9 @@ def test_token_buffer_restore_maps_each_shard_once(tmp_path: Path, buffer: int, 
     paths = write_token_shards(tmp_path, [1000] * 6)
 
     def make(reader: TokenShardReader | None = None) -> Stream:
-        return ShardedIterable(paths, read_shard=reader or TokenShardReader(WINDOW), seed=4).shuffle_buffer(buffer, seed=5)
+        return ShardedIterable(paths, read_shard=reader or TokenShardReader(WINDOW), seed=4).shuffle_buffer(
+            buffer, seed=5
+        )
 
     state, expected = state_and_continuation(make, cut, 200)
     counting = OpenCountingTokenReader(WINDOW)
@@ -88,7 +92,9 @@ def test_token_buffer_restore_maps_each_shard_once(tmp_path: Path, buffer: int, 
     # cursor (the next shard too when the current one was read to its end).
     remaining = state["source"]["remaining"]
     continued = remaining[:2] if remaining and remaining[0][2] == 1000 // WINDOW else remaining[:1]
-    assert counting.opens == Counter(paths[s].name for s in buffered_shards(state)) + Counter(Path(name).name for _, name, _ in continued)
+    assert counting.opens == Counter(paths[s].name for s in buffered_shards(state)) + Counter(
+        Path(name).name for _, name, _ in continued
+    )
     assert len(state["buffer"]) == min(buffer, 6 * 1000 // WINDOW - cut)
     assert_same(list(itertools.islice(iter(restored), 199)), expected[1:])
 
@@ -117,7 +123,9 @@ def test_generic_reader_is_called_once_per_run_of_consecutive_records(sizes, buf
     # own reads, each at a saved cursor.
     starts = run_starts(state["buffer"], shards.names)
     assert sorted(counting.calls[: len(starts)]) == sorted(starts)
-    assert sorted(counting.offsets_read[: len(state["buffer"])]) == sorted((shards.names[k[1]], k[2]) for k in state["buffer"])
+    assert sorted(counting.offsets_read[: len(state["buffer"])]) == sorted(
+        (shards.names[k[1]], k[2]) for k in state["buffer"]
+    )
     cursors = {(name, cursor) for _, name, cursor in state["source"]["remaining"]}
     assert set(counting.calls[len(starts) :]) <= cursors
     assert first + list(iter(restored)) == expected
@@ -187,7 +195,9 @@ def test_failed_reread_changes_nothing_and_succeeds_once_the_shard_is_back(tmp_p
     path.write_bytes(backup[: highest * WINDOW * 2])  # the window at `highest` is gone
     restored = make()
     restored.load_state_dict(state)
-    with pytest.raises(ResumeError, match=rf"{path.name}' has {highest} windows but the checkpoint needs the one at offset {highest}"):
+    with pytest.raises(
+        ResumeError, match=rf"{path.name}' has {highest} windows but the checkpoint needs the one at offset {highest}"
+    ):
         next(iter(restored))
     assert restored.state_dict() == state
     path.write_bytes(backup)

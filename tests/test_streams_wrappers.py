@@ -77,7 +77,13 @@ def test_resumes_identically_several_times_in_a_row(name: str) -> None:
 )
 def test_composed_pipeline_resumes_for_any_configuration(sizes, buffer, batch, seed, cuts) -> None:
     def make() -> Stream:
-        return source(sizes, seed=seed).filter(lambda x: x % 4 != 1).shuffle_buffer(buffer, seed=seed).map(noisy, seed=seed).batch(batch)
+        return (
+            source(sizes, seed=seed)
+            .filter(lambda x: x % 4 != 1)
+            .shuffle_buffer(buffer, seed=seed)
+            .map(noisy, seed=seed)
+            .batch(batch)
+        )
 
     n = stream_length(make)
     assert_stream_resumes_identically(make, sorted(min(c, n) for c in cuts))

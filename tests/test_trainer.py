@@ -222,7 +222,9 @@ def test_resume_never_refuses_a_folder_with_checkpoints(tmp_path: Path, corpus: 
         train(tiny(tmp_path, corpus, "run", resume="never"))
 
 
-def test_architecture_comes_from_the_checkpoint_and_a_conflicting_flag_is_an_error(tmp_path: Path, corpus: Path) -> None:
+def test_architecture_comes_from_the_checkpoint_and_a_conflicting_flag_is_an_error(
+    tmp_path: Path, corpus: Path
+) -> None:
     first = train(tiny(tmp_path, corpus, "run", stop_at=4))
     # Architecture flags left unset: the checkpoint's are used.
     unset = dict.fromkeys(("n_layer", "n_head", "n_embd", "block_size", "dropout"))
@@ -283,7 +285,14 @@ def test_checkpoint_layout(tmp_path: Path, corpus: Path) -> None:
         "version": 1, "step": 6, "tokens_seen": 6 * 4 * 16, "best_val_loss": result.val_losses[6],
         "world_size": 1, "batch_size": 4, "grad_accum": 1,  # the layout an elastic resume starts from
     }  # fmt: skip
-    assert state["model_config"] == {"vocab_size": 256, "block_size": 16, "n_layer": 1, "n_head": 2, "n_embd": 16, "dropout": 0.1}
+    assert state["model_config"] == {
+        "vocab_size": 256,
+        "block_size": 16,
+        "n_layer": 1,
+        "n_head": 2,
+        "n_embd": 16,
+        "dropout": 0.1,
+    }
     assert state["dataloader"]["position"] == 6 * 4 and state["dataloader"]["epoch"] == 0
     assert set(state["audit"]) == {"next_batch", "next_lr"}
     assert isinstance(state["library_version"], str)

@@ -48,6 +48,10 @@ def test_trains_on_cuda_and_resumes_onto_the_gpu(tmp_path: Path, corpus: Path) -
 
 def test_verify_resume_on_cuda_with_deterministic_algorithms(tmp_path: Path, corpus: Path) -> None:
     config = TrainConfig(
-        run_dir=str(tmp_path / "verify"), data=str(corpus), cache_dir=str(tmp_path / "cache"), deterministic=True, **SMALL
+        run_dir=str(tmp_path / "verify"),
+        data=str(corpus),
+        cache_dir=str(tmp_path / "cache"),
+        deterministic=True,
+        **SMALL,
     )
     assert verify_resume(config, kill_at_step=17)

@@ -82,8 +82,13 @@ def test_stateful_dataloader_resumes_exactly_at_every_checkpoint_point(
     cuts = {("in", 0), ("in", 3), ("after", 0), ("in", per_epoch + 2), ("after", 1)}
     reference, states = run_with_snapshots(make, 3, cuts)
     assert len(reference) == 3 * per_epoch
-    offsets = {("in", 0): 0, ("in", 3): 3, ("after", 0): per_epoch, ("in", per_epoch + 2): per_epoch + 2,
-               ("after", 1): 2 * per_epoch}
+    offsets = {
+        ("in", 0): 0,
+        ("in", 3): 3,
+        ("after", 0): per_epoch,
+        ("in", per_epoch + 2): per_epoch + 2,
+        ("after", 1): 2 * per_epoch,
+    }
     for cut, offset in offsets.items():
         resumed = resume_from(make, states[cut], len(reference) - offset)
         assert_batches_equal(reference[offset:], resumed)
@@ -93,8 +98,12 @@ def test_stateful_dataloader_resumes_exactly_at_every_checkpoint_point(
 def _augmented(num_workers: int, persistent: bool = False, **kwargs: Any) -> Callable[[], ResumableDataLoader]:
     def make() -> ResumableDataLoader:
         return ResumableDataLoader(
-            GlobalRandomAugment(21), batch_size=4, seed=11, num_workers=num_workers,
-            persistent_workers=persistent, **kwargs,
+            GlobalRandomAugment(21),
+            batch_size=4,
+            seed=11,
+            num_workers=num_workers,
+            persistent_workers=persistent,
+            **kwargs,
         )
 
     return make
@@ -102,8 +111,14 @@ def _augmented(num_workers: int, persistent: bool = False, **kwargs: Any) -> Cal
 
 @pytest.mark.parametrize(
     ("before", "after"),
-    [((0, False), (0, False)), ((2, False), (2, False)), ((2, True), (2, True)), ((3, False), (3, False)),
-     ((2, False), (0, False)), ((0, False), (2, True))],
+    [
+        ((0, False), (0, False)),
+        ((2, False), (2, False)),
+        ((2, True), (2, True)),
+        ((3, False), (3, False)),
+        ((2, False), (0, False)),
+        ((0, False), (2, True)),
+    ],
     ids=["w0", "w2", "w2-persistent", "w3", "w2-to-w0", "w0-to-w2-persistent"],
 )
 def test_global_rng_augmentation_resumes_bitwise(before: tuple[int, bool], after: tuple[int, bool]) -> None:
@@ -326,7 +341,10 @@ def _train(run_dir: Path, *flags: str, expect_kill: bool = False) -> None:
     run_dir.mkdir(exist_ok=True)
     result = subprocess.run(
         [sys.executable, str(_SCRIPT), "--run-dir", str(run_dir), *flags],
-        capture_output=True, text=True, timeout=120, check=False,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
     )
     expected = -signal.SIGKILL if expect_kill else 0
     assert result.returncode == expected, result.stderr[-2000:]

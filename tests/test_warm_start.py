@@ -26,8 +26,14 @@ class SlowStart(GlobalRandomAugment):
 def _maker(num_workers: int, *, warm: bool, persistent: bool = False, pin: bool = False) -> Callable[[], Any]:
     def make() -> ResumableDataLoader:
         return ResumableDataLoader(
-            SlowStart(29), batch_size=3, seed=5, num_workers=num_workers, warm_start=warm,
-            persistent_workers=persistent, pin_memory=pin, worker_init_fn=SlowStart.worker_init,
+            SlowStart(29),
+            batch_size=3,
+            seed=5,
+            num_workers=num_workers,
+            warm_start=warm,
+            persistent_workers=persistent,
+            pin_memory=pin,
+            worker_init_fn=SlowStart.worker_init,
         )
 
     return make
@@ -39,9 +45,11 @@ def _fetched_in_main_process(make: Callable[[], Any]) -> Callable[[], Any]:
     def counting() -> Any:
         loader = make()
         original = loader._fetch_here
+
         def fetch(segment: Any, batch: int) -> Any:
             counting.served += 1
             return original(segment, batch)
+
         loader._fetch_here = fetch
         return loader
 

@@ -1,13 +1,13 @@
 """``python -m trainer``: train (the default), verify-resume, chaos, plot, gpu-smoke.
 
-    python -m trainer                              # train the default model; Ctrl-C saves; rerun continues
-    python -m trainer train --max-steps 1000 --data notes.txt
-    python -m trainer verify-resume                # killed + resumed == uninterrupted, bitwise
-    python -m trainer verify-resume --nproc 2      # the same under torchrun, plus elastic 2->1 and 2->3
-    torchrun --nproc_per_node 2 -m trainer train   # data-parallel training (DDP; gloo on CPU, NCCL on CUDA)
-    python -m trainer chaos --kills 100            # 100 SIGKILLs (mid-write, mid-prune, with workers...) + relaunches
-    python -m trainer plot runs/default            # runs/default/metrics.png
-    python -m trainer gpu-smoke                    # on a CUDA machine: default run, step time, verify-resume
+python -m trainer                              # train the default model; Ctrl-C saves; rerun continues
+python -m trainer train --max-steps 1000 --data notes.txt
+python -m trainer verify-resume                # killed + resumed == uninterrupted, bitwise
+python -m trainer verify-resume --nproc 2      # the same under torchrun, plus elastic 2->1 and 2->3
+torchrun --nproc_per_node 2 -m trainer train   # data-parallel training (DDP; gloo on CPU, NCCL on CUDA)
+python -m trainer chaos --kills 100            # 100 SIGKILLs (mid-write, mid-prune, with workers...) + relaunches
+python -m trainer plot runs/default            # runs/default/metrics.png
+python -m trainer gpu-smoke                    # on a CUDA machine: default run, step time, verify-resume
 """
 
 from __future__ import annotations
@@ -113,32 +113,55 @@ def _config(args: argparse.Namespace) -> TrainConfig:
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m trainer", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m trainer", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     commands = parser.add_subparsers(dest="command", required=True)
 
     train_cmd = commands.add_parser("train", help="train (resumes from RUN_DIR's newest checkpoint by default)")
     _add_train_flags(train_cmd, {})
     _add_threads_flag(train_cmd)
 
-    verify = commands.add_parser("verify-resume", help="check that a SIGKILLed and resumed run equals an uninterrupted one")
+    verify = commands.add_parser(
+        "verify-resume", help="check that a SIGKILLed and resumed run equals an uninterrupted one"
+    )
     _add_train_flags(verify, VERIFY_DEFAULTS)
-    verify.add_argument("--kill-at-step", type=int, default=VERIFY_KILL_AT, help="the step during which to SIGKILL the run")
-    verify.add_argument("--nproc", type=int, default=None, help="run each job under torchrun with this many ranks, plus elastic resumes on 1 and NPROC+1 ranks")
+    verify.add_argument(
+        "--kill-at-step", type=int, default=VERIFY_KILL_AT, help="the step during which to SIGKILL the run"
+    )
+    verify.add_argument(
+        "--nproc",
+        type=int,
+        default=None,
+        help="run each job under torchrun with this many ranks, plus elastic resumes on 1 and NPROC+1 ranks",
+    )
     _add_threads_flag(verify)
 
     chaos_cmd = commands.add_parser(
-        "chaos", help="SIGKILL a tiny run again and again (mid-write, mid-prune, with workers), relaunch at once, compare"
+        "chaos",
+        help="SIGKILL a tiny run again and again (mid-write, mid-prune, with workers), relaunch at once, compare",
     )
     chaos_cmd.add_argument("--kills", type=int, default=20, help="SIGKILLs to inject (default: %(default)s)")
-    chaos_cmd.add_argument("--run-dir", default="runs/chaos", help="parent folder of the runs, emptied first (default: %(default)s)")
-    chaos_cmd.add_argument("--seed", type=int, default=0, help="fixes the kill moments, to replay a session (default: %(default)s)")
+    chaos_cmd.add_argument(
+        "--run-dir", default="runs/chaos", help="parent folder of the runs, emptied first (default: %(default)s)"
+    )
+    chaos_cmd.add_argument(
+        "--seed", type=int, default=0, help="fixes the kill moments, to replay a session (default: %(default)s)"
+    )
 
     plot = commands.add_parser("plot", help="write a PNG of loss and lr over steps, marking resume points")
     plot.add_argument("run_dir", help="a run folder (holds metrics.jsonl)")
     plot.add_argument("--out", default=None, help="PNG path (default RUN_DIR/metrics.png)")
 
-    smoke = commands.add_parser("gpu-smoke", help="on CUDA: the default run's step time, then verify-resume with deterministic algorithms")
-    smoke.add_argument("--steps", type=int, default=TrainConfig().max_steps, help="steps of the default run to time (default: %(default)s)")
+    smoke = commands.add_parser(
+        "gpu-smoke", help="on CUDA: the default run's step time, then verify-resume with deterministic algorithms"
+    )
+    smoke.add_argument(
+        "--steps",
+        type=int,
+        default=TrainConfig().max_steps,
+        help="steps of the default run to time (default: %(default)s)",
+    )
     smoke.add_argument("--run-dir", default="runs/gpu-smoke", help="parent folder of the smoke runs")
     return parser
 
@@ -156,7 +179,9 @@ def _gpu_smoke(steps: int, run_dir: str) -> bool:
         raise ValueError("gpu-smoke needs a CUDA device; torch.cuda.is_available() is False here")
     base = Path(run_dir)
     shutil.rmtree(base / "default", ignore_errors=True)  # a fresh run each time, so the figures compare
-    default_run = TrainConfig(run_dir=str(base / "default"), resume="never", max_steps=steps, device="cuda", progress=False)
+    default_run = TrainConfig(
+        run_dir=str(base / "default"), resume="never", max_steps=steps, device="cuda", progress=False
+    )
     started = time.perf_counter()
     result = train(default_run)
     wall = time.perf_counter() - started
@@ -164,7 +189,9 @@ def _gpu_smoke(steps: int, run_dir: str) -> bool:
     # The first steps include CUDA start-up and kernel selection; time the steady state.
     steady = statistics.median(step_times[len(step_times) // 4 :])
     tokens_per_step = default_run.batch_size * default_run.grad_accum * ModelConfig().block_size
-    verify_config = TrainConfig(**{**VERIFY_DEFAULTS, "run_dir": str(base / "verify"), "device": "cuda", "deterministic": True})
+    verify_config = TrainConfig(
+        **{**VERIFY_DEFAULTS, "run_dir": str(base / "verify"), "device": "cuda", "deterministic": True}
+    )
     verified = verify_resume(verify_config, VERIFY_KILL_AT)
     summary = {
         "device": torch.cuda.get_device_name(0),

@@ -101,12 +101,18 @@ class ChaosReport:
     def table(self) -> str:
         """The results as a markdown table, then the kills per kill point."""
         rows = [
-            ("SIGKILLs injected", f"{self.total_kills} ({self.kills_with_workers} with 2 workers, {self.kills_with_async} during async saving runs)"),
+            (
+                "SIGKILLs injected",
+                f"{self.total_kills} ({self.kills_with_workers} with 2 workers, {self.kills_with_async} during async saving runs)",
+            ),
             ("launches / runs completed", f"{self.launches} / {self.runs_completed}"),
             ("relaunches refused (stale lock)", self.relaunches_refused),
             ("checkpoints lost", self.checkpoints_lost),
             ("corrupt checkpoints selected", self.corrupt_selected),
-            ("valid-looking checkpoints that differ from the reference", f"{self.corrupt_valid} of {self.checkpoints_checked} checked"),
+            (
+                "valid-looking checkpoints that differ from the reference",
+                f"{self.corrupt_valid} of {self.checkpoints_checked} checked",
+            ),
             ("resumed from another than the newest valid checkpoint", self.wrong_resume_point),
             ("logged losses different from the uninterrupted run", f"{self.loss_mismatches} of {self.losses_compared}"),
             ("final states different from the uninterrupted run", f"{self.final_mismatches} of {self.runs_completed}"),
@@ -138,7 +144,9 @@ def chaos(kills: int, run_dir: str | Path = "runs/chaos", *, seed: int = 0, log:
     base.mkdir(parents=True)
     corpus = base / "corpus.txt"
     corpus.write_bytes(Path(random.__file__).read_bytes()[:CORPUS_BYTES])
-    config = TrainConfig(run_dir=str(base / "reference"), data=str(corpus), cache_dir=str(base / "cache"), **CHAOS_DEFAULTS)
+    config = TrainConfig(
+        run_dir=str(base / "reference"), data=str(corpus), cache_dir=str(base / "cache"), **CHAOS_DEFAULTS
+    )
 
     # The reference keeps every checkpoint, so each one a chaos run writes can be compared.
     reference = replace(config, resume="never", keep_last=10**6)
@@ -190,7 +198,9 @@ def chaos(kills: int, run_dir: str | Path = "runs/chaos", *, seed: int = 0, log:
                 output = (Path(run.run_dir) / "launches.log").read_text(errors="replace")
                 if "locked by pid" in output:
                     report.relaunches_refused += 1
-                report.failures.append(f"{run.run_dir}: launch {len(launches)} exited with {launch.exit_code}; see launches.log")
+                report.failures.append(
+                    f"{run.run_dir}: launch {len(launches)} exited with {launch.exit_code}; see launches.log"
+                )
             break
         if not report.failures:
             report.runs_completed += 1
@@ -223,7 +233,11 @@ def _events(run_dir: str) -> list[dict[str, Any]]:
 
 
 def _check_run(
-    run: TrainConfig, launches: list[Launch], expected_losses: dict[int, float], reference_dir: Path, report: ChaosReport
+    run: TrainConfig,
+    launches: list[Launch],
+    expected_losses: dict[int, float],
+    reference_dir: Path,
+    report: ChaosReport,
 ) -> None:
     """Compare one finished chaos run with the reference; count and describe every difference."""
     name = Path(run.run_dir).name
@@ -244,7 +258,9 @@ def _check_run(
             expected = launches[i - 1].snapshot and _newest_valid(launches[i - 1].snapshot)
             if started and (resumed[0]["step"] if resumed else 0) != (expected or 0):
                 report.wrong_resume_point += 1
-                report.failures.append(f"{name}: launch {i + 1} resumed from {resumed[0]['step'] if resumed else 0}, newest valid was {expected}")
+                report.failures.append(
+                    f"{name}: launch {i + 1} resumed from {resumed[0]['step'] if resumed else 0}, newest valid was {expected}"
+                )
         if launch.snapshot is None:
             continue
         saved = [e["step"] for e in own if e["event"] == "checkpoint"]
@@ -253,7 +269,9 @@ def _check_run(
         newest = _newest_valid(launch.snapshot) or 0
         if newest < floor:
             report.checkpoints_lost += 1
-            report.failures.append(f"{name}: after kill {i + 1} ({launch.killpoint}) the newest valid checkpoint is {newest}, but {floor} had been saved")
+            report.failures.append(
+                f"{name}: after kill {i + 1} ({launch.killpoint}) the newest valid checkpoint is {newest}, but {floor} had been saved"
+            )
         floor = newest
         for folder in sorted(launch.snapshot.glob("step-*")):
             state = _verified_state(folder)
@@ -265,18 +283,24 @@ def _check_run(
             if difference is not None:
                 report.corrupt_valid += 1
                 report.corrupt_selected += step == newest
-                report.failures.append(f"{name}: checkpoint {folder} verifies but differs from the reference at {difference}")
+                report.failures.append(
+                    f"{name}: checkpoint {folder} verifies but differs from the reference at {difference}"
+                )
 
     for event in events:
         if event["event"] == "step":
             report.losses_compared += 1
             if event["loss"] != expected_losses.get(event["step"]):
                 report.loss_mismatches += 1
-                report.failures.append(f"{name}: step {event['step']} loss {event['loss']!r}, uninterrupted {expected_losses.get(event['step'])!r}")
+                report.failures.append(
+                    f"{name}: step {event['step']} loss {event['loss']!r}, uninterrupted {expected_losses.get(event['step'])!r}"
+                )
     missing = set(expected_losses) - {e["step"] for e in events if e["event"] == "step"}
     if missing:
         report.failures.append(f"{name}: steps {sorted(missing)} were never logged")
-    final = first_difference(reference_state(run.max_steps), _load(Path(run.run_dir) / CHECKPOINT_FOLDER / f"step-{run.max_steps:08d}"))
+    final = first_difference(
+        reference_state(run.max_steps), _load(Path(run.run_dir) / CHECKPOINT_FOLDER / f"step-{run.max_steps:08d}")
+    )
     if final is not None:
         report.final_mismatches += 1
         report.failures.append(f"{name}: final state differs from the uninterrupted run at {final}")

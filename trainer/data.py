@@ -121,8 +121,7 @@ def _build(files: list[Path], cap: int | None, folder: Path, meta: dict[str, Any
     split = total - int(total * VAL_FRACTION)
     if split < 2 or total - split < 2:
         raise ValueError(
-            f"the corpus has {total} bytes, too few to split into train and validation; "
-            "give --data more text"
+            f"the corpus has {total} bytes, too few to split into train and validation; give --data more text"
         )
     folder.parent.mkdir(parents=True, exist_ok=True)
     scratch = folder.parent / f".tmp-{folder.name}-{uuid.uuid4().hex[:8]}"

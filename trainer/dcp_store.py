@@ -65,7 +65,11 @@ class DcpCheckpoints:
         """Complete checkpoints, oldest first."""
         if not self.directory.is_dir():
             return []
-        found = [p for p in self.directory.iterdir() if _STEP_RE.match(p.name) and (p / METADATA_NAME).is_file() and (p / EXTRAS_NAME).is_file()]
+        found = [
+            p
+            for p in self.directory.iterdir()
+            if _STEP_RE.match(p.name) and (p / METADATA_NAME).is_file() and (p / EXTRAS_NAME).is_file()
+        ]
         return sorted(found, key=lambda p: int(_STEP_RE.match(p.name).group(1)))  # type: ignore[union-attr]
 
     def latest(self) -> Path | None:
@@ -81,7 +85,9 @@ class DcpCheckpoints:
         """
         file = Path(path) / EXTRAS_NAME
         if not (Path(path) / METADATA_NAME).is_file() or not file.is_file():
-            raise ResumeError(f"{path} is not a complete DCP checkpoint of this trainer (needs {METADATA_NAME} and {EXTRAS_NAME})")
+            raise ResumeError(
+                f"{path} is not a complete DCP checkpoint of this trainer (needs {METADATA_NAME} and {EXTRAS_NAME})"
+            )
         try:
             state = torch.load(file, map_location="cpu", weights_only=True)
         except Exception as e:  # torch raises several types; all mean "unreadable"

@@ -38,9 +38,7 @@ class ModelConfig:
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} should be an integer >= 1, but got {name}={value!r}")
         if self.n_embd % self.n_head != 0:
-            raise ValueError(
-                f"n_embd must be a multiple of n_head, but got n_embd={self.n_embd}, n_head={self.n_head}"
-            )
+            raise ValueError(f"n_embd must be a multiple of n_head, but got n_embd={self.n_embd}, n_head={self.n_head}")
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"dropout should be in [0, 1), but got dropout={self.dropout!r}")
 
@@ -62,9 +60,7 @@ class CausalSelfAttention(nn.Module):
         # (B, T, C) -> (B, heads, T, C / heads): attention runs per head.
         q, k, v = (t.view(batch, time, self.n_head, channels // self.n_head).transpose(1, 2) for t in (q, k, v))
         # The fused kernel (flash attention on CUDA) applies the causal mask itself.
-        y = F.scaled_dot_product_attention(
-            q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True
-        )
+        y = F.scaled_dot_product_attention(q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True)
         y = y.transpose(1, 2).contiguous().view(batch, time, channels)
         return self.resid_dropout(self.proj(y))
 

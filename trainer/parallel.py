@@ -79,7 +79,9 @@ class Parallel:
         dist.all_gather_object(errors, None if error is None else str(error))
         failed = [f"rank {r}: {e}" for r, e in enumerate(errors) if e is not None]
         if failed:
-            raise ResumeError(f"{what} failed on {len(failed)} of {self.world_size} ranks, so the job stops: {'; '.join(failed)}")
+            raise ResumeError(
+                f"{what} failed on {len(failed)} of {self.world_size} ranks, so the job stops: {'; '.join(failed)}"
+            )
 
     def gather(self, value: T) -> list[T]:
         """Every rank's ``value``, indexed by rank (on every rank)."""
@@ -97,7 +99,9 @@ class Parallel:
         """
         if not self.distributed:
             return loss_sum.item(), stop
-        both = torch.stack([loss_sum.detach().double(), torch.tensor(float(stop), dtype=torch.float64, device=loss_sum.device)])
+        both = torch.stack(
+            [loss_sum.detach().double(), torch.tensor(float(stop), dtype=torch.float64, device=loss_sum.device)]
+        )
         dist.all_reduce(both)
         return both[0].item() / self.world_size, both[1].item() > 0
 
@@ -125,7 +129,9 @@ def start(device_name: str) -> Parallel:
         torch.cuda.set_device(device)
     if under_torchrun and not dist.is_initialized():
         backend = "nccl" if device.type == "cuda" else "gloo"
-        dist.init_process_group(backend, timeout=COLLECTIVE_TIMEOUT, device_id=device if device.type == "cuda" else None)
+        dist.init_process_group(
+            backend, timeout=COLLECTIVE_TIMEOUT, device_id=device if device.type == "cuda" else None
+        )
     return Parallel(rank, world_size, local_rank, device, under_torchrun)
 
 

@@ -139,8 +139,13 @@ class TrainConfig:
     deterministic: bool = _option(False, "torch.use_deterministic_algorithms (exact resume on CUDA)")
     progress: bool = _option(True, "show a progress bar")
     # Distributed (under torchrun).
-    checkpoint_format: str = _option("file", "'file' (one weights_only file, rank 0), 'dcp' or 'dcp-async' (torch.distributed.checkpoint)")
-    elastic: str = _option("per-rank-batch", "on a resume with another number of ranks keep the 'per-rank-batch' or the 'global-batch' (changes --grad-accum), or 'refuse'")
+    checkpoint_format: str = _option(
+        "file", "'file' (one weights_only file, rank 0), 'dcp' or 'dcp-async' (torch.distributed.checkpoint)"
+    )
+    elastic: str = _option(
+        "per-rank-batch",
+        "on a resume with another number of ranks keep the 'per-rank-batch' or the 'global-batch' (changes --grad-accum), or 'refuse'",
+    )
     fsdp: bool = _option(False, "shard the model with FSDP2 fully_shard instead of DDP (torchrun; meant for CUDA)")
     record_indices: bool = _option(False, "testing: log each rank's batch indices to RUN_DIR/indices.rankR.jsonl")
 
@@ -151,8 +156,15 @@ class TrainConfig:
             ValueError: naming the flag and the value.
         """
         at_least = {
-            "batch_size": 1, "grad_accum": 1, "max_steps": 1, "warmup_steps": 0, "eval_every": 1,
-            "eval_batches": 1, "checkpoint_every": 1, "keep_last": 2, "num_workers": 0,
+            "batch_size": 1,
+            "grad_accum": 1,
+            "max_steps": 1,
+            "warmup_steps": 0,
+            "eval_every": 1,
+            "eval_batches": 1,
+            "checkpoint_every": 1,
+            "keep_last": 2,
+            "num_workers": 0,
         }
         for name, minimum in at_least.items():
             value = getattr(self, name)
@@ -166,11 +178,15 @@ class TrainConfig:
             raise ValueError(f"--min-lr {self.min_lr} is above --lr {self.lr}")
         for name, choices in (("checkpoint_format", CHECKPOINT_FORMATS), ("elastic", parallel.ELASTIC_POLICIES)):
             if getattr(self, name) not in choices:
-                raise ValueError(f"--{_flag(name)} should be one of {', '.join(choices)}, but got {getattr(self, name)!r}")
+                raise ValueError(
+                    f"--{_flag(name)} should be one of {', '.join(choices)}, but got {getattr(self, name)!r}"
+                )
         for name in ("stop_at", "crash_at_step"):
             value = getattr(self, name)
             if value is not None and not 1 <= value <= self.max_steps:
-                raise ValueError(f"--{_flag(name)} should be between 1 and --max-steps {self.max_steps}, but got {value}")
+                raise ValueError(
+                    f"--{_flag(name)} should be between 1 and --max-steps {self.max_steps}, but got {value}"
+                )
 
 
 @dataclass
@@ -501,7 +517,9 @@ def _train(config: TrainConfig, ranks: parallel.Parallel) -> TrainResult:
         torch.use_deterministic_algorithms(True)
         torch.backends.cudnn.benchmark = False
     if config.fsdp and not ranks.distributed:
-        raise ValueError("--fsdp shards the model over the ranks of a torchrun job; start it with torchrun --nproc_per_node N")
+        raise ValueError(
+            "--fsdp shards the model over the ranks of a torchrun job; start it with torchrun --nproc_per_node N"
+        )
     run_dir = Path(config.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     say = tqdm.write if ranks.is_main else (lambda message: None)
@@ -539,7 +557,9 @@ def _train(config: TrainConfig, ranks: parallel.Parallel) -> TrainResult:
         ranks.all_or_none(problem, f"reading checkpoint {resume_path}")
         model_config = _model_config(config, checkpoint[MODEL_CONFIG] if checkpoint else None)
         saved_world, saved_batch, saved_accum = (
-            _saved_layout(checkpoint[TRAIN_STATE], config) if checkpoint else (ranks.world_size, config.batch_size, config.grad_accum)
+            _saved_layout(checkpoint[TRAIN_STATE], config)
+            if checkpoint
+            else (ranks.world_size, config.batch_size, config.grad_accum)
         )
         plan = parallel.elastic_plan(
             policy=config.elastic, saved_world=saved_world, saved_batch=saved_batch, saved_accum=saved_accum,
@@ -616,7 +636,9 @@ def _train(config: TrainConfig, ranks: parallel.Parallel) -> TrainResult:
             expected_batch = _next_step_fingerprint(loader, grad_accum, ranks) if same_world else None
             _audit(checkpoint[AUDIT], expected_batch, config, step, resume_path, say)
             if not same_world:
-                say(f"world size changed ({config.elastic}): {plan.describe()}; the rest of epoch {loader.epoch} is read exactly once")
+                say(
+                    f"world size changed ({config.elastic}): {plan.describe()}; the rest of epoch {loader.epoch} is read exactly once"
+                )
             # Last, because building the model above drew from the RNGs it restores.
             rng_states = checkpoint[RNG]
             rng_states = [rng_states] if isinstance(rng_states, Mapping) else list(rng_states)
@@ -629,7 +651,9 @@ def _train(config: TrainConfig, ranks: parallel.Parallel) -> TrainResult:
             checkpoint = None  # free the CPU copy of the weights
 
         autocast: contextlib.AbstractContextManager[Any] = (
-            torch.autocast(device_type="cuda", dtype=torch.bfloat16) if device.type == "cuda" else contextlib.nullcontext()
+            torch.autocast(device_type="cuda", dtype=torch.bfloat16)
+            if device.type == "cuda"
+            else contextlib.nullcontext()
         )
         # Compile after loading: the compiled wrapper renames state_dict keys, so the plain model
         # is what gets saved and loaded.
@@ -666,9 +690,13 @@ def _train(config: TrainConfig, ranks: parallel.Parallel) -> TrainResult:
             metrics.log("checkpoint", step=step, path=str(path))
             return path
 
-        metrics = stack.enter_context(contextlib.closing(_Metrics(run_dir / METRICS_FILE) if ranks.is_main else _NoMetrics()))
+        metrics = stack.enter_context(
+            contextlib.closing(_Metrics(run_dir / METRICS_FILE) if ranks.is_main else _NoMetrics())
+        )
         indices_log = (
-            stack.enter_context(open(run_dir / f"indices.rank{ranks.rank}.jsonl", "a", buffering=1)) if config.record_indices else None
+            stack.enter_context(open(run_dir / f"indices.rank{ranks.rank}.jsonl", "a", buffering=1))
+            if config.record_indices
+            else None
         )
         metrics.log(
             "start", step=step, device=str(device), world_size=ranks.world_size, pids=ranks.gather(os.getpid()),
@@ -685,7 +713,9 @@ def _train(config: TrainConfig, ranks: parallel.Parallel) -> TrainResult:
         if step == 0:
             # The untrained model's loss is the baseline the falling loss is measured against. It
             # has no checkpoint, so it does not count towards best_val_loss.
-            result.val_losses[0] = _evaluate(evaluate_with, val_windows, val_indices, config.batch_size, device, autocast)
+            result.val_losses[0] = _evaluate(
+                evaluate_with, val_windows, val_indices, config.batch_size, device, autocast
+            )
             metrics.log("eval", step=0, val_loss=result.val_losses[0])
             say(f"step 0: val loss {result.val_losses[0]:.4f}")
 
@@ -694,7 +724,13 @@ def _train(config: TrainConfig, ranks: parallel.Parallel) -> TrainResult:
         if store is not None:
             stack.callback(store.wait)  # an asynchronous save still in flight completes its folder
         bar = stack.enter_context(
-            tqdm(total=config.max_steps, initial=step, disable=not (config.progress and ranks.is_main), unit="step", dynamic_ncols=True)
+            tqdm(
+                total=config.max_steps,
+                initial=step,
+                disable=not (config.progress and ranks.is_main),
+                unit="step",
+                dynamic_ncols=True,
+            )
         )
         tokens_per_second = 0.0
         last_saved: Path | None = None
@@ -708,7 +744,17 @@ def _train(config: TrainConfig, ranks: parallel.Parallel) -> TrainResult:
                 upcoming = loader.peek_indices(1)[0] if indices_log is not None else None
                 x, y = next(batches)
                 if indices_log is not None:
-                    indices_log.write(json.dumps({"step": step + 1, "epoch": loader.epoch, "world_size": ranks.world_size, "indices": upcoming}) + "\n")
+                    indices_log.write(
+                        json.dumps(
+                            {
+                                "step": step + 1,
+                                "epoch": loader.epoch,
+                                "world_size": ranks.world_size,
+                                "indices": upcoming,
+                            }
+                        )
+                        + "\n"
+                    )
                 x = x.to(device, non_blocking=True)
                 y = y.to(device, non_blocking=True)
                 # In DDP and FSDP only the last micro-batch synchronizes gradients.
@@ -736,13 +782,21 @@ def _train(config: TrainConfig, ranks: parallel.Parallel) -> TrainResult:
             stopped_by = local_stop or ("a signal to another rank" if any_stop else None)
             train_loss = summed_loss / grad_accum  # .item() waits for the GPU
             elapsed = time.perf_counter() - started
-            tokens_per_second = tokens_per_step / elapsed if tokens_per_second == 0 else (
-                0.9 * tokens_per_second + 0.1 * tokens_per_step / elapsed
+            tokens_per_second = (
+                tokens_per_step / elapsed
+                if tokens_per_second == 0
+                else (0.9 * tokens_per_second + 0.1 * tokens_per_step / elapsed)
             )
             result.losses[step] = train_loss
             metrics.log(
-                "step", step=step, loss=train_loss, lr=lr, grad_norm=_local(grad_norm).item(),
-                tokens=tokens_seen, step_time=elapsed, epoch=loader.epoch,
+                "step",
+                step=step,
+                loss=train_loss,
+                lr=lr,
+                grad_norm=_local(grad_norm).item(),
+                tokens=tokens_seen,
+                step_time=elapsed,
+                epoch=loader.epoch,
             )
             bar.set_postfix(loss=f"{train_loss:.4f}", lr=f"{lr:.2e}", tok_s=f"{tokens_per_second:,.0f}")
             bar.update()
@@ -770,7 +824,9 @@ def _train(config: TrainConfig, ranks: parallel.Parallel) -> TrainResult:
         else:
             # Each rank's weights, hashed: data-parallel ranks must end with identical ones.
             digests = ranks.gather(_weights_digest(model))
-            metrics.log("end", step=step, best_val_loss=best_val_loss, tokens_per_second=tokens_per_second, rank_weights=digests)
+            metrics.log(
+                "end", step=step, best_val_loss=best_val_loss, tokens_per_second=tokens_per_second, rank_weights=digests
+            )
             say(f"done: {step} steps, best val loss {best_val_loss:.4f}, checkpoints in {run_dir}")
     return result
 
@@ -833,4 +889,3 @@ def _audit(
         f"resume audit ok: step {step}, next batch {expected_batch or '(another world size: not compared)'} "
         f"and next lr {expected_lr:.3e} match the checkpoint"
     )
-

@@ -56,7 +56,11 @@ def first_difference(a: Any, b: Any, where: str = "") -> str | None:
             return f"{where}: {a.dtype}{list(a.shape)} vs {b.dtype}{list(b.shape)}"
         # Compare the bytes, so NaNs in the same places count as equal and -0.0 != 0.0.
         same = torch.equal(a.cpu().reshape(-1).view(torch.uint8), b.cpu().reshape(-1).view(torch.uint8))
-        return None if same else f"{where}: values differ (max abs diff {(a.double() - b.double()).abs().max().item():.3e})"
+        return (
+            None
+            if same
+            else f"{where}: values differ (max abs diff {(a.double() - b.double()).abs().max().item():.3e})"
+        )
     if isinstance(a, dict) and isinstance(b, dict):
         if a.keys() != b.keys():
             return f"{where}: keys differ ({sorted(map(str, a.keys() ^ b.keys()))})"
@@ -90,7 +94,11 @@ def child_env() -> dict[str, str]:
 def _run(config: TrainConfig, label: str, nproc: int | None = None) -> int:
     """Train ``config`` in fresh processes (``torchrun`` with ``nproc`` ranks when given); the
     output goes to ``RUN_DIR/LABEL.log``."""
-    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"] if nproc else [sys.executable]
+    launcher = (
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
+        if nproc
+        else [sys.executable]
+    )
     command = [*launcher, "-m", "trainer", "train", *config_to_argv(config)]
     log = Path(config.run_dir) / f"{label}.log"
     log.parent.mkdir(parents=True, exist_ok=True)
@@ -127,11 +135,15 @@ def verify_resume(config: TrainConfig, kill_at_step: int, nproc: int | None = No
     if not 1 <= kill_at_step <= config.max_steps:
         raise ValueError(f"--kill-at-step should be between 1 and --max-steps {config.max_steps}, got {kill_at_step}")
     base = Path(config.run_dir)
-    straight = replace(config, run_dir=str(base / "uninterrupted"), resume="never", progress=False, record_indices=bool(nproc))
+    straight = replace(
+        config, run_dir=str(base / "uninterrupted"), resume="never", progress=False, record_indices=bool(nproc)
+    )
     killed = replace(straight, run_dir=str(base / "interrupted"), crash_at_step=kill_at_step)
     elastic = {
         1: replace(killed, run_dir=str(base / "elastic-1"), resume="auto", crash_at_step=None, elastic="global-batch"),
-        (nproc or 1) + 1: replace(killed, run_dir=str(base / f"elastic-{(nproc or 1) + 1}"), resume="auto", crash_at_step=None),
+        (nproc or 1) + 1: replace(
+            killed, run_dir=str(base / f"elastic-{(nproc or 1) + 1}"), resume="auto", crash_at_step=None
+        ),
     }
     for folder in (straight.run_dir, killed.run_dir, *(e.run_dir for e in elastic.values())):
         shutil.rmtree(folder, ignore_errors=True)  # every run must start from nothing
@@ -177,9 +189,13 @@ def verify_resume(config: TrainConfig, kill_at_step: int, nproc: int | None = No
             diff = first_difference(final_a[key], final_b[key], key)
             print(f"final {key} state: {'bitwise identical' if diff is None else 'DIFFERS at ' + diff}")
             all_same &= diff is None
-    digests = {name: _end_event(run)["rank_weights"] for name, run in (("uninterrupted", straight), ("resumed", killed))}
+    digests = {
+        name: _end_event(run)["rank_weights"] for name, run in (("uninterrupted", straight), ("resumed", killed))
+    }
     same_weights = len({d for ds in digests.values() for d in ds}) == 1
-    print(f"final weights of every rank of both runs: {'identical' if same_weights else 'DIFFER: ' + json.dumps(digests)}")
+    print(
+        f"final weights of every rank of both runs: {'identical' if same_weights else 'DIFFER: ' + json.dumps(digests)}"
+    )
     all_same &= same_weights
     print("PASS: the resumed run is identical to the uninterrupted one" if all_same else "FAIL: the runs differ")
     if nproc:
@@ -225,8 +241,12 @@ def _verify_elastic(config: TrainConfig, old_world: int, world: int) -> bool:
         good = not twice and (not complete or missing < tail)
         ok &= good
         state = "complete" if complete else "partial"
-        print(f"  epoch {epoch} ({state}): {len(counts)} of {length} samples, read twice: {twice or 'none'}, "
-              f"missing: {missing if complete else '-'}  {'ok' if good else 'FAIL'}")
-    print(f"{'PASS' if ok else 'FAIL'}: {label} reads every sample of the interrupted epoch at most once"
-          + (" and completes the epoch (but its trimmed tail)" if ok and completed else ""))
+        print(
+            f"  epoch {epoch} ({state}): {len(counts)} of {length} samples, read twice: {twice or 'none'}, "
+            f"missing: {missing if complete else '-'}  {'ok' if good else 'FAIL'}"
+        )
+    print(
+        f"{'PASS' if ok else 'FAIL'}: {label} reads every sample of the interrupted epoch at most once"
+        + (" and completes the epoch (but its trimmed tail)" if ok and completed else "")
+    )
     return ok

@@ -166,7 +166,9 @@ class Stream:
         """
         return []
 
-    def rebalance(self, states: Sequence[Mapping[str, Any]], num_slots: int, pending: list[Key]) -> list[dict[str, Any]]:
+    def rebalance(
+        self, states: Sequence[Mapping[str, Any]], num_slots: int, pending: list[Key]
+    ) -> list[dict[str, Any]]:
         """Turn the (checked) states of every old slot into states for ``num_slots`` new slots.
 
         ``pending`` are keys of records this stage's consumer had read but not handed out (a
@@ -218,7 +220,9 @@ class Stream:
 
         return Filter(self, predicate)
 
-    def batch(self, batch_size: int, *, drop_last: bool = False, collate_fn: Callable[[list[Any]], Any] | None = None) -> Stream:
+    def batch(
+        self, batch_size: int, *, drop_last: bool = False, collate_fn: Callable[[list[Any]], Any] | None = None
+    ) -> Stream:
         """Group consecutive records into batches (``default_collate`` unless ``collate_fn``)."""
         from .batch import Batch
 
@@ -277,7 +281,12 @@ class Wrapper(Stream):
         self.source.reset(epoch, slot)
 
     def state_dict(self) -> dict[str, Any]:
-        return {VERSION: STREAM_STATE_VERSION, EPOCH: self._epoch, **self._own_state(), SOURCE: self.source.state_dict()}
+        return {
+            VERSION: STREAM_STATE_VERSION,
+            EPOCH: self._epoch,
+            **self._own_state(),
+            SOURCE: self.source.state_dict(),
+        }
 
     def check(self, state: Any) -> Callable[[], None]:
         state = require_mapping(state, self._what())
@@ -323,9 +332,14 @@ class Wrapper(Stream):
         """
         return epoch
 
-    def rebalance(self, states: Sequence[Mapping[str, Any]], num_slots: int, pending: list[Key]) -> list[dict[str, Any]]:
+    def rebalance(
+        self, states: Sequence[Mapping[str, Any]], num_slots: int, pending: list[Key]
+    ) -> list[dict[str, Any]]:
         sources = self.source.rebalance([s[SOURCE] for s in states], num_slots, pending)
-        return [{VERSION: STREAM_STATE_VERSION, EPOCH: states[0][EPOCH], **self._own_state_fresh(), SOURCE: s} for s in sources]
+        return [
+            {VERSION: STREAM_STATE_VERSION, EPOCH: states[0][EPOCH], **self._own_state_fresh(), SOURCE: s}
+            for s in sources
+        ]
 
     def _own_state_fresh(self) -> dict[str, Any]:
         """This stage's own fields at the start of an epoch (used after a rebalance)."""

@@ -25,7 +25,14 @@ class Batch(Wrapper):
             train_step(inputs)
     """
 
-    def __init__(self, source: Stream, batch_size: int, *, drop_last: bool = False, collate_fn: Callable[[list[Any]], Any] | None = None) -> None:
+    def __init__(
+        self,
+        source: Stream,
+        batch_size: int,
+        *,
+        drop_last: bool = False,
+        collate_fn: Callable[[list[Any]], Any] | None = None,
+    ) -> None:
         super().__init__(source)
         self.keyed = self.fetchable = False
         self.batch_size = check_int_arg("batch_size", batch_size, minimum=1)

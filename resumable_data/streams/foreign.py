@@ -39,7 +39,7 @@ class IterableSource(Stream):
     Example::
 
         stream = IterableSource(my_generator_factory_object, name="legacy corpus")
-        stream.load_state_dict(saved)   # warns: replays N records
+        stream.load_state_dict(saved)  # warns: replays N records
     """
 
     fetchable = False
@@ -88,7 +88,9 @@ class IterableSource(Stream):
         epoch = require_epoch(state, self.name)
         consumed = require_count(state, CONSUMED, self.name)
         if consumed > sys.maxsize:  # more records than any iterable can yield (and than islice takes)
-            raise ResumeError(f"{self.name} state field {CONSUMED!r} is {brief(consumed)}, more than {sys.maxsize} records")
+            raise ResumeError(
+                f"{self.name} state field {CONSUMED!r} is {brief(consumed)}, more than {sys.maxsize} records"
+            )
 
         def apply() -> None:
             self._epoch, self._consumed = epoch, consumed

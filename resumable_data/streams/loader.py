@@ -132,7 +132,9 @@ class StreamLoader:
         if self.rank >= self.world_size:
             raise ResumeError(f"rank should be < world_size, but got rank={self.rank}, world_size={self.world_size}")
         self.num_workers = check_int_arg("num_workers", num_workers, minimum=0)
-        self._stream = pipeline if batch_size is None else Batch(pipeline, batch_size, drop_last=drop_last, collate_fn=collate_fn)
+        self._stream = (
+            pipeline if batch_size is None else Batch(pipeline, batch_size, drop_last=drop_last, collate_fn=collate_fn)
+        )
         self._dataloader_kwargs = dataloader_kwargs
         self._local = max(1, self.num_workers)
         # The epoch rules; the position itself is the slot states (the cursor's position is unused).
@@ -316,7 +318,9 @@ class StreamLoader:
             for key in (EPOCH, WORLD_SIZE, NUM_WORKERS):
                 value = require_int(state, key, _WHAT, minimum=0)
                 if value != first.get(key):
-                    raise ResumeError(f"cannot merge states with different {key!r}: {brief(first.get(key))} and {brief(value)}")
+                    raise ResumeError(
+                        f"cannot merge states with different {key!r}: {brief(first.get(key))} and {brief(value)}"
+                    )
             slots = require_mapping(state.get(SLOTS), f"{_WHAT} {SLOTS!r}")
             overlap = set(merged[SLOTS]) & set(slots)
             if overlap:
@@ -337,11 +341,15 @@ def _slots_of(state: Mapping[str, Any], num_slots: int) -> dict[int, Any]:
     for key in slots:
         # Canonical decimal only: "²" and "٣" pass str.isdigit(), and "01" would alias slot 1.
         # Checking the length first bounds int(), which refuses strings of over 4300 digits.
-        if not (isinstance(key, str) and len(key) <= len(str(num_slots)) and _SLOT_NAME.fullmatch(key) and int(key) < num_slots):
+        if not (
+            isinstance(key, str)
+            and len(key) <= len(str(num_slots))
+            and _SLOT_NAME.fullmatch(key)
+            and int(key) < num_slots
+        ):
             raise ResumeError(f"{_WHAT} state: slot {brief(key)} is not a slot number below {num_slots}")
         parsed[int(key)] = slots[key]
     return parsed
-
 
 
 def _unchanged(item: Any) -> Any:

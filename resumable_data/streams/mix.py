@@ -63,7 +63,9 @@ class Mix(Stream):
             raise TypeError("mix takes record streams; batch after mixing, not before")
         weights = [1.0] * len(self.streams) if weights is None else [float(w) for w in weights]
         if len(weights) != len(self.streams) or not all(math.isfinite(w) and w > 0 for w in weights):
-            raise ResumeError(f"weights must be {len(self.streams)} positive finite numbers, but got weights={weights!r}")
+            raise ResumeError(
+                f"weights must be {len(self.streams)} positive finite numbers, but got weights={weights!r}"
+            )
         self.weights = weights
         self.seed = check_int_arg("seed", seed, minimum=-(2**63))
         self.fetchable = all(s.fetchable for s in self.streams)
@@ -106,7 +108,9 @@ class Mix(Stream):
     def key_checker(self, state: Mapping[str, Any] | None) -> Callable[[Key], None]:
         subs = [
             stream.key_checker(None if state is None else sub)
-            for stream, sub in zip(self.streams, [None] * len(self.streams) if state is None else self._sources_of(state), strict=True)
+            for stream, sub in zip(
+                self.streams, [None] * len(self.streams) if state is None else self._sources_of(state), strict=True
+            )
         ]
 
         def check(key: Key) -> None:
@@ -120,7 +124,11 @@ class Mix(Stream):
         return check
 
     def saved_slots(self, state: Mapping[str, Any]) -> list[Slot]:
-        return [slot for stream, sub in zip(self.streams, self._sources_of(state), strict=True) for slot in stream.saved_slots(sub)]
+        return [
+            slot
+            for stream, sub in zip(self.streams, self._sources_of(state), strict=True)
+            for slot in stream.saved_slots(sub)
+        ]
 
     def reset(self, epoch: int, slot: Slot | None) -> None:
         self._epoch, self._draws, self._exhausted = epoch, 0, [False] * len(self.streams)
@@ -141,7 +149,9 @@ class Mix(Stream):
     def _sources_of(self, state: Mapping[str, Any]) -> list[Any]:
         sources = state.get(SOURCES)
         if not isinstance(sources, list) or len(sources) != len(self.streams):
-            raise ResumeError(f"mix state field {SOURCES!r} must list {len(self.streams)} source states, got {brief(sources)}")
+            raise ResumeError(
+                f"mix state field {SOURCES!r} must list {len(self.streams)} source states, got {brief(sources)}"
+            )
         return sources
 
     def check(self, state: Any) -> Callable[[], None]:
@@ -152,8 +162,14 @@ class Mix(Stream):
         check_same(_WHAT, WEIGHTS, state.get(WEIGHTS), self.weights, "build the mix with the checkpoint's weights")
         draws = require_count(state, DRAWS, _WHAT)
         exhausted = state.get(EXHAUSTED)
-        if not isinstance(exhausted, list) or len(exhausted) != len(self.streams) or not all(isinstance(e, bool) for e in exhausted):
-            raise ResumeError(f"mix state field {EXHAUSTED!r} must be {len(self.streams)} bools, got {brief(exhausted)}")
+        if (
+            not isinstance(exhausted, list)
+            or len(exhausted) != len(self.streams)
+            or not all(isinstance(e, bool) for e in exhausted)
+        ):
+            raise ResumeError(
+                f"mix state field {EXHAUSTED!r} must be {len(self.streams)} bools, got {brief(exhausted)}"
+            )
         sources = self._sources_of(state)
         applies = [s.check(sub) for s, sub in zip(self.streams, sources, strict=True)]
         for i, sub in enumerate(sources):
@@ -171,7 +187,9 @@ class Mix(Stream):
 
         return apply
 
-    def rebalance(self, states: Sequence[Mapping[str, Any]], num_slots: int, pending: list[Key]) -> list[dict[str, Any]]:
+    def rebalance(
+        self, states: Sequence[Mapping[str, Any]], num_slots: int, pending: list[Key]
+    ) -> list[dict[str, Any]]:
         per_source = []
         for i, stream in enumerate(self.streams):
             routed = [(key[0], *key[2:]) for key in pending if key[1] == i]

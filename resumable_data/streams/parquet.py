@@ -59,10 +59,10 @@ class ParquetReader:
 
     Example::
 
-        shards = sorted(glob("my_dataset/data/train-*.parquet"))   # a Hub dataset's files
+        shards = sorted(glob("my_dataset/data/train-*.parquet"))  # a Hub dataset's files
         reader = ParquetReader(["input_ids"], parse=lambda row: torch.tensor(row["input_ids"]))
         stream = ShardedIterable(shards, read_shard=reader, seed=0).shuffle_buffer(10_000)
-        stream.state_dict()["source"]["remaining"]   # [[shard index, name, row], ...]
+        stream.state_dict()["source"]["remaining"]  # [[shard index, name, row], ...]
     """
 
     def __init__(
@@ -102,7 +102,9 @@ class ParquetReader:
         except FileNotFoundError as exc:
             raise ResumeError(f"parquet shard {name!r} is missing: {exc}") from exc
         except (OSError, ValueError) as exc:  # pyarrow's ArrowInvalid is a ValueError
-            raise ResumeError(f"parquet shard {name!r} is not a readable Parquet file (truncated or replaced?): {exc}") from exc
+            raise ResumeError(
+                f"parquet shard {name!r} is not a readable Parquet file (truncated or replaced?): {exc}"
+            ) from exc
         if self.columns is not None:
             names = parquet.schema_arrow.names
             missing = [c for c in self.columns if c not in names]
@@ -156,7 +158,13 @@ class ParquetReader:
         """Row group ``group``, decoded (from the cache when it holds it)."""
         metadata = parquet.metadata
         # The footer's sizes identify the file version, so a replaced file is not served from cache.
-        key = (str(shard), group, metadata.num_rows, metadata.serialized_size, metadata.row_group(group).total_byte_size)
+        key = (
+            str(shard),
+            group,
+            metadata.num_rows,
+            metadata.serialized_size,
+            metadata.row_group(group).total_byte_size,
+        )
         table = self._cache.get(key)
         if table is not None:
             self._cache.move_to_end(key)
@@ -164,7 +172,9 @@ class ParquetReader:
         try:
             table = parquet.read_row_group(group, columns=self.columns, use_threads=False)
         except (OSError, ValueError) as exc:
-            raise ResumeError(f"parquet shard {str(shard)!r}: row group {group} is unreadable (truncated or corrupt?): {exc}") from exc
+            raise ResumeError(
+                f"parquet shard {str(shard)!r}: row group {group} is unreadable (truncated or corrupt?): {exc}"
+            ) from exc
         if self.cache_row_groups:
             self._cache[key] = table
             while len(self._cache) > self.cache_row_groups:

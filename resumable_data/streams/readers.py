@@ -33,9 +33,9 @@ class TokenShardReader:
 
     Example::
 
-        reader = TokenShardReader(1025)   # 1024 inputs + 1 shifted target
+        reader = TokenShardReader(1025)  # 1024 inputs + 1 shifted target
         stream = ShardedIterable(sorted(glob("tokens/*.bin")), read_shard=reader)
-        window = next(iter(stream))       # torch.int64 tensor of 1025 tokens
+        window = next(iter(stream))  # torch.int64 tensor of 1025 tokens
     """
 
     def __init__(self, window: int, *, stride: int | None = None, dtype: Any = np.uint16) -> None:

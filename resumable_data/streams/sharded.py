@@ -2,10 +2,18 @@
 
 The state is which shards of the epoch are unfinished and where each one stands::
 
-    {"version": 1, "epoch": 3, "seed": 0, "shuffle": True, "num_shards": 100,
-     "shards_digest": "9f0c...", "slot": 0, "num_slots": 1,
-     "remaining": [[17, "tok_017.bin", 48213], [4, "tok_004.bin", 0], ...],
-     "pending": []}
+    {
+        "version": 1,
+        "epoch": 3,
+        "seed": 0,
+        "shuffle": True,
+        "num_shards": 100,
+        "shards_digest": "9f0c...",
+        "slot": 0,
+        "num_slots": 1,
+        "remaining": [[17, "tok_017.bin", 48213], [4, "tok_004.bin", 0], ...],
+        "pending": [],
+    }
 
 ``remaining`` lists this slot's unfinished shards in the order they will be read, each as
 ``[shard index, shard name, cursor]``; the cursor is the reader's offset of the next record (a
@@ -105,7 +113,14 @@ class ShardedIterable(Stream):
         [5, 6]
     """
 
-    def __init__(self, shards: Iterable[Any], *, read_shard: Callable[[Any, int], Iterator[Any]], shuffle: bool = True, seed: int = 0) -> None:
+    def __init__(
+        self,
+        shards: Iterable[Any],
+        *,
+        read_shard: Callable[[Any, int], Iterator[Any]],
+        shuffle: bool = True,
+        seed: int = 0,
+    ) -> None:
         super().__init__()
         self.shards = list(shards)
         if not self.shards:
@@ -164,7 +179,9 @@ class ShardedIterable(Stream):
             try:
                 records = list(read_records(self.shards[index], offsets))
             except OSError as exc:
-                raise ResumeError(f"cannot read shard {index} {self._names[index]!r} at offsets {offsets[:3]}...: {exc}") from exc
+                raise ResumeError(
+                    f"cannot read shard {index} {self._names[index]!r} at offsets {offsets[:3]}...: {exc}"
+                ) from exc
             if len(records) != len(offsets):
                 raise ResumeError(
                     f"{type(self.read_shard).__name__}.read_records returned {len(records)} records for "
@@ -213,7 +230,9 @@ class ShardedIterable(Stream):
         self._remaining = [[index, 0] for index in self.shard_order(epoch)[s::num_slots]]
         self._pending = []
 
-    def _state(self, epoch: int, slot: Slot, remaining: Sequence[Sequence[int]], pending: Sequence[Sequence[int]]) -> dict[str, Any]:
+    def _state(
+        self, epoch: int, slot: Slot, remaining: Sequence[Sequence[int]], pending: Sequence[Sequence[int]]
+    ) -> dict[str, Any]:
         return {
             VERSION: STREAM_STATE_VERSION,
             EPOCH: epoch,
@@ -236,7 +255,9 @@ class ShardedIterable(Stream):
         check_version(state, STREAM_STATE_VERSION, _WHAT)
         epoch = require_epoch(state, _WHAT)
         check_same(_WHAT, SEED, state.get(SEED), self.seed, "build the pipeline with the checkpoint's seed")
-        check_same(_WHAT, SHUFFLE, require_bool(state, SHUFFLE, _WHAT), self.shuffle, "build it with the checkpoint's shuffle")
+        check_same(
+            _WHAT, SHUFFLE, require_bool(state, SHUFFLE, _WHAT), self.shuffle, "build it with the checkpoint's shuffle"
+        )
         n = len(self.shards)
         remaining_raw = state.get(REMAINING)
         pending_raw = state.get(PENDING)
@@ -254,10 +275,20 @@ class ShardedIterable(Stream):
                     f"{brief(cursor)}) is {current} in this pipeline; pass the checkpoint's shard list, in its order"
                 )
             if not 0 <= cursor <= MAX_COUNT:
-                raise ResumeError(f"shard {index} {brief(name)} has a cursor {brief(cursor)} outside [0, 2**63) in the checkpoint")
+                raise ResumeError(
+                    f"shard {index} {brief(name)} has a cursor {brief(cursor)} outside [0, 2**63) in the checkpoint"
+                )
             remaining.append([index, cursor])
-        check_same(_WHAT, "number of shards", require_int(state, NUM_SHARDS, _WHAT), n, "pass the checkpoint's shard list")
-        check_same(_WHAT, "shard list (digest of the names)", state.get(SHARDS_DIGEST), self._digest, "pass the checkpoint's shard list, in its order")
+        check_same(
+            _WHAT, "number of shards", require_int(state, NUM_SHARDS, _WHAT), n, "pass the checkpoint's shard list"
+        )
+        check_same(
+            _WHAT,
+            "shard list (digest of the names)",
+            state.get(SHARDS_DIGEST),
+            self._digest,
+            "pass the checkpoint's shard list, in its order",
+        )
         if len({i for i, _ in remaining}) != len(remaining):
             raise ResumeError(f"{_WHAT} state lists a shard twice in {REMAINING!r}: {brief(remaining_raw)}")
         cursors = {index: cursor for index, cursor in remaining}
@@ -296,7 +327,9 @@ class ShardedIterable(Stream):
                 )
             _check_record(index, offset, n, cursors, f"record key {brief(list(key))}")
             if (index, offset) in pending:
-                raise ResumeError(f"{_WHAT}: record key {brief(list(key))} is also a pending record, so it would be read twice")
+                raise ResumeError(
+                    f"{_WHAT}: record key {brief(list(key))} is also a pending record, so it would be read twice"
+                )
 
         return check
 
@@ -311,14 +344,18 @@ class ShardedIterable(Stream):
 
         return apply
 
-    def rebalance(self, states: Sequence[Mapping[str, Any]], num_slots: int, pending: list[Key]) -> list[dict[str, Any]]:
+    def rebalance(
+        self, states: Sequence[Mapping[str, Any]], num_slots: int, pending: list[Key]
+    ) -> list[dict[str, Any]]:
         parsed = [self._parse(s) for s in states]
         epoch = parsed[0][0]
         if any(p[0] != epoch for p in parsed):
             raise ResumeError(f"{_WHAT}: the slots' states are from different epochs {sorted({p[0] for p in parsed})}")
         remaining = [entry for p in parsed for entry in p[2]]
         if len({i for i, _ in remaining}) != len(remaining):
-            raise ResumeError(f"{_WHAT}: a shard is unfinished in two slots' states; were they saved at different times?")
+            raise ResumeError(
+                f"{_WHAT}: a shard is unfinished in two slots' states; were they saved at different times?"
+            )
         rank = {index: position for position, index in enumerate(self.shard_order(epoch))}
         remaining.sort(key=lambda entry: rank[entry[0]])
         records = [entry for p in parsed for entry in p[3]]
@@ -326,7 +363,9 @@ class ShardedIterable(Stream):
             if key[0] != epoch or len(key) != 3:
                 raise ResumeError(f"{_WHAT}: pending record {brief(list(key))} is not a record of epoch {epoch}")
             records.append([key[1], key[2]])
-        return [self._state(epoch, (s, num_slots), remaining[s::num_slots], records[s::num_slots]) for s in range(num_slots)]
+        return [
+            self._state(epoch, (s, num_slots), remaining[s::num_slots], records[s::num_slots]) for s in range(num_slots)
+        ]
 
 
 def _check_record(index: int, offset: int, n: int, cursors: Mapping[int, int], what: str) -> None:
@@ -344,4 +383,3 @@ def _check_record(index: int, offset: int, n: int, cursors: Mapping[int, int], w
             f"{_WHAT} state: {what} is at offset {brief(offset)} of shard {index}, which is read only up to its "
             f"cursor {cursors[index]}: that record was not read yet; pass a state_dict() of this pipeline unchanged"
         )
-

@@ -35,7 +35,7 @@ class ShuffleBuffer(Wrapper):
     Example::
 
         shuffled = stream.shuffle_buffer(10_000, seed=0)
-        state = shuffled.state_dict()   # 10_000 keys, not 10_000 samples
+        state = shuffled.state_dict()  # 10_000 keys, not 10_000 samples
         shuffled.load_state_dict(state)
     """
 
@@ -115,7 +115,9 @@ class ShuffleBuffer(Wrapper):
 
         def check(key: Key) -> None:
             if key in held:
-                raise ResumeError(f"shuffle_buffer state: record key {brief(list(key))} is both buffered and handed out")
+                raise ResumeError(
+                    f"shuffle_buffer state: record key {brief(list(key))} is both buffered and handed out"
+                )
             check_source(key)
 
         return check
@@ -129,7 +131,9 @@ class ShuffleBuffer(Wrapper):
             raise ResumeError(f"shuffle_buffer state holds {len(raw)} records but the buffer size is {size}")
         return [require_key(key, "shuffle_buffer state") for key in raw]
 
-    def rebalance(self, states: Sequence[Mapping[str, Any]], num_slots: int, pending: list[Key]) -> list[dict[str, Any]]:
+    def rebalance(
+        self, states: Sequence[Mapping[str, Any]], num_slots: int, pending: list[Key]
+    ) -> list[dict[str, Any]]:
         # Buffered records go back to the sources as pending records, to be read again exactly once.
         held = [key for state in states for key in self._buffered_keys(state)]
         return super().rebalance(states, num_slots, pending + held)

@@ -89,7 +89,11 @@ def main() -> None:
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / 10))
     dataset = Images(Compose([RandomCrop(8), RandomHorizontalFlip(), RandomBrightness(), GaussianNoise()]))
     loader = ResumableDataLoader(
-        dataset, batch_size=5, shuffle=True, seed=0, num_workers=args.workers,
+        dataset,
+        batch_size=5,
+        shuffle=True,
+        seed=0,
+        num_workers=args.workers,
         persistent_workers=args.persistent and args.workers > 0,
     )
 
@@ -116,9 +120,13 @@ def main() -> None:
             losses.append(loss.item())
             if step % 3 == 0:
                 state = {
-                    "model": model.state_dict(), "optimizer": optimizer.state_dict(),
-                    "scheduler": scheduler.state_dict(), "loader": loader.state_dict(),
-                    "rng": capture_rng_state(), "step": step, "losses": losses,
+                    "model": model.state_dict(),
+                    "optimizer": optimizer.state_dict(),
+                    "scheduler": scheduler.state_dict(),
+                    "loader": loader.state_dict(),
+                    "rng": capture_rng_state(),
+                    "step": step,
+                    "losses": losses,
                 }
                 torch.save(state, checkpoint_path.with_suffix(".tmp"))
                 os.replace(checkpoint_path.with_suffix(".tmp"), checkpoint_path)
