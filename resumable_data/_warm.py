@@ -19,22 +19,26 @@ fetch a batch or two that the main process already served.
 
 from __future__ import annotations
 
+import atexit
 import queue
 import threading
+import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
 from torch.utils.data._utils.pin_memory import pin_memory
 
-__all__ = ["WarmStart"]
+__all__ = ["WarmPass", "WarmStart"]
 
 _END = object()
 _POLL_S = 0.05  # how often a blocked producer checks whether it should stop
+_EXIT_JOIN_S = 5.0  # how long interpreter exit waits for each consumer thread
 
 
-class _Pass:
-    """What the producer thread and the consumer share (the thread never holds the consumer, so
-    dropping the iterator after a ``break`` stops the thread and releases the workers)."""
+class WarmPass:
+    """What the consumer thread and the iterator share. The thread never holds the iterator (nor
+    the loader), so dropping the iterator after a ``break`` stops the thread and releases the
+    workers; the loader keeps this handle to close a pass before it starts the next one."""
 
     def __init__(self) -> None:
         self.served = 0  # batches handed out so far: the next one to hand out
@@ -42,6 +46,7 @@ class _Pass:
         self.queue: queue.Queue[Any] = queue.Queue(maxsize=4)
         self.stop = threading.Event()
         self.thread: threading.Thread | None = None
+        _LIVE.add(self)
 
     def first_batch(self) -> int:
         self.base = self.served
@@ -68,11 +73,23 @@ class _Pass:
         finally:
             del workers  # shuts the worker processes down (or parks persistent ones)
 
-    def close(self) -> None:
-        """Stop the producer and wait for it."""
+    def close(self, timeout: float | None = None) -> None:
+        """Stop the consumer thread and wait for it (it releases the workers)."""
         self.stop.set()
         if self.thread is not None:
-            self.thread.join()
+            self.thread.join(timeout)
+
+
+# Passes whose thread may still run. At interpreter exit they are stopped and joined *before*
+# finalization: a daemon thread still inside torch's C++ code when Python tears threads down
+# aborts the process ("terminate called without an active exception").
+_LIVE: weakref.WeakSet[WarmPass] = weakref.WeakSet()
+
+
+@atexit.register
+def _close_live_passes() -> None:
+    for warm_pass in list(_LIVE):
+        warm_pass.close(timeout=_EXIT_JOIN_S)
 
 
 class WarmStart(Iterator[Any]):
@@ -99,20 +116,16 @@ class WarmStart(Iterator[Any]):
         self._n_batches = n_batches
         self._pin_device = pin_device
         self._handed_over = False
-        self._pass = _Pass()
-
-    def close(self) -> None:
-        """Stop the consumer thread and wait for it (it releases the workers)."""
-        self._pass.close()
+        self.handle = WarmPass()
 
     def __del__(self) -> None:
-        self._pass.stop.set()
+        self.handle.stop.set()
 
     def __iter__(self) -> WarmStart:
         return self
 
     def __next__(self) -> Any:
-        shared = self._pass
+        shared = self.handle
         if shared.served >= self._n_batches:
             shared.stop.set()
             raise StopIteration
@@ -120,7 +133,9 @@ class WarmStart(Iterator[Any]):
             # The first batch is out: now start the workers, in this (the main) thread.
             workers = self._start_workers(shared.first_batch)
             self._start_workers = None
-            shared.thread = threading.Thread(target=shared.produce, args=(workers,), daemon=True)
+            shared.thread = threading.Thread(
+                target=shared.produce, args=(workers,), name="resumable_data warm start", daemon=True
+            )
             del workers  # the thread holds the only reference, so it can release the workers
             shared.thread.start()
         batch = _END if shared.thread is None else self._from_workers(block=self._handed_over)
@@ -135,7 +150,7 @@ class WarmStart(Iterator[Any]):
         """The workers' copy of the next batch, or ``_END`` while the main process must serve it."""
         while True:
             try:
-                item = self._pass.queue.get(block=block)
+                item = self.handle.queue.get(block=block)
             except queue.Empty:
                 return _END
             if item is _END:  # the workers' pass is over: the main process serves what is left
@@ -145,6 +160,6 @@ class WarmStart(Iterator[Any]):
                 raise item
             self._handed_over = True
             index, batch = item
-            if index == self._pass.served:
+            if index == self.handle.served:
                 return batch
             block = True  # a batch the main process already served: drop it, take the next

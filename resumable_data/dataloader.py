@@ -28,7 +28,7 @@ from ._cursor import EpochCursor, Segment
 from ._fetch import BatchFetcher, MapDataset, Ticket, check_global_rng
 from ._hash import hash_ints
 from ._state import ResumeError, check_int_arg
-from ._warm import WarmStart
+from ._warm import WarmPass, WarmStart
 from .sampler import ResumableSampler
 
 __all__ = ["ResumableDataLoader", "wrap"]
@@ -167,7 +167,7 @@ class ResumableDataLoader(DataLoader):
                 not dataloader_kwargs.get("persistent_workers") and dataloader_kwargs.get("worker_init_fn") is None
             )
         self._warm_start = bool(warm_start)
-        self._warm_pass: WarmStart | None = None
+        self._warm_pass: WarmPass | None = None  # the last pass's handle, never the iterator
         fetcher = BatchFetcher(
             dataset, global_rng=global_rng, sample_keys=bool(getattr(dataset, "wants_sample_key", False))
         )
@@ -231,12 +231,13 @@ class ResumableDataLoader(DataLoader):
         self._seed_generator.manual_seed(hash_ints(self._resumable.seed, segment.epoch, segment.start) >> 1)
         inner: Iterator[Any]
         if self._warm_start and self.num_workers > 0:
-            inner = self._warm_pass = WarmStart(
+            inner = warm = WarmStart(
                 lambda first_batch: self._worker_iterator(segment, first_batch),
                 lambda batch: self._fetch_here(segment, batch),
                 self._plan.batch_count(segment.start),
                 self._pin_device(),
             )
+            self._warm_pass = warm.handle
         else:
             inner = self._worker_iterator(segment, None)
         return _ResumableIterator(inner, self._cursor, self._plan, segment)

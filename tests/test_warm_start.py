@@ -3,6 +3,8 @@ workers would have served, and the position stays exact wherever the hand-over f
 
 from __future__ import annotations
 
+import gc
+import threading
 import time
 import warnings
 from collections.abc import Callable
@@ -104,3 +106,21 @@ def test_break_then_iterate_again_continues_exactly() -> None:
         got.extend(loader)
     assert_batches_equal(reference, got[: len(reference)])
     assert len(got) == len(reference)
+
+
+def test_an_abandoned_pass_stops_its_thread_and_none_outlives_the_interpreter() -> None:
+    # A daemon thread still inside torch at interpreter exit aborts the process; an abandoned
+    # iterator must stop its consumer thread, and exit joins any that remain.
+    def warm_threads() -> set[threading.Thread]:
+        return {t for t in threading.enumerate() if t.name == "resumable_data warm start"}
+
+    before = warm_threads()  # earlier tests' passes may still be shutting their workers down
+    loader = _maker(2, warm=True)()
+    iterator = iter(loader)
+    next(iterator), next(iterator)  # the second request starts the workers and the thread
+    threads = list(warm_threads() - before)
+    assert len(threads) == 1
+    del iterator
+    gc.collect()
+    threads[0].join(timeout=30)
+    assert not threads[0].is_alive()
