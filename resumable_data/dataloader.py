@@ -168,7 +168,7 @@ class ResumableDataLoader(DataLoader):
             )
         self._warm_start = bool(warm_start)
         self._warm_pass: WarmPass | None = None  # the last pass's handle, never the iterator
-        fetcher = BatchFetcher(
+        self._fetcher = fetcher = BatchFetcher(
             dataset, global_rng=global_rng, sample_keys=bool(getattr(dataset, "wants_sample_key", False))
         )
         super().__init__(
@@ -256,8 +256,7 @@ class ResumableDataLoader(DataLoader):
 
     def _fetch_here(self, segment: Segment, batch: int) -> Any:
         """Batch ``batch`` of ``segment`` fetched and collated in this process (warm start)."""
-        fetcher = cast(BatchFetcher, self.dataset)
-        return self.collate_fn(fetcher.__getitems__(self._plan.ticket(segment, batch)))
+        return self.collate_fn(self._fetcher.__getitems__(self._plan.ticket(segment, batch)))
 
     # -- state ---------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:

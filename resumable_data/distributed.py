@@ -35,6 +35,7 @@ import torch.distributed as dist
 
 from . import _state as keys
 from ._state import ResumeError, Stateful, check_version, require_mapping
+from .dataloader import distributed_defaults
 from .streams import StreamLoader
 
 __all__ = [
@@ -48,12 +49,6 @@ __all__ = [
 DATA_STATE_VERSION = 1
 STATE_JSON = "state_json"
 _WHAT = "DataLoaderState"
-
-
-def _group_size_and_rank(group: dist.ProcessGroup | None) -> tuple[int, int]:
-    if not (dist.is_available() and dist.is_initialized()):
-        return 1, 0
-    return dist.get_world_size(group), dist.get_rank(group)
 
 
 def _digest(state: Any) -> int:
@@ -83,7 +78,7 @@ def require_agreement(state: Any, *, group: dist.ProcessGroup | None = None, wha
     Raises:
         ResumeError: on every rank, when any two ranks disagree.
     """
-    world, _ = _group_size_and_rank(group)
+    _, world = distributed_defaults(group)
     if world == 1:
         return
     digest = _digest(state)
@@ -136,7 +131,7 @@ def global_state(loader: Stateful, *, group: dist.ProcessGroup | None = None) ->
             torch.save({"dataloader": state, ...}, path)
     """
     state = loader.state_dict()
-    world, _ = _group_size_and_rank(group)
+    _, world = distributed_defaults(group)
     if isinstance(loader, StreamLoader):
         if world == 1:
             return state
@@ -234,7 +229,7 @@ class DataLoaderState:
         except ValueError as e:
             raise ResumeError(f"{_WHAT} field {STATE_JSON!r} is not valid JSON: {e}") from e
         if not self.allow_world_size_change:
-            world, _ = _group_size_and_rank(self.group)
+            _, world = distributed_defaults(self.group)
             check_world_size(require_mapping(state, _WHAT), world)
         self.loader.load_state_dict(state)
 
