@@ -12,14 +12,6 @@ _M1 = 0xBF58476D1CE4E5B9
 _M2 = 0x94D049BB133111EB
 
 
-def mix64(x: int) -> int:
-    """SplitMix64 finalizer on a Python int (bijective on 64-bit values)."""
-    x &= _MASK64
-    x = ((x ^ (x >> 30)) * _M1) & _MASK64
-    x = ((x ^ (x >> 27)) * _M2) & _MASK64
-    return x ^ (x >> 31)
-
-
 def hash_ints(*values: int) -> int:
     """A 64-bit key that is a pure function of a sequence of (possibly negative) ints."""
     return hash_more(0x6A09E667F3BCC909, *values)
@@ -28,6 +20,9 @@ def hash_ints(*values: int) -> int:
 def hash_more(h: int, *values: int) -> int:
     """``hash_ints(*prefix, *values)`` given ``h = hash_ints(*prefix)``: many keys sharing a prefix
     cost one mixing step per extra value instead of re-hashing the prefix each time."""
-    for v in values:
-        h = mix64(h ^ ((v + _GOLDEN) & _MASK64))
+    for v in values:  # SplitMix64's finalizer on h ^ (v + golden), inlined: it runs once per batch
+        x = h ^ ((v + _GOLDEN) & _MASK64)
+        x = ((x ^ (x >> 30)) * _M1) & _MASK64
+        x = ((x ^ (x >> 27)) * _M2) & _MASK64
+        h = x ^ (x >> 31)
     return h
