@@ -84,6 +84,12 @@ def _cpu_model() -> str:
     return platform.processor() or "unknown"
 
 
+def _load_average() -> str:
+    if not hasattr(os, "getloadavg"):
+        return "unknown"
+    return ", ".join(f"{load:.1f}" for load in os.getloadavg())
+
+
 def machine_header(title: str) -> str:
     """A markdown heading plus the machine, the library versions, the date and the exact command."""
     import numpy
@@ -101,6 +107,7 @@ def machine_header(title: str) -> str:
             f"- versions: python {platform.python_version()}, torch {torch.__version__}, "
             f"torchdata {torchdata.__version__}, numpy {numpy.__version__}, resumable_data {resumable_data.__version__}",
             f"- date: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC",
+            f"- load average at the end (1, 5, 15 min): {_load_average()} (other jobs on the machine inflate every figure)",
             f"- command: `{command}`",
             "",
         ]
