@@ -114,8 +114,9 @@ class SavedRngs(NamedTuple):
 class GlobalRngs:
     """The process's three global RNGs: :meth:`seed` them from one key, :meth:`save` and :meth:`restore` them.
 
-    One instance per process (``GLOBAL_RNGS``, built at import, so a spawned DataLoader worker checks
-    the layouts for itself). Everything here runs once per batch, so it is written for few calls
+    One instance per process (``GLOBAL_RNGS``), built at import: the layouts are checked then (each
+    check puts the RNG it probes back exactly), so a restore's first batch does not pay for them, and
+    a spawned DataLoader worker checks for itself. Everything here runs once per batch, so it is written for few calls
     (bound methods looked up once) rather than for elegance.
 
     Args:
@@ -135,6 +136,7 @@ class GlobalRngs:
         self._torch_seed = torch.default_generator.manual_seed
         self._torch_get_state = torch.default_generator.get_state
         self._torch_set_state = torch.default_generator.set_state
+        self._numpy_raw_address()
 
     @property
     def fast_paths(self) -> dict[str, bool]:
