@@ -40,8 +40,10 @@ def test_three_kills_mid_write_mid_prune_and_with_workers_change_nothing(tmp_pat
     assert report.runs_completed >= 1 and report.checkpoints_checked >= 1
 
 
-def test_the_plan_covers_every_kill_point() -> None:
-    assert set(PLAN) == set(KILLPOINTS)
+def test_the_plan_covers_every_kill_point_of_a_save() -> None:
+    # "step" (SIGKILL during an optimizer step) is verify-resume's; chaos kills mid-step with
+    # "after-seconds", at random moments.
+    assert set(PLAN) == set(KILLPOINTS) - {"step"}
     assert {PLAN[0], PLAN[1], PLAN[2]} == {"payload-half", "after-seconds", "prune-half"}
 
 
