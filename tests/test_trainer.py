@@ -24,7 +24,9 @@ import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
+from torch.distributed.checkpoint import stateful as torch_stateful
 
+import resumable_data
 from resumable_data import CheckpointLockedError, CheckpointManager, ResumeError
 from trainer.__main__ import main
 from trainer.data import TokenWindows, prepare_data
@@ -271,6 +273,7 @@ TRAIN_STATE = {
 
 def test_train_state_round_trips_and_takes_the_checkpoints_batch_layout() -> None:
     state = TrainState(world_size=1, batch_size=8, grad_accum=1)
+    assert isinstance(state, resumable_data.Stateful) and isinstance(state, torch_stateful.Stateful)
     state.load_state_dict(TRAIN_STATE)
     assert state == TrainState(world_size=2, batch_size=4, grad_accum=3, step=6, tokens_seen=384, best_val_loss=2.5)
     assert state.state_dict() == TRAIN_STATE

@@ -239,6 +239,22 @@ def _train(config: TrainConfig, ranks: parallel.Parallel) -> TrainResult:
         # expect a matching backward); an FSDP model gathers its shards on every rank.
         evaluate_with = model if ranks.distributed else forward
 
+        # -- Logging --
+        metrics = stack.enter_context(
+            contextlib.closing(Metrics(run_dir / METRICS_FILE) if ranks.is_main else NoMetrics())
+        )
+        metrics.log(
+            "start", step=state.step, device=str(device), world_size=ranks.world_size, pids=ranks.gather(os.getpid()),
+            parameters=model.num_parameters(),
+            config=asdict(config), model_config=asdict(model_config), data=data.describe(),
+        )  # fmt: skip
+        if resume_path is not None:
+            metrics.log(
+                "resume", step=state.step, checkpoint=str(resume_path), audit="ok", elastic=config.elastic,
+                changes=plan.changes, rng=rng_note,
+            )  # fmt: skip
+
+        # -- Evaluation and checkpoints, as the loop calls them --
         def evaluate() -> float:
             return _evaluate(evaluate_with, val_windows, val_indices, config.batch_size, device, autocast)
 
@@ -258,20 +274,6 @@ def _train(config: TrainConfig, ranks: parallel.Parallel) -> TrainResult:
             metrics.log("checkpoint", step=state.step, path=str(path))
             return path
 
-        # -- Logging --
-        metrics = stack.enter_context(
-            contextlib.closing(Metrics(run_dir / METRICS_FILE) if ranks.is_main else NoMetrics())
-        )
-        metrics.log(
-            "start", step=state.step, device=str(device), world_size=ranks.world_size, pids=ranks.gather(os.getpid()),
-            parameters=model.num_parameters(),
-            config=asdict(config), model_config=asdict(model_config), data=data.describe(),
-        )  # fmt: skip
-        if resume_path is not None:
-            metrics.log(
-                "resume", step=state.step, checkpoint=str(resume_path), audit="ok", elastic=config.elastic,
-                changes=plan.changes, rng=rng_note,
-            )  # fmt: skip
         result = TrainResult(run_dir, state.step, {}, {}, state.best_val_loss, resume_path, None)
         if state.step == 0:
             # The untrained model's loss is the baseline the falling loss is measured against. It

@@ -1,15 +1,16 @@
 """verify-resume: prove on this machine that a killed and resumed run equals an uninterrupted one.
 
 Three jobs train the same configuration: one straight through; one that kills itself with
-SIGKILL (no handler runs, nothing is flushed or saved) during step k; and one that resumes the
-killed run from its newest checkpoint. The per-step losses of every attempt and the final weights
+SIGKILL (no handler runs, nothing is flushed or saved) during step k, armed from outside the
+trainer by the ``step`` kill point of :mod:`trainer.killpoints`; and one that resumes the killed
+run from its newest checkpoint. The per-step losses of every attempt and the final weights
 and optimizer state must be bitwise equal.
 
 With ``--nproc N`` each job is a ``torchrun`` job of N ranks (rank 0 is the one killed; torchrun
 then stops the others), every rank must end with the same weights, and two elastic resumes of the
 killed run follow: on one rank (``--elastic global-batch``: gradient accumulation doubles) and on
-N + 1 ranks (``--elastic per-rank-batch``). Their batch indices, logged by every rank, must read the
-rest of the interrupted epoch exactly once.
+N + 1 ranks (``--elastic per-rank-batch``). Their batch indices, logged by every rank
+(:mod:`trainer.index_log`), must read the rest of the interrupted epoch exactly once.
 """
 
 from __future__ import annotations
