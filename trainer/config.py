@@ -15,7 +15,7 @@ from typing import Any
 
 from . import parallel
 
-__all__ = ["ARCHITECTURE_FIELDS", "CHECKPOINT_FORMATS", "TrainConfig", "lr_multiplier"]
+__all__ = ["ARCHITECTURE_FIELDS", "CHECKPOINT_FORMATS", "TrainConfig", "flag", "lr_multiplier"]
 
 # The model's shape comes from the checkpoint on resume; these fields may only repeat it.
 ARCHITECTURE_FIELDS = ("block_size", "n_layer", "n_head", "n_embd", "dropout")

@@ -32,7 +32,7 @@ from resumable_data import CheckpointManager
 
 from . import index_log
 from .checkpointing import CHECKPOINT_FOLDER, MODEL, OPTIMIZER
-from .config import TrainConfig
+from .config import TrainConfig, flag
 from .data import TokenWindows, default_cache_dir, prepare_data
 from .metrics import read_metrics
 from .model import ModelConfig
@@ -45,11 +45,11 @@ def config_to_argv(config: TrainConfig) -> list[str]:
     argv = []
     for f in fields(config):
         value = getattr(config, f.name)
-        flag = "--" + f.name.replace("_", "-")
+        name = flag(f.name)
         if isinstance(value, bool):
-            argv.append(flag if value else "--no-" + flag[2:])
+            argv.append(name if value else "--no-" + name[2:])
         elif value is not None:
-            argv += [flag, str(value)]
+            argv += [name, str(value)]
     return argv
 
 
