@@ -14,6 +14,9 @@ from trainer.killpoints import KILLPOINTS
 
 # The session runs in subprocesses with their own timeouts; this bounds the whole test.
 SESSION_TIMEOUT_S = 240
+# Chaos aims at checkpoint writes and prunes, and kills mid-step at random moments ("after-seconds");
+# the "step" kill point (SIGKILL during a given optimizer step) is verify-resume's.
+CHAOS_KILLPOINTS = set(KILLPOINTS) - {"step"}
 
 
 def run_session(kills: int, run_dir: Path, seed: int) -> ChaosReport:
@@ -40,8 +43,8 @@ def test_three_kills_mid_write_mid_prune_and_with_workers_change_nothing(tmp_pat
     assert report.runs_completed >= 1 and report.checkpoints_checked >= 1
 
 
-def test_the_plan_covers_every_kill_point() -> None:
-    assert set(PLAN) == set(KILLPOINTS)
+def test_the_plan_covers_every_kill_point_but_verify_resumes() -> None:
+    assert set(PLAN) == CHAOS_KILLPOINTS
     assert {PLAN[0], PLAN[1], PLAN[2]} == {"payload-half", "after-seconds", "prune-half"}
 
 
@@ -49,5 +52,5 @@ def test_the_plan_covers_every_kill_point() -> None:
 def test_thirty_kills_cover_every_kill_point_with_and_without_workers(tmp_path: Path) -> None:
     report = run_session(30, tmp_path / "chaos", seed=1)
     assert report.ok, "\n".join(report.failures) + "\n" + report.table()
-    assert set(report.kills) == set(KILLPOINTS)
+    assert set(report.kills) == CHAOS_KILLPOINTS
     assert 0 < report.kills_with_workers < report.total_kills

@@ -24,6 +24,7 @@ import pytest
 import torch
 
 from resumable_data import ResumeError
+from trainer import index_log
 from trainer.parallel import elastic_plan
 from trainer.train import DCP_FOLDER, TrainConfig, read_metrics
 from trainer.verify import config_to_argv, verify_resume
@@ -46,10 +47,17 @@ def tiny(base: Path, name: str, **overrides: Any) -> TrainConfig:
     )
 
 
-def torchrun(config: TrainConfig, nproc: int, *, wait: bool = True) -> subprocess.Popen[bytes] | int:
+def torchrun(
+    config: TrainConfig, nproc: int, *, wait: bool = True, log_indices: bool = False
+) -> subprocess.Popen[bytes] | int:
+    """``torchrun -m trainer train``; with ``log_indices`` every rank logs its batch indices to
+    RUN_DIR (``trainer.index_log``, installed from outside the trainer by ``trainer.killpoints``)."""
+    entry = "trainer.killpoints" if log_indices else "trainer"
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-               "-m", "trainer", "train", *config_to_argv(config)]  # fmt: skip
+               "-m", entry, "train", *config_to_argv(config)]  # fmt: skip
     env = {**os.environ, "PYTHONPATH": str(REPO)}
+    if log_indices:
+        env[index_log.ENV] = config.run_dir
     Path(config.run_dir).mkdir(parents=True, exist_ok=True)
     with open(Path(config.run_dir) / f"torchrun-{nproc}.log", "ab") as log:  # the child keeps its own copy
         process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
@@ -105,8 +113,8 @@ def test_dcp_checkpoints_resume_bitwise_at_the_same_size_and_load_at_another(ver
     file-format reference exactly; the same DCP checkpoint resumes on 1 rank (exactly once)."""
     base, _ = verified
     reference = base / "verify" / "uninterrupted"
-    config = tiny(base, "dcp", checkpoint_format="dcp-async", record_indices=True)
-    assert torchrun(replace(config, stop_at=9), 2) == 0
+    config = tiny(base, "dcp", checkpoint_format="dcp-async")
+    assert torchrun(replace(config, stop_at=9), 2, log_indices=True) == 0
     assert (Path(config.run_dir) / DCP_FOLDER / "step-00000009" / ".metadata").is_file()
     shutil.copytree(config.run_dir, base / "dcp-1")
     assert torchrun(config, 2) == 0
@@ -114,7 +122,7 @@ def test_dcp_checkpoints_resume_bitwise_at_the_same_size_and_load_at_another(ver
     assert end_weights(config.run_dir) == end_weights(str(reference))
 
     one = replace(config, run_dir=str(base / "dcp-1"))
-    assert torchrun(one, 1) == 0
+    assert torchrun(one, 1, log_indices=True) == 0
     resume = [e for e in read_metrics(one.run_dir) if e["event"] == "resume"][-1]
     assert resume["step"] == 9 and resume["changes"] == {"world_size": [2, 1], "global_batch": [8, 4]}
     epoch0: collections.Counter[int] = collections.Counter()

@@ -22,12 +22,17 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from hypothesis import given
+from hypothesis import strategies as st
+from torch.distributed.checkpoint import stateful as torch_stateful
 
+import resumable_data
 from resumable_data import CheckpointLockedError, CheckpointManager, ResumeError
 from trainer.__main__ import main
 from trainer.data import TokenWindows, prepare_data
 from trainer.plot import plot_run
 from trainer.train import CHECKPOINT_FOLDER, CHECKPOINT_KEYS, TrainConfig, TrainResult, read_metrics, train
+from trainer.train_state import TrainState
 from trainer.verify import config_to_argv, first_difference, verify_resume
 
 REPO = Path(__file__).resolve().parents[1]
@@ -242,6 +247,69 @@ def test_resume_audit_catches_a_changed_schedule_or_data_order(tmp_path: Path, c
         train(tiny(tmp_path, corpus, "run", grad_accum=2))
     ok = train(tiny(tmp_path, corpus, "run"))
     assert any(e["event"] == "resume" and e["audit"] == "ok" for e in read_metrics(ok.run_dir))
+
+
+def test_a_train_state_without_the_batch_layout_is_refused_before_anything_is_built(
+    tmp_path: Path, corpus: Path
+) -> None:
+    """Trainer 0.1.0 wrote train_state version 1 without world_size, batch_size and grad_accum."""
+    train(tiny(tmp_path, corpus, "run", stop_at=4))
+    with CheckpointManager(tmp_path / "run" / CHECKPOINT_FOLDER, lock=False) as manager:
+        old = manager.load()
+        for key in ("world_size", "batch_size", "grad_accum"):
+            del old["train_state"][key]
+        manager.save(5, old)
+    with pytest.raises(ResumeError, match=r"train_state lacks \['world_size', 'batch_size', 'grad_accum'\].*0\.1\.0"):
+        train(tiny(tmp_path, corpus, "run"))
+    assert not any(e["event"] == "start" and e["step"] == 5 for e in read_metrics(tmp_path / "run"))
+
+
+# -- the train state ----------------------------------------------------------------------------
+
+TRAIN_STATE = {
+    "version": 1, "step": 6, "tokens_seen": 384, "best_val_loss": 2.5, "world_size": 2, "batch_size": 4, "grad_accum": 3,
+}  # fmt: skip
+
+
+def test_train_state_round_trips_and_takes_the_checkpoints_batch_layout() -> None:
+    state = TrainState(world_size=1, batch_size=8, grad_accum=1)
+    assert isinstance(state, resumable_data.Stateful) and isinstance(state, torch_stateful.Stateful)
+    state.load_state_dict(TRAIN_STATE)
+    assert state == TrainState(world_size=2, batch_size=4, grad_accum=3, step=6, tokens_seen=384, best_val_loss=2.5)
+    assert state.state_dict() == TRAIN_STATE
+    fresh = TrainState(world_size=1, batch_size=8, grad_accum=1).state_dict()
+    assert fresh["step"] == fresh["tokens_seen"] == 0 and fresh["best_val_loss"] == float("inf")
+
+
+@given(
+    key=st.sampled_from(sorted(TRAIN_STATE)),
+    value=st.one_of(
+        st.none(), st.booleans(), st.integers(-3, 3), st.floats(allow_nan=True), st.text(max_size=3), st.just([1])
+    ),
+)
+def test_a_bad_train_state_is_refused_by_name_and_changes_nothing(key: str, value: Any) -> None:
+    """Any one key replaced by any value: it loads only when the value is valid for that key;
+    otherwise a ResumeError names the key (or the version) and the state is unchanged."""
+    bad = {**TRAIN_STATE, key: value}
+    state = TrainState(world_size=1, batch_size=8, grad_accum=1)
+    before = state.state_dict()
+    minimum = {"step": 0, "tokens_seen": 0, "world_size": 1, "batch_size": 1, "grad_accum": 1}
+    if key == "version":
+        valid = type(value) is int and value == 1
+    elif key == "best_val_loss":
+        valid = isinstance(value, (int, float)) and not isinstance(value, bool) and value == value
+    else:
+        valid = type(value) is int and value >= minimum[key]
+    if valid:
+        state.load_state_dict(bad)
+        assert state.state_dict()[key] == value
+        return
+    with pytest.raises(ResumeError, match=rf"train_state.*{key}"):
+        state.load_state_dict(bad)
+    assert state.state_dict() == before
+    with pytest.raises(ResumeError, match=r"lacks \['step'\]"):
+        state.load_state_dict({k: v for k, v in TRAIN_STATE.items() if k != "step"})
+    assert state.state_dict() == before
 
 
 # -- data ---------------------------------------------------------------------------------------

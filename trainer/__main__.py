@@ -30,9 +30,11 @@ import torch
 from resumable_data import ResumeError
 
 from .chaos import chaos
+from .config import TrainConfig, flag
+from .metrics import read_metrics
 from .model import ModelConfig
 from .plot import plot_run
-from .train import TrainConfig, read_metrics, train
+from .train import train
 from .verify import verify_resume
 
 # verify-resume's defaults: small enough for a few minutes on 2 CPU cores, with dropout on so the
@@ -93,7 +95,7 @@ def _add_train_flags(parser: argparse.ArgumentParser, defaults: Mapping[str, Any
     hints = typing.get_type_hints(TrainConfig)
     new_model = {f.name: f.default for f in fields(ModelConfig)}
     for f in fields(TrainConfig):
-        flag = "--" + f.name.replace("_", "-")
+        name = flag(f.name)
         kind = hints[f.name]
         default = defaults.get(f.name, f.default)
         if default is None and f.name in new_model:
@@ -101,11 +103,11 @@ def _add_train_flags(parser: argparse.ArgumentParser, defaults: Mapping[str, Any
         else:
             shown = "" if default is None else f" (default: {default})"
         if kind is bool:
-            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=f.metadata["help"])
+            parser.add_argument(name, action=argparse.BooleanOptionalAction, default=default, help=f.metadata["help"])
             continue
         # "int | None" -> int: None is the default, never typed on the command line.
         value_type = next(t for t in typing.get_args(kind) if t is not type(None)) if typing.get_args(kind) else kind
-        parser.add_argument(flag, type=value_type, default=default, help=f.metadata["help"] + shown)
+        parser.add_argument(name, type=value_type, default=default, help=f.metadata["help"] + shown)
 
 
 def _config(args: argparse.Namespace) -> TrainConfig:

@@ -32,8 +32,10 @@ from typing import Any
 
 from resumable_data import CheckpointManager, ResumeError
 
+from .checkpointing import CHECKPOINT_FOLDER
+from .config import TrainConfig
 from .killpoints import KILLPOINTS
-from .train import CHECKPOINT_FOLDER, TrainConfig, read_metrics
+from .metrics import read_metrics
 from .verify import child_env, config_to_argv, first_difference
 
 __all__ = ["CHAOS_DEFAULTS", "ChaosReport", "chaos"]

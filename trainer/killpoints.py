@@ -1,15 +1,22 @@
-"""Kill points: run the trainer and SIGKILL it at a chosen moment of a checkpoint write or prune.
+"""Kill points: run the trainer and SIGKILL it at a chosen moment of a step, a checkpoint write or a prune.
 
-    python -m trainer.killpoints KILLPOINT N train [train flags...]
+    python -m trainer.killpoints [KILLPOINT N] train [train flags...]
+    TRAINER_INDEX_LOG=FOLDER python -m trainer.killpoints ...     # also log every batch's indices
 
 Like failpoints in storage engines: the process kills itself (SIGKILL, nothing flushed, no handler
-run) at the N-th time it reaches ``KILLPOINT``, so the chaos harness can aim at the few milliseconds
-that random timing rarely hits. The moments are recognized from the outside of the library, by
-wrapping the calls every checkpoint write makes (``torch.save``, ``os.fsync``, ``os.rename``,
-``shutil.rmtree``) and looking at the paths involved, so the library carries no test hooks. Only the
-trainer's own process kills itself: forked DataLoader workers inherit the wrappers but never fire.
+run) at the N-th time it reaches ``KILLPOINT``, so verify-resume and the chaos harness can aim at
+the few milliseconds that random timing rarely hits. The moments are recognized from the outside of
+the library and of the trainer's loop, which carry no test hooks: by wrapping the calls every
+checkpoint write makes (``torch.save``, ``os.fsync``, ``os.rename``, ``shutil.rmtree``) and looking
+at the paths involved, and by a global optimizer step pre-hook. Only the trainer's own process
+kills itself: forked DataLoader workers inherit the wrappers but never fire; under torchrun only
+rank 0 is armed (torchrun then stops the other ranks). ``$TRAINER_INDEX_LOG``, read once here,
+installs :mod:`trainer.index_log`.
 
-Kill points (in the order a save reaches them):
+Kill points (in the order a step and a save reach them):
+
+    step              optimizer step N of this process, after its backward, before the update
+                      (step N of a run started from scratch)
 
     payload-half      half of state.pt written into the temp folder
     payload-synced    state.pt complete and fsynced, no manifest yet
@@ -35,10 +42,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 __all__ = ["KILLPOINTS", "main"]
 
 KILLPOINTS = (
+    "step",
     "payload-half",
     "payload-synced",
     "manifest-synced",
@@ -128,25 +137,39 @@ def _install(counter: _Counter) -> None:
 
 
 def _arm(point: str, n: str) -> None:
-    if point not in KILLPOINTS:
-        raise SystemExit(f"error: unknown kill point {point!r}; choose one of {', '.join(KILLPOINTS)}")
     if point == "after-seconds":
         timer = threading.Timer(float(n), _die)
         timer.daemon = True
         timer.start()
+    elif point == "step":
+        counter = _Counter(point, int(n))
+
+        def before_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+            if counter.reached("step"):
+                _die()
+
+        register_optimizer_step_pre_hook(before_step)
     else:
         _install(_Counter(point, int(n)))
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Arm ``argv[0]`` at count ``argv[1]``, then run the trainer's command line on the rest."""
+    """Arm ``argv[0]`` at count ``argv[1]`` (when ``argv[0]`` is a kill point), install the index
+    log when ``$TRAINER_INDEX_LOG`` names a folder, then run the trainer's command line on the rest."""
     args = list(sys.argv[1:] if argv is None else argv)
-    if len(args) < 2:
-        raise SystemExit(f"usage: python -m trainer.killpoints KILLPOINT N COMMAND [FLAGS...]\n{__doc__}")
+    armed = bool(args) and args[0] in KILLPOINTS
+    if not args or (armed and len(args) < 3):
+        raise SystemExit(f"usage: python -m trainer.killpoints [KILLPOINT N] COMMAND [FLAGS...]\n{__doc__}")
     # Imported before arming, so "after-seconds" counts from a trainer ready to run, not from imports.
+    from . import index_log
     from .__main__ import main as trainer_main
 
-    _arm(args[0], args[1])
+    if os.environ.get(index_log.ENV):
+        index_log.install(os.environ[index_log.ENV])
+    if not armed:
+        return trainer_main(args)
+    if os.environ.get("RANK", "0") == "0":
+        _arm(args[0], args[1])
     return trainer_main(args[2:])
 
 

@@ -1,15 +1,16 @@
 """verify-resume: prove on this machine that a killed and resumed run equals an uninterrupted one.
 
 Three jobs train the same configuration: one straight through; one that kills itself with
-SIGKILL (no handler runs, nothing is flushed or saved) during step k; and one that resumes the
-killed run from its newest checkpoint. The per-step losses of every attempt and the final weights
+SIGKILL (no handler runs, nothing is flushed or saved) during step k, armed from outside the
+trainer by the ``step`` kill point of :mod:`trainer.killpoints`; and one that resumes the killed
+run from its newest checkpoint. The per-step losses of every attempt and the final weights
 and optimizer state must be bitwise equal.
 
 With ``--nproc N`` each job is a ``torchrun`` job of N ranks (rank 0 is the one killed; torchrun
 then stops the others), every rank must end with the same weights, and two elastic resumes of the
 killed run follow: on one rank (``--elastic global-batch``: gradient accumulation doubles) and on
-N + 1 ranks (``--elastic per-rank-batch``). Their batch indices, logged by every rank, must read the
-rest of the interrupted epoch exactly once.
+N + 1 ranks (``--elastic per-rank-batch``). Their batch indices, logged by every rank
+(:mod:`trainer.index_log`), must read the rest of the interrupted epoch exactly once.
 """
 
 from __future__ import annotations
@@ -29,9 +30,12 @@ import torch
 
 from resumable_data import CheckpointManager
 
+from . import index_log
+from .checkpointing import CHECKPOINT_FOLDER, MODEL, OPTIMIZER
+from .config import TrainConfig, flag
 from .data import TokenWindows, default_cache_dir, prepare_data
+from .metrics import read_metrics
 from .model import ModelConfig
-from .train import CHECKPOINT_FOLDER, MODEL, OPTIMIZER, TrainConfig, read_metrics
 
 __all__ = ["child_env", "config_to_argv", "first_difference", "verify_resume"]
 
@@ -41,11 +45,11 @@ def config_to_argv(config: TrainConfig) -> list[str]:
     argv = []
     for f in fields(config):
         value = getattr(config, f.name)
-        flag = "--" + f.name.replace("_", "-")
+        name = flag(f.name)
         if isinstance(value, bool):
-            argv.append(flag if value else "--no-" + flag[2:])
+            argv.append(name if value else "--no-" + name[2:])
         elif value is not None:
-            argv += [flag, str(value)]
+            argv += [name, str(value)]
     return argv
 
 
@@ -91,22 +95,32 @@ def child_env() -> dict[str, str]:
     return {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [source_root, os.environ.get("PYTHONPATH")]))}
 
 
-def _run(config: TrainConfig, label: str, nproc: int | None = None) -> int:
+def _run(config: TrainConfig, label: str, nproc: int | None = None, *, kill_at: int | None = None) -> int:
     """Train ``config`` in fresh processes (``torchrun`` with ``nproc`` ranks when given); the
-    output goes to ``RUN_DIR/LABEL.log``."""
+    output goes to ``RUN_DIR/LABEL.log``.
+
+    Under torchrun every rank logs its batch indices (:mod:`trainer.index_log`) for the elastic
+    checks; ``kill_at`` SIGKILLs (rank 0) during that step (:mod:`trainer.killpoints`).
+    """
     launcher = (
         [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
         if nproc
         else [sys.executable]
     )
-    command = [*launcher, "-m", "trainer", "train", *config_to_argv(config)]
+    instrumented = nproc is not None or kill_at is not None
+    kill = ["step", str(kill_at)] if kill_at is not None else []
+    entry = ["-m", "trainer.killpoints", *kill] if instrumented else ["-m", "trainer"]
+    command = [*launcher, *entry, "train", *config_to_argv(config)]
+    env = child_env()
+    if nproc is not None:
+        env[index_log.ENV] = config.run_dir
     log = Path(config.run_dir) / f"{label}.log"
     log.parent.mkdir(parents=True, exist_ok=True)
     print(f"  {label}: {' '.join(command[1:])}", flush=True)
     with open(log, "w") as out:
         try:
             return subprocess.run(
-                command, stdout=out, stderr=subprocess.STDOUT, env=child_env(), check=False, timeout=JOB_TIMEOUT_S
+                command, stdout=out, stderr=subprocess.STDOUT, env=env, check=False, timeout=JOB_TIMEOUT_S
             ).returncode
         except subprocess.TimeoutExpired:
             print(f"  {label}: no result after {JOB_TIMEOUT_S} s; killed", flush=True)
@@ -135,27 +149,26 @@ def verify_resume(config: TrainConfig, kill_at_step: int, nproc: int | None = No
     if not 1 <= kill_at_step <= config.max_steps:
         raise ValueError(f"--kill-at-step should be between 1 and --max-steps {config.max_steps}, got {kill_at_step}")
     base = Path(config.run_dir)
-    straight = replace(
-        config, run_dir=str(base / "uninterrupted"), resume="never", progress=False, record_indices=bool(nproc)
-    )
-    killed = replace(straight, run_dir=str(base / "interrupted"), crash_at_step=kill_at_step)
+    straight = replace(config, run_dir=str(base / "uninterrupted"), resume="never", progress=False)
+    killed = replace(straight, run_dir=str(base / "interrupted"))
     elastic = {
-        1: replace(killed, run_dir=str(base / "elastic-1"), resume="auto", crash_at_step=None, elastic="global-batch"),
-        (nproc or 1) + 1: replace(
-            killed, run_dir=str(base / f"elastic-{(nproc or 1) + 1}"), resume="auto", crash_at_step=None
-        ),
+        1: replace(killed, run_dir=str(base / "elastic-1"), resume="auto", elastic="global-batch"),
+        (nproc or 1) + 1: replace(killed, run_dir=str(base / f"elastic-{(nproc or 1) + 1}"), resume="auto"),
     }
     for folder in (straight.run_dir, killed.run_dir, *(e.run_dir for e in elastic.values())):
         shutil.rmtree(folder, ignore_errors=True)  # every run must start from nothing
 
     ranks = f" on {nproc} ranks (torchrun)" if nproc else ""
     print(f"verify-resume: {config.max_steps} steps{ranks}, killed with SIGKILL during step {kill_at_step}", flush=True)
-    codes = {"uninterrupted": _run(straight, "uninterrupted", nproc), "killed": _run(killed, "killed", nproc)}
+    codes = {
+        "uninterrupted": _run(straight, "uninterrupted", nproc),
+        "killed": _run(killed, "killed", nproc, kill_at=kill_at_step),
+    }
     if nproc:
         # The elastic resumes start from copies of the killed run's folder, as it was left.
         for target in elastic.values():
             shutil.copytree(killed.run_dir, target.run_dir)
-    codes["resumed"] = _run(replace(killed, resume="auto", crash_at_step=None), "resumed", nproc)
+    codes["resumed"] = _run(replace(killed, resume="auto"), "resumed", nproc)
     # torchrun reports a rank killed by a signal as its own exit code 1.
     expected = {"uninterrupted": 0, "killed": 1 if nproc else -signal.SIGKILL, "resumed": 0}
     if codes != expected:
@@ -221,7 +234,7 @@ def _verify_elastic(config: TrainConfig, old_world: int, world: int) -> bool:
     step = resumes[-1]["step"]
     print(f"{label}: resumed at step {step}; the log says {resumes[-1]['changes']}, rng: {resumes[-1]['rng']}")
     per_epoch: dict[int, collections.Counter[int]] = collections.defaultdict(collections.Counter)
-    for path in Path(config.run_dir).glob("indices.rank*.jsonl"):
+    for path in Path(config.run_dir).glob(index_log.FILE_NAME.format(rank="*")):
         for line in path.read_text().splitlines():
             record = json.loads(line)
             before = record["step"] <= step and record["world_size"] == old_world
