@@ -23,9 +23,11 @@ and the range.
 
 A shuffle buffer re-reads its records ahead of its draws, not all before the first batch (see
 ``resumable_data/streams/shuffle.py``), so part of the re-reading happens after the restore's first
-batch. For the 0-worker buffered pipeline each restore therefore also times the next 40 batches
-(1,280 draws: every buffered record is re-read by then) and the 40 after those (nothing left to
-re-read); the difference is what the restore left for later, reported next to the target.
+batch. For the 0-worker buffered pipeline the CPU time of each restore is therefore also taken
+through the 40 batches after the first (1,280 draws: every buffered record is re-read by then),
+and compared with the CPU time of the same 41 batches in the uninterrupted run (timed once, right
+after the checkpoint): the difference is what a restore costs in all, re-reads left for later
+included.
 
 Run: ``python benchmarks/bench_streams.py`` (``--quick``: 4 token shards, 4 Parquet shards of 2,000
 rows, one restore per pipeline: a smoke test of every pipeline and the exactness check, not a
@@ -58,7 +60,7 @@ BUFFER = 1000
 FRACTION = 0.9
 ROUNDS = 9  # restores (and fresh starts) timed per pipeline, a fresh loader each
 BUFFERED = f"realistic (buffer {BUFFER})"
-FOLLOW = 40  # batches timed after a restored first batch, twice (see the module docstring)
+FOLLOW = 40  # batches timed after a restored first batch (see the module docstring)
 
 
 def write_shards(directory: Path, num_shards: int) -> list[Path]:
@@ -102,23 +104,31 @@ class Pipeline:
     restores: list[float] = field(default_factory=list)
     restores_cpu: list[float] = field(default_factory=list)  # this process's CPU time (workers not included)
     fresh: list[float] = field(default_factory=list)
-    follow: bool = False  # also time the batches after a restore (CPU seconds of FOLLOW batches, twice)
-    after: list[float] = field(default_factory=list)  # the FOLLOW batches right after the restored one
-    later: list[float] = field(default_factory=list)  # the FOLLOW batches after those
+    uninterrupted: float | None = None  # CPU seconds of the next 1 + FOLLOW batches, uninterrupted
+    followed: list[float] = field(default_factory=list)  # CPU seconds of a restore and FOLLOW more batches
 
 
-def checkpoint(make: Callable[[], StreamLoader], position: int, epoch_batches: int) -> Pipeline:
-    """Replay a fresh loader to ``position`` batches (timed): its JSON state there and the next batch."""
+def checkpoint(make: Callable[[], StreamLoader], position: int, epoch_batches: int, follow: bool = False) -> Pipeline:
+    """Replay a fresh loader to ``position`` batches (timed): its JSON state there and the next batch.
+
+    With ``follow``, also the CPU time of that batch and the FOLLOW after it (see the module docstring).
+    """
     loader = make()
     start = time.perf_counter()
     batches = iter(loader)
     for _ in itertools.islice(batches, position):
         pass
     state = json.loads(json.dumps(loader.state_dict()))
+    start_cpu = time.process_time()
     expected = next(batches)
     replay = time.perf_counter() - start
+    pipeline = Pipeline(make, position, epoch_batches, state, expected, replay)
+    if follow:
+        for _ in itertools.islice(batches, FOLLOW):
+            pass
+        pipeline.uninterrupted = time.process_time() - start_cpu
     del batches
-    return Pipeline(make, position, epoch_batches, state, expected, replay)
+    return pipeline
 
 
 def first_batch(pipeline: Pipeline, restore: bool) -> tuple[float, float]:
@@ -133,12 +143,10 @@ def first_batch(pipeline: Pipeline, restore: bool) -> tuple[float, float]:
     seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - start_cpu
     if restore and not torch.equal(batch, pipeline.expected):
         raise SystemExit("restored batch differs from the uninterrupted run's: not exact")
-    if restore and pipeline.follow:
-        for spans in (pipeline.after, pipeline.later):
-            start_cpu = time.process_time()
-            for _ in itertools.islice(iterator, FOLLOW):
-                pass
-            spans.append(time.process_time() - start_cpu)
+    if restore and pipeline.uninterrupted is not None:
+        for _ in itertools.islice(iterator, FOLLOW):
+            pass
+        pipeline.followed.append(time.process_time() - start_cpu)
     del iterator  # workers shut down outside the timed part
     return seconds, cpu_seconds
 
@@ -208,8 +216,10 @@ def main() -> None:
         )
     with tempfile.TemporaryDirectory(prefix="bench-streams-") as tmp:
         paths = write_shards(Path(tmp), num_shards)
-        measured = {name: checkpoint(make, position, windows // BATCH) for name, make in pipelines(paths).items()}
-        measured[BUFFERED].follow = True
+        measured = {
+            name: checkpoint(make, position, windows // BATCH, follow=name == BUFFERED)
+            for name, make in pipelines(paths).items()
+        }
         if bench_parquet is not None:
             parquet_dir = Path(tmp) / "parquet"
             parquet_dir.mkdir()
@@ -218,7 +228,7 @@ def main() -> None:
     rows = [table_row(name, p) for name, p in measured.items()]
     buffered = measured[BUFFERED]
     restore = statistics.median(buffered.restores)
-    left = [a - b for a, b in zip(buffered.after, buffered.later, strict=True)]
+    uninterrupted = buffered.uninterrupted or 0.0
     text = "\n".join(
         [
             machine_header(f"Stream restore at {FRACTION:.0%} of {num_shards * TOKENS_PER_SHARD:.0e} tokens"),
@@ -232,9 +242,10 @@ def main() -> None:
             f"- target: {BUFFERED} restore ≤ 5 ms: {format_seconds(restore)} wall clock ({'met' if restore <= 5e-3 else 'missed'}); "
             f"its CPU time {format_seconds(statistics.median(buffered.restores_cpu))} (the whole restore runs in this process; CPU "
             "time is less stretched than the wall clock by other jobs, though not immune: they share the caches and cores)",
-            f"- left for later by that restore (re-reads ahead of the draws): the {FOLLOW} batches after the restored one took "
-            f"{spread(buffered.after)} of CPU time, the {FOLLOW} after those {spread(buffered.later)}; difference per "
-            f"restore {spread(left)}" + (" (the epoch ends within these batches in --quick)" if args.quick else ""),
+            f"- with what it leaves for later (re-reads ahead of the draws): that restore and the {FOLLOW} batches after it took "
+            f"{spread(buffered.followed)} of CPU time, the same {FOLLOW + 1} batches of the uninterrupted run "
+            f"{format_seconds(uninterrupted)} (timed once); difference {format_seconds(statistics.median(buffered.followed) - uninterrupted)}"
+            + (" (the epoch ends within these batches in --quick)" if args.quick else ""),
             "",
             parquet_note,
             "",

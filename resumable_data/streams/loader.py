@@ -145,7 +145,7 @@ class StreamLoader:
         # The slot whose state ``self._stream`` (this process's pipeline) holds right now, exactly as
         # ``self._states`` records it, or None. With 0 workers that pipeline then iterates without
         # loading the state again: a restored state is validated once, in load_state_dict, and a
-        # restored shuffle buffer is not re-read twice.
+        # shuffle buffer keeps the records it holds after a break (a reload would re-read them).
         self._holds: int | None = None
         self._start_epoch(0)
 

@@ -13,10 +13,10 @@ Re-reading ahead of the draws. A restore does not re-read the whole buffer befor
 record: since the choices are a pure function of the draw number, the buffer knows which slots
 the next draws pick. When a draw is about to pick a slot not re-read yet, it re-reads the slots
 of the next ``64`` draws in one grouped :meth:`~Stream.fetch_many` (each shard opened once per
-read), then of the next 128, 256, ... draws, and once that many draws cover the buffer, every
+read), then of the next 256, 1024, ... draws, and once that many draws cover the buffer, every
 slot left. So a restore reads about what its first batches need (not ``size`` records), each
 buffered record is still read exactly once, and all of them are read within about ``size``
-draws; the total is a handful of grouped reads instead of one. A missing or truncated shard is
+draws; the total is a few grouped reads instead of one (a few more shard opens). A missing or truncated shard is
 reported (a ResumeError naming it) by the read that needs one of its records. A read happens
 before the draw and before the source moves, so a failed one leaves the state as it was.
 """
@@ -35,8 +35,15 @@ from .base import DRAWS, SOURCE, Key, Stream, Wrapper, check_same, record_key, r
 __all__ = ["ShuffleBuffer"]
 
 _first = itemgetter(0)
-_UNREAD = object()  # the value of a restored buffer slot whose record is not re-read yet
+
+
+class _Unread:
+    """The value of a restored buffer slot whose record is not re-read yet (a class, so that it
+    stays itself when a pipeline is pickled for a worker process)."""
+
+
 FIRST_READ_AHEAD = 64  # draws covered by a restore's first re-read: a batch or two of records
+READ_AHEAD_GROWTH = 4  # each later re-read covers this many times more draws: few reads in all
 
 SIZE = "size"
 BUFFER = "buffer"
@@ -64,33 +71,26 @@ class ShuffleBuffer(Wrapper):
             )
         self.size = check_int_arg("size", size, minimum=1)
         self.seed = check_int_arg("seed", seed, minimum=-(2**63))
-        # (key, record) per slot; a restored slot holds (key, _UNREAD) until it is re-read.
+        # (key, record) per slot; a restored slot holds (key, _Unread) until it is re-read.
         self._buffer: list[tuple[Key, Any]] = []
-        self._unread = 0  # slots holding _UNREAD
+        self._unread = 0  # slots holding _Unread
         self._read_ahead = FIRST_READ_AHEAD  # draws the next re-read covers
         self._draws = 0
 
     def _choice(self) -> int:
         return hash_ints(self.seed, self._epoch, self._draws) % len(self._buffer)
 
-    def _draw(self) -> int:
-        choice = self._choice()
-        self._draws += 1
-        return choice
-
     def _reread_ahead(self, draining: bool) -> None:
-        """Re-read the restored records that the next draws pick, if the next one picks one.
+        """Re-read the restored records that the next draws pick (the next one picks one).
 
         The slots of the coming draws are known: a full buffer keeps its length, and a draining
         one moves its last record into the drawn slot, which is simulated here. Only the source
         ending while the buffer is full makes a prediction wrong, and every unread record is
         drawn eventually, so a record read early is never read in vain.
         """
-        if self._buffer[self._choice()][1] is not _UNREAD:
-            return
         n = len(self._buffer)
         if self._read_ahead >= n:
-            slots = [s for s in range(n) if self._buffer[s][1] is _UNREAD]
+            slots = [s for s in range(n) if self._buffer[s][1] is _Unread]
         else:
             prefix = hash_ints(self.seed, self._epoch)
             draws = range(self._draws, self._draws + self._read_ahead)
@@ -104,33 +104,39 @@ class ShuffleBuffer(Wrapper):
                     picked.add(where[i])
                     where[i] = where[-1]
                     where.pop()
-            slots = [s for s in sorted(picked) if self._buffer[s][1] is _UNREAD]
+            slots = [s for s in sorted(picked) if self._buffer[s][1] is _Unread]
         keys = [self._buffer[s][0] for s in slots]
         records = self.source.fetch_many(keys)  # grouped by shard; raises before anything changes
         for slot, key, record in zip(slots, keys, records, strict=True):
             self._buffer[slot] = (key, record)
         self._unread -= len(slots)
-        self._read_ahead *= 2
+        self._read_ahead *= READ_AHEAD_GROWTH
 
     def iter_keyed(self) -> Iterator[tuple[Key | None, Any]]:
         source = self.source.iter_keyed()
         while True:
-            if self._unread and len(self._buffer) >= self.size:
-                self._reread_ahead(draining=False)  # before the source moves: a failed read changes nothing
+            full = len(self._buffer) >= self.size
+            if full:
+                # The choice does not depend on the incoming record: a slot left to re-read is read
+                # before the source moves, so a failed read changes nothing.
+                choice = self._choice()
+                if self._unread and self._buffer[choice][1] is _Unread:
+                    self._reread_ahead(draining=False)
             item = next(source, None)
             if item is None:
                 break
             keyed = record_key(item[0], "shuffle_buffer"), item[1]
-            if len(self._buffer) < self.size:
+            if not full:
                 self._buffer.append(keyed)
                 continue
-            choice = self._draw()
+            self._draws += 1
             out, self._buffer[choice] = self._buffer[choice], keyed
             yield out
         while self._buffer:
-            if self._unread:
+            choice = self._choice()
+            if self._unread and self._buffer[choice][1] is _Unread:
                 self._reread_ahead(draining=True)
-            choice = self._draw()
+            self._draws += 1
             out = self._buffer[choice]
             self._buffer[choice] = self._buffer[-1]
             self._buffer.pop()
@@ -163,7 +169,7 @@ class ShuffleBuffer(Wrapper):
             check_key(key)
 
         def apply() -> None:
-            self._buffer = [(key, _UNREAD) for key in keys]
+            self._buffer = [(key, _Unread) for key in keys]
             self._unread, self._read_ahead, self._draws = len(keys), FIRST_READ_AHEAD, draws
 
         return apply
