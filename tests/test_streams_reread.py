@@ -24,9 +24,24 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from harness import assert_resumes_identically
 from resumable_data import ResumeError
-from resumable_data.streams import ShardedIterable, Stream, TextLineReader, TokenShardReader, mix, readers
-from streams_harness import CountingReader, MemoryShards, json_roundtrip, write_token_shards
+from resumable_data.streams import (
+    ShardedIterable,
+    Stream,
+    StreamLoader,
+    TextLineReader,
+    TokenShardReader,
+    mix,
+    readers,
+)
+from streams_harness import (
+    CountingReader,
+    MemoryShards,
+    assert_stream_resumes_identically,
+    json_roundtrip,
+    write_token_shards,
+)
 
 WINDOW = 4  # 250 windows per shard of 1000 tokens
 
@@ -273,3 +288,35 @@ def test_failed_reread_changes_nothing_and_succeeds_once_the_shard_is_back(tmp_p
     path.write_bytes(backup)
     got += iter(restored)
     assert_same(got, expected)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    sizes=st.lists(st.integers(0, 200), min_size=1, max_size=5),
+    buffer=st.integers(65, 400),
+    seed=st.integers(0, 2**32),
+    cuts=st.lists(st.integers(0, 1200), min_size=1, max_size=4),
+)
+def test_buffers_larger_than_one_read_ahead_resume_identically(sizes, buffer, seed, cuts) -> None:
+    """Restores whose re-reads span several reads: mid-epoch, while the buffer fills or drains,
+    resumed again before every record was re-read, and into the next epoch."""
+    shards = MemoryShards(sizes)
+
+    def make() -> Stream:
+        source = ShardedIterable(shards.names, read_shard=shards, seed=seed).filter(lambda r: r % 7 != 3)
+        return source.shuffle_buffer(buffer, seed=seed).map(lambda r: r * 2)
+
+    assert_stream_resumes_identically(make, sorted(cuts))
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_loader_with_a_large_buffer_resumes_identically(tmp_path: Path, num_workers: int) -> None:
+    paths = write_token_shards(tmp_path, [1000] * 6)
+
+    def make() -> StreamLoader:
+        stream = ShardedIterable(paths, read_shard=TokenShardReader(WINDOW), seed=4).shuffle_buffer(300, seed=5)
+        return StreamLoader(stream, batch_size=8, num_workers=num_workers)
+
+    # Mid-epoch; again after 1 and 9 batches (records of the restored buffer still unread); while
+    # the buffer drains; in the next epoch.
+    assert_resumes_identically(make, [40, 41, 50, 170, 200], total_batches=230)
