@@ -21,8 +21,7 @@ from hypothesis import strategies as st
 
 from harness import assert_resumes_identically, checkpoint_roundtrip
 from resumable_data import ResumeError
-from resumable_data.streams import ShardedIterable, Stream, StreamLoader, TokenShardReader, mix
-from resumable_data.streams.shuffle import ShuffleBuffer
+from resumable_data.streams import ShardedIterable, ShuffleBuffer, Stream, StreamLoader, TokenShardReader, mix
 from streams_harness import MemoryShards, ids, write_token_shards
 
 WINDOW = 9  # 8 inputs + 1 target
