@@ -10,7 +10,9 @@ from __future__ import annotations
 import itertools
 import json
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -19,7 +21,7 @@ from hypothesis import strategies as st
 
 from harness import assert_resumes_identically, checkpoint_roundtrip
 from resumable_data import ResumeError
-from resumable_data.streams import ShardedIterable, Stream, StreamLoader, TokenShardReader, mix
+from resumable_data.streams import ShardedIterable, ShuffleBuffer, Stream, StreamLoader, TokenShardReader, mix
 from streams_harness import MemoryShards, ids, write_token_shards
 
 WINDOW = 9  # 8 inputs + 1 target
@@ -189,3 +191,64 @@ def test_loader_state_is_small_and_plain(token_paths: list[Path]) -> None:
     state = loader.state_dict()
     assert checkpoint_roundtrip(state) == json.loads(json.dumps(state))
     assert len(json.dumps(state)) < 1500  # 7 shards and 6 buffered keys
+
+
+# -- a restore validates once, and the loader's own pipeline goes on from where it stands -------
+class CheckCountingBuffer(ShuffleBuffer):
+    """A shuffle buffer that counts how often a state is validated (``check``) on it."""
+
+    def __init__(self, source: Stream, size: int, *, seed: int = 0) -> None:
+        super().__init__(source, size, seed=seed)
+        self.checks = 0
+
+    def check(self, state: Any) -> Callable[[], None]:
+        self.checks += 1
+        return super().check(state)
+
+
+def test_restore_validates_the_state_once_with_0_workers() -> None:
+    shards = MemoryShards([40, 30, 50])
+
+    def make() -> tuple[StreamLoader, CheckCountingBuffer]:
+        buffer = CheckCountingBuffer(ShardedIterable(shards.names, read_shard=shards, seed=3), 10, seed=4)
+        return StreamLoader(buffer, batch_size=4), buffer
+
+    reference, _ = make()
+    expected = ids(itertools.islice(iter(reference), 12))
+    loader, _ = make()
+    list(itertools.islice(iter(loader), 5))
+    restored, buffer = make()
+    restored.load_state_dict(checkpoint_roundtrip(loader.state_dict()))
+    assert buffer.checks == 1
+    got = ids(itertools.islice(iter(restored), 3))
+    got += ids(itertools.islice(iter(restored), 4))  # stopped and iterated again: goes on, no reload
+    assert buffer.checks == 1
+    assert got == expected[5 * 4 :]
+
+
+def test_a_batch_that_raised_is_produced_again_from_its_start() -> None:
+    """With 0 workers an error inside a batch leaves the pipeline mid-batch: the next iter() reloads
+    the state after the last batch handed out, so the stream still equals the uninterrupted one."""
+    shards = MemoryShards([40, 30, 50])
+    failures = {"left": 0}
+
+    def fail_once(record: int) -> int:
+        if record == 1010 and failures["left"]:
+            failures["left"] -= 1
+            raise RuntimeError("transient read error")
+        return record
+
+    def make() -> StreamLoader:
+        stream = ShardedIterable(shards.names, read_shard=shards, seed=3).shuffle_buffer(10, seed=4).map(fail_once)
+        return StreamLoader(stream, batch_size=4)
+
+    expected = ids(make())
+    loader = make()
+    got = ids(itertools.islice(iter(loader), 2))
+    failures["left"] = 1
+    batches = iter(loader)
+    with pytest.raises(RuntimeError, match="transient"):
+        while True:
+            got += ids([next(batches)])
+    got += ids(loader)
+    assert got == expected

@@ -296,7 +296,7 @@ class ShardedIterable(Stream):
         for entry in pending_raw:
             if not (isinstance(entry, (list, tuple)) and len(entry) == 2 and all(is_int(v) for v in entry)):
                 raise ResumeError(f"{_WHAT} state: a pending record must be [shard index, offset], got {brief(entry)}")
-            _check_record(entry[0], entry[1], n, cursors, "pending record")
+            _check_record(entry[0], entry[1], n, cursors, lambda: "pending record")
             pending.append([entry[0], entry[1]])
         if len({(i, o) for i, o in pending}) != len(pending):
             raise ResumeError(f"{_WHAT} state lists a record twice in {PENDING!r}: {brief(pending_raw)}")
@@ -325,7 +325,7 @@ class ShardedIterable(Stream):
                     f"{_WHAT}: record key {brief(list(key))} is from epoch {brief(key_epoch)}, but the state is in "
                     f"epoch {epoch}; pass a state_dict() of this pipeline unchanged"
                 )
-            _check_record(index, offset, n, cursors, f"record key {brief(list(key))}")
+            _check_record(index, offset, n, cursors, lambda: f"record key {brief(list(key))}")
             if (index, offset) in pending:
                 raise ResumeError(
                     f"{_WHAT}: record key {brief(list(key))} is also a pending record, so it would be read twice"
@@ -368,18 +368,20 @@ class ShardedIterable(Stream):
         ]
 
 
-def _check_record(index: int, offset: int, n: int, cursors: Mapping[int, int], what: str) -> None:
+def _check_record(index: int, offset: int, n: int, cursors: Mapping[int, int], what: Callable[[], str]) -> None:
     """Refuse a record (already read: buffered or pending) that cannot exist or was not read yet.
 
     A record of a shard that is still being read lies before that shard's cursor; whether a
-    finished shard has it only a read can tell (the reader then raises a ResumeError).
+    finished shard has it only a read can tell (the reader then raises a ResumeError). ``what``
+    names the record for the message; it is called only on a refusal, because a restore checks a
+    whole shuffle buffer of keys and formatting each one would cost more than the check.
     """
     if not 0 <= index < n:
-        raise ResumeError(f"{_WHAT} state: {what} names shard {brief(index)}, but there are {n} shards (0..{n - 1})")
+        raise ResumeError(f"{_WHAT} state: {what()} names shard {brief(index)}, but there are {n} shards (0..{n - 1})")
     if not 0 <= offset <= MAX_COUNT:
-        raise ResumeError(f"{_WHAT} state: {what} has an offset {brief(offset)} outside [0, 2**63) in shard {index}")
+        raise ResumeError(f"{_WHAT} state: {what()} has an offset {brief(offset)} outside [0, 2**63) in shard {index}")
     if index in cursors and offset >= cursors[index]:
         raise ResumeError(
-            f"{_WHAT} state: {what} is at offset {brief(offset)} of shard {index}, which is read only up to its "
+            f"{_WHAT} state: {what()} is at offset {brief(offset)} of shard {index}, which is read only up to its "
             f"cursor {cursors[index]}: that record was not read yet; pass a state_dict() of this pipeline unchanged"
         )

@@ -6,21 +6,44 @@ Choice number ``d`` of epoch ``e`` is ``hash_ints(seed, e, d) % len(buffer)``: a
 the state, so no RNG state needs saving.
 
 State: ``{"epoch", "seed", "size", "draws", "buffer": [[key...], ...], "source": {...}}``. On restore
-the buffered records are re-read by key (at most ``size`` records, lazily on the first ``next()``,
-grouped by shard so that each shard is opened once), in the same buffer slots, so the stream
-continues bitwise identically.
+the buffered records are re-read by key into the same buffer slots, so the stream continues
+bitwise identically.
+
+Re-reading ahead of the draws. A restore does not re-read the whole buffer before its first
+record: since the choices are a pure function of the draw number, the buffer knows which slots
+the next draws pick. When a draw is about to pick a slot not re-read yet, it re-reads the slots
+of the next ``64`` draws in one grouped :meth:`~Stream.fetch_many` (each shard opened once per
+read), then of the next 256, 1024, ... draws, and once that many draws cover the buffer, every
+slot left. So a restore reads about what its first batches need (not ``size`` records), each
+buffered record is still read exactly once, and all of them are read within about ``size``
+draws; the total is a few grouped reads instead of one (a few more shard opens). A missing or truncated shard is
+reported (a ResumeError naming it) by the read that needs one of its records. A read happens
+before the draw and before the source moves, so a failed one leaves the state as it was.
 """
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from operator import itemgetter
 from typing import Any
 
-from .._hash import hash_ints
+from .._hash import hash_ints, hash_more
 from .._state import SEED, ResumeError, brief, check_int_arg
 from .base import DRAWS, SOURCE, Key, Stream, Wrapper, check_same, record_key, require_count, require_key
 
 __all__ = ["ShuffleBuffer"]
+
+_first = itemgetter(0)
+
+
+class _Unread:
+    """The value of a restored buffer slot whose record is not re-read yet (a class, so that it
+    stays itself when a pipeline is pickled for a worker process)."""
+
+
+FIRST_READ_AHEAD = 64  # draws covered by a restore's first re-read: a batch or two of records
+READ_AHEAD_GROWTH = 4  # each later re-read covers this many times more draws: few reads in all
 
 SIZE = "size"
 BUFFER = "buffer"
@@ -48,42 +71,84 @@ class ShuffleBuffer(Wrapper):
             )
         self.size = check_int_arg("size", size, minimum=1)
         self.seed = check_int_arg("seed", seed, minimum=-(2**63))
+        # (key, record) per slot; a restored slot holds (key, _Unread) until it is re-read.
         self._buffer: list[tuple[Key, Any]] = []
-        self._unread: list[Key] = []  # restored keys whose records are not re-read yet
+        self._unread = 0  # slots holding _Unread
+        self._read_ahead = FIRST_READ_AHEAD  # draws the next re-read covers
         self._draws = 0
 
-    def _draw(self) -> int:
-        choice = hash_ints(self.seed, self._epoch, self._draws) % len(self._buffer)
-        self._draws += 1
-        return choice
+    def _choice(self) -> int:
+        return hash_ints(self.seed, self._epoch, self._draws) % len(self._buffer)
+
+    def _reread_ahead(self, draining: bool) -> None:
+        """Re-read the restored records that the next draws pick (the next one picks one).
+
+        The slots of the coming draws are known: a full buffer keeps its length, and a draining
+        one moves its last record into the drawn slot, which is simulated here. Only the source
+        ending while the buffer is full makes a prediction wrong, and every unread record is
+        drawn eventually, so a record read early is never read in vain.
+        """
+        n = len(self._buffer)
+        if self._read_ahead >= n:
+            slots = [s for s in range(n) if self._buffer[s][1] is _Unread]
+        else:
+            prefix = hash_ints(self.seed, self._epoch)
+            draws = range(self._draws, self._draws + self._read_ahead)
+            if not draining:
+                picked = {hash_more(prefix, d) % n for d in draws}
+            else:
+                where = list(range(n))  # where[i]: the slot whose record is at position i now
+                picked = set()
+                for d in draws[:n]:
+                    i = hash_more(prefix, d) % len(where)
+                    picked.add(where[i])
+                    where[i] = where[-1]
+                    where.pop()
+            slots = [s for s in sorted(picked) if self._buffer[s][1] is _Unread]
+        keys = [self._buffer[s][0] for s in slots]
+        records = self.source.fetch_many(keys)  # grouped by shard; raises before anything changes
+        for slot, key, record in zip(slots, keys, records, strict=True):
+            self._buffer[slot] = (key, record)
+        self._unread -= len(slots)
+        self._read_ahead *= READ_AHEAD_GROWTH
 
     def iter_keyed(self) -> Iterator[tuple[Key | None, Any]]:
-        if self._unread:
-            # One grouped re-read (each shard opened once), and only then the buffer changes: a
-            # failed re-read leaves the restored state as it was.
-            records = self.source.fetch_many(self._unread)
-            self._buffer.extend(zip(self._unread, records, strict=True))
-            self._unread = []
-        for key, value in self.source.iter_keyed():
-            item = record_key(key, "shuffle_buffer"), value
-            if len(self._buffer) < self.size:
-                self._buffer.append(item)
+        source = self.source.iter_keyed()
+        while True:
+            full = len(self._buffer) >= self.size
+            if full:
+                # The choice does not depend on the incoming record: a slot left to re-read is read
+                # before the source moves, so a failed read changes nothing.
+                choice = self._choice()
+                if self._unread and self._buffer[choice][1] is _Unread:
+                    self._reread_ahead(draining=False)
+            item = next(source, None)
+            if item is None:
+                break
+            keyed = record_key(item[0], "shuffle_buffer"), item[1]
+            if not full:
+                self._buffer.append(keyed)
                 continue
-            choice = self._draw()
-            out, self._buffer[choice] = self._buffer[choice], item
+            self._draws += 1
+            out, self._buffer[choice] = self._buffer[choice], keyed
             yield out
         while self._buffer:
-            choice = self._draw()
+            choice = self._choice()
+            if self._unread and self._buffer[choice][1] is _Unread:
+                self._reread_ahead(draining=True)
+            self._draws += 1
             out = self._buffer[choice]
             self._buffer[choice] = self._buffer[-1]
             self._buffer.pop()
             yield out
 
     def _reset_own(self) -> None:
-        self._buffer, self._unread, self._draws = [], [], 0
+        self._buffer, self._unread, self._read_ahead, self._draws = [], 0, FIRST_READ_AHEAD, 0
 
     def _own_state(self) -> dict[str, Any]:
-        keys = [list(key) for key, _ in self._buffer] + [list(key) for key in self._unread]
+        # Taken after every batch (StreamLoader keeps each batch's state): map() instead of a list
+        # comprehension halves the cost of listing a buffer's keys. Unread slots are listed too.
+        keys = list(map(list, map(_first, self._buffer)))
         return {SEED: self.seed, SIZE: self.size, DRAWS: self._draws, BUFFER: keys}
 
     def _own_state_fresh(self) -> dict[str, Any]:
@@ -104,7 +169,8 @@ class ShuffleBuffer(Wrapper):
             check_key(key)
 
         def apply() -> None:
-            self._buffer, self._unread, self._draws = [], keys, draws
+            self._buffer = [(key, _Unread) for key in keys]
+            self._unread, self._read_ahead, self._draws = len(keys), FIRST_READ_AHEAD, draws
 
         return apply
 
@@ -129,6 +195,13 @@ class ShuffleBuffer(Wrapper):
             raise ResumeError(f"shuffle_buffer state field {BUFFER!r} must be a list of keys, got {brief(raw)}")
         if size is not None and len(raw) > size:
             raise ResumeError(f"shuffle_buffer state holds {len(raw)} records but the buffer size is {size}")
+        # The common case, a saved or JSON-loaded state (lists of plain ints), checked in bulk: a
+        # restore reads a whole buffer of keys. Anything else goes key by key, which accepts tuples
+        # and int subclasses and names the first bad key.
+        if set(map(type, raw)) <= {list}:
+            keys = list(map(tuple, raw))
+            if set(map(type, itertools.chain.from_iterable(keys))) <= {int} and min(map(len, keys), default=2) >= 2:
+                return keys
         return [require_key(key, "shuffle_buffer state") for key in raw]
 
     def rebalance(
