@@ -67,13 +67,13 @@ def first_difference(expected: Any, actual: Any, path: str = "") -> str | None:
     if type(expected) is not type(actual):
         return f"{where}: {type(expected).__name__} vs {type(actual).__name__} ({_short(expected)} vs {_short(actual)})"
     if isinstance(expected, (list, tuple)):
-        if len(expected) != len(actual):
-            return f"{where}: lengths {len(expected)} vs {len(actual)}"
-        for i, (x, y) in enumerate(zip(expected, actual, strict=True)):
+        lengths = f"lengths {len(expected)} vs {len(actual)}"
+        # The first differing item says more than the lengths (a resume that skips one item).
+        for i, (x, y) in enumerate(zip(expected, actual, strict=False)):
             diff = first_difference(x, y, f"{path}[{i}]")
             if diff is not None:
-                return diff
-        return None
+                return diff if len(expected) == len(actual) else f"{diff} (and {where} has {lengths})"
+        return None if len(expected) == len(actual) else f"{where}: {lengths}"
     if isinstance(expected, torch.Tensor):
         return _array_difference(where, expected, actual, _tensor_bytes)
     if isinstance(expected, (np.ndarray, np.generic)):

@@ -20,9 +20,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from harness import json_roundtrip
 from resumable_data import ResumeError
 from resumable_data.streams import ShardedIterable, Stream, TextLineReader, TokenShardReader, mix, readers
-from streams_harness import CountingReader, MemoryShards, json_roundtrip, write_token_shards
+from streams_harness import CountingReader, MemoryShards, write_token_shards
 
 WINDOW = 4  # 250 windows per shard of 1000 tokens
 
