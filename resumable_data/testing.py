@@ -3,7 +3,8 @@
 A resumed run is right only if it is *bitwise* the uninterrupted one, so this comparator is exact:
 tensors and numpy arrays must have the same type, dtype and shape and the same bytes in every
 element (NaNs with the same bits are equal; ``-0.0`` and ``0.0`` are not), numbers must have the same
-type and the same bits, and containers the same structure. It names the first difference by its path
+type and the same bits, and containers the same items (a list equals a tuple with the same items,
+as a JSON round trip would make it). It names the first difference by its path
 (``[3]['rng']['torch']: ...``), so a failing check says where to look. The library's tests and the
 reference trainer use it; so can yours::
 
@@ -34,9 +35,10 @@ def first_difference(expected: Any, actual: Any, path: str = "") -> str | None:
 
     Compares tensors, numpy arrays (and numpy scalars), python numbers, strings, bytes, None,
     dataclasses (such as :class:`~resumable_data.SampleKey`) and any nesting of dicts, lists and
-    tuples. Mappings are compared by their keys and values (not key order, nor ``dict`` against
-    ``OrderedDict``); a list and a tuple with the same items differ. A tensor's device and
-    ``requires_grad`` are not compared, its dtype, shape and bytes are.
+    tuples. Containers are compared by their items, not their type: mappings by keys and values
+    (not key order, nor ``dict`` against ``OrderedDict``), lists and tuples alike (a JSON round
+    trip, or torch's distributed optimizer state, turns one into the other). A tensor's device and
+    ``requires_grad`` are not compared; its dtype, shape and bytes are.
 
     Args:
         expected: the reference, e.g. the batches or the state of an uninterrupted run.
@@ -64,9 +66,7 @@ def first_difference(expected: Any, actual: Any, path: str = "") -> str | None:
             if diff is not None:
                 return diff
         return None
-    if type(expected) is not type(actual):
-        return f"{where}: {type(expected).__name__} vs {type(actual).__name__} ({_short(expected)} vs {_short(actual)})"
-    if isinstance(expected, (list, tuple)):
+    if isinstance(expected, (list, tuple)) and isinstance(actual, (list, tuple)):
         lengths = f"lengths {len(expected)} vs {len(actual)}"
         # The first differing item says more than the lengths (a resume that skips one item).
         for i, (x, y) in enumerate(zip(expected, actual, strict=False)):
@@ -74,6 +74,8 @@ def first_difference(expected: Any, actual: Any, path: str = "") -> str | None:
             if diff is not None:
                 return diff if len(expected) == len(actual) else f"{diff} (and {where} has {lengths})"
         return None if len(expected) == len(actual) else f"{where}: {lengths}"
+    if type(expected) is not type(actual):
+        return f"{where}: {type(expected).__name__} vs {type(actual).__name__} ({_short(expected)} vs {_short(actual)})"
     if isinstance(expected, torch.Tensor):
         return _array_difference(where, expected, actual, _tensor_bytes)
     if isinstance(expected, (np.ndarray, np.generic)):

@@ -2,7 +2,8 @@
 
 Specifications: two bitwise-equal values, however nested, compare equal; any single change (a bit
 of one tensor or array element, a number, a string, a type, a key, a length) is found, and the
-message names the path to it. A comparator that misses a change would let every resume test pass.
+message names the path to it. What a checkpoint's round trip may change without changing the state
+(layout, key order, a list for a tuple) is not a difference. A comparator that misses a change would let every resume test pass.
 """
 
 from __future__ import annotations
@@ -152,10 +153,8 @@ def changed(draw: st.DrawFn, value: Any) -> tuple[Any, str]:
             return {k: v for k, v in value.items() if k != key}, "keys differ"
         return {**value, "a key not drawn": 0}, "keys differ"
     if isinstance(value, (list, tuple)):
-        kind = draw(st.sampled_from(["longer", "shorter", "other type"] if value else ["longer", "other type"]))
-        if kind == "other type":
-            return (tuple if isinstance(value, list) else list)(value), "vs"
-        return (type(value)([*value, 0]) if kind == "longer" else value[:-1]), "lengths"
+        longer = not value or draw(st.booleans())
+        return (type(value)([*value, 0]) if longer else value[:-1]), "lengths"
     return 0, "vs"  # None
 
 
@@ -210,7 +209,7 @@ def test_any_change_to_a_leaf_is_found_and_its_path_named(kind: str, data: st.Da
 
 @given(data=st.data())
 def test_any_change_anywhere_in_a_tree_is_found_and_its_path_named(data: st.DataObject) -> None:
-    # Containers included: a key added or dropped, a sequence longer, shorter, or of another type.
+    # Containers included: a key added or dropped, a sequence longer or shorter.
     tree = data.draw(TREES, label="tree")
     steps, value = data.draw(st.sampled_from(list(places(tree))), label="place")
     new, detail = data.draw(changed(value), label="change")
@@ -232,11 +231,16 @@ def test_bits_not_values_decide() -> None:
     )
 
 
-def test_layout_device_flags_and_mapping_type_are_not_state() -> None:
+def test_layout_flags_and_container_types_are_not_state() -> None:
+    # What a checkpoint's round trip may change without changing the state: memory layout, autograd
+    # flags, key order, OrderedDict for dict, a list for a tuple (JSON; torch's distributed
+    # optimizer state gives Adam's betas back as a list).
     square = torch.arange(6.0).reshape(2, 3)
     assert first_difference(square.t(), square.t().contiguous()) is None
     assert first_difference(square.requires_grad_(), square.detach()) is None
     assert first_difference(OrderedDict(a=1, b=2), {"b": 2, "a": 1}) is None
+    assert first_difference({"betas": (0.9, 0.95)}, {"betas": [0.9, 0.95]}) is None
+    assert first_difference((0.9, 0.95), [0.9, 0.96], "betas") == "betas[1]: 0.95 vs 0.96"
 
 
 def test_a_tensor_difference_names_the_element() -> None:
