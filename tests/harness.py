@@ -1,15 +1,27 @@
-"""The shared resume harness: build an uninterrupted reference, interrupt, restore, compare.
+"""The one resume harness: build an uninterrupted reference, interrupt, restore, compare bitwise.
 
-A "run" is the stream of batches a loop gets when it simply keeps iterating the loader across
-epochs. A resumed run is the same stream cut at the given batch counts: at each cut the loader's
-state goes through ``torch.save`` + ``torch.load(weights_only=True)`` into a freshly built loader,
-exactly as a checkpoint would carry it.
+A "run" is the sequence of items (batches, records) a training loop gets. Two loops are modelled:
+
+- ``epochs=None``: the loader keeps its own epoch (``while True: for batch in loader``), as a
+  ``ResumableDataLoader`` or ``StreamLoader`` allows; ``total`` items are compared.
+- ``epochs=E``: the caller drives the epochs (``for epoch in range(E): x.set_epoch(epoch); for item
+  in x``) and saves the epoch it stopped in with the state, as a trainer over a bare ``Stream`` does.
+
+A resumed run is the same loop cut after the given item counts: at each cut the state goes through
+a checkpoint's round trip (JSON and ``torch.save`` + ``torch.load(weights_only=True)`` in turn) into
+a freshly built object, which the loop then continues. Everything is compared with the library's
+own comparator, :func:`resumable_data.testing.assert_same`.
+
+``run_with_snapshots`` and ``resume_from`` are the pieces for what a chain of cuts cannot express:
+a state taken after an epoch's ``for`` loop has ended, and several resumes from one reference run
+into differently configured loaders.
 """
 
 from __future__ import annotations
 
 import io
 import itertools
+import json
 import random
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -18,6 +30,9 @@ import numpy as np
 import torch
 
 from resumable_data import SampleKey
+from resumable_data.testing import assert_same
+
+Roundtrip = Callable[[dict[str, Any]], dict[str, Any]]
 
 
 def checkpoint_roundtrip(state: dict[str, Any]) -> dict[str, Any]:
@@ -26,6 +41,11 @@ def checkpoint_roundtrip(state: dict[str, Any]) -> dict[str, Any]:
     torch.save(state, buffer)
     buffer.seek(0)
     return torch.load(buffer, weights_only=True)
+
+
+def json_roundtrip(state: dict[str, Any]) -> dict[str, Any]:
+    """What survives a JSON file (tuples come back as lists)."""
+    return json.loads(json.dumps(state))
 
 
 def endless(loader: Any) -> Iterator[Any]:
@@ -43,60 +63,71 @@ def take(loader: Any, n: int) -> list[Any]:
     return list(itertools.islice(endless(loader), n))
 
 
-def assert_batches_equal(expected: Sequence[Any], actual: Sequence[Any]) -> None:
-    """Bitwise equality of two batch streams (tensors, or tuples/lists/dicts of tensors)."""
-    assert len(actual) == len(expected), f"resumed run has {len(actual)} batches, reference {len(expected)}"
-    for i, (a, b) in enumerate(zip(expected, actual, strict=True)):
-        _assert_equal(a, b, f"batch {i}")
+def epoch_loop(stream: Any, epochs: int, start_epoch: int = 0) -> Iterator[tuple[int, Any]]:
+    """``for epoch in range(start_epoch, epochs): stream.set_epoch(epoch); for item in stream``,
+    yielding ``(epoch, item)``: the epoch is what a trainer saves next to the stream's state."""
+    for epoch in range(start_epoch, epochs):
+        stream.set_epoch(epoch)
+        for item in stream:
+            yield epoch, item
 
 
-def _assert_equal(a: Any, b: Any, where: str) -> None:
-    if isinstance(a, torch.Tensor):
-        assert isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b), f"{where} differs: {a} vs {b}"
-    elif isinstance(a, (list, tuple)):
-        assert len(a) == len(b), f"{where} differs in length"
-        for k, (x, y) in enumerate(zip(a, b, strict=True)):
-            _assert_equal(x, y, f"{where}[{k}]")
-    elif isinstance(a, dict):
-        assert a.keys() == b.keys(), f"{where} keys differ"
-        for k in a:
-            _assert_equal(a[k], b[k], f"{where}[{k!r}]")
-    else:
-        assert a == b, f"{where} differs: {a!r} vs {b!r}"
+def consume(stream: Any, epochs: int) -> list[Any]:
+    """Every item of ``epochs`` epochs of a caller-driven epoch loop."""
+    return [item for _, item in epoch_loop(stream, epochs)]
+
+
+def _loop(obj: Any, epochs: int | None, start_epoch: int) -> Iterator[tuple[int, Any]]:
+    if epochs is None:
+        return ((0, item) for item in endless(obj))
+    return epoch_loop(obj, epochs, start_epoch)
 
 
 def assert_resumes_identically(
-    make_loader: Callable[[], Any],
-    interruptions: Sequence[int],
-    total_batches: int,
-    make_resumed_loader: Callable[[], Any] | None = None,
+    make: Callable[[], Any],
+    cuts: Sequence[int],
+    total: int | None = None,
+    *,
+    epochs: int | None = None,
+    make_resumed: Callable[[], Any] | None = None,
+    roundtrips: Sequence[Roundtrip] = (json_roundtrip, checkpoint_roundtrip),
 ) -> None:
-    """Resume at each cut (cumulative batch counts) and compare with the uninterrupted run.
+    """Stop after each cut, restore into a fresh object, continue; compare with the uninterrupted run.
 
     Args:
-        make_loader: builds a fresh loader (the reference and the first leg).
-        interruptions: batch counts at which the run is stopped and restored, in order; repeated
-            values are several resumes at the same point.
-        total_batches: length of the compared stream; choose it past the last cut's epoch so the
-            *following* epoch is compared too.
-        make_resumed_loader: builds the loader that is restored into (default: make_loader), e.g.
-            with a different num_workers.
+        make: builds a fresh loader or stream (the reference and the first leg).
+        cuts: cumulative item counts at which the run is stopped and restored, in order; 0 is a
+            resume before the first item, a repeated value several resumes at the same point.
+        total: how many items to compare. Required when the loader keeps its own epoch (the loop
+            never ends); choose it past the last cut's epoch so the *following* epoch is compared
+            too. With ``epochs``, None compares the whole run.
+        epochs: drive the epochs from the caller with ``set_epoch`` for this many epochs (see the
+            module docstring); None: the loader's own epochs.
+        make_resumed: builds what is restored into (default: ``make``), e.g. with other workers.
+        roundtrips: what each cut's state goes through, used in turn from the first cut on.
     """
-    assert list(interruptions) == sorted(interruptions) and interruptions[-1] <= total_batches
-    reference = take(make_loader(), total_batches)
-    make_resumed_loader = make_resumed_loader or make_loader
+    if list(cuts) != sorted(cuts) or (total is not None and cuts and cuts[-1] > total):
+        raise ValueError(f"cuts must be sorted and within the run: {list(cuts)}, total {total}")
+    if epochs is None and total is None:
+        raise ValueError("a loader that keeps its own epoch never ends: give total")
+    reference = [item for _, item in itertools.islice(_loop(make(), epochs, 0), total)]
+    make_resumed = make_resumed or make
 
     resumed: list[Any] = []
-    loader = make_loader()
-    stream = endless(loader)
-    for cut in interruptions:
-        resumed.extend(itertools.islice(stream, cut - len(resumed)))
-        state = checkpoint_roundtrip(loader.state_dict())
-        loader = make_resumed_loader()
-        loader.load_state_dict(state)
-        stream = endless(loader)
-    resumed.extend(itertools.islice(stream, total_batches - len(resumed)))
-    assert_batches_equal(reference, resumed)
+    current, epoch = make(), 0
+    items = _loop(current, epochs, epoch)
+    for n, cut in enumerate(cuts):
+        leg = list(itertools.islice(items, cut - len(resumed)))
+        resumed += [item for _, item in leg]
+        epoch = leg[-1][0] if leg else epoch  # the epoch a trainer saves: that of its last item
+        if len(resumed) != cut:
+            raise AssertionError(f"cut {cut} is past the end of the run ({len(resumed)} items)")
+        state = roundtrips[n % len(roundtrips)](current.state_dict())
+        current = make_resumed()
+        current.load_state_dict(state)
+        items = _loop(current, epochs, epoch)
+    resumed += [item for _, item in itertools.islice(items, None if total is None else total - len(resumed))]
+    assert_same(reference, resumed, "resumed run")
 
 
 class NoisyIndexDataset(torch.utils.data.Dataset):
@@ -148,16 +179,7 @@ def resume_from(make: Callable[[], Any], state: Any, count: int) -> list[Any]:
     """A fresh loader restored from ``state``, iterated epoch loop by epoch loop for ``count`` batches."""
     loader = make()
     loader.load_state_dict(state)
-    out: list[Any] = []
-    while len(out) < count:
-        before = len(out)
-        for batch in loader:
-            out.append(batch)
-            if len(out) == count:
-                break
-        if len(out) == before:
-            raise AssertionError("the resumed loader yielded an empty epoch")
-    return out
+    return take(loader, count)
 
 
 class GlobalRandomAugment(torch.utils.data.Dataset):

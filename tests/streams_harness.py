@@ -1,5 +1,5 @@
-"""Helpers shared by the stream tests: shards in memory and on disk, an instrumented reader, and
-the resume harness for bare stream pipelines (loaders use harness.assert_resumes_identically).
+"""Fixtures shared by the stream tests: shards in memory and on disk, an instrumented reader, and a
+way to read record ids out of batches. (The resume harness, for streams too, is tests/harness.py.)
 
 Record values are chosen so that each one names itself: record ``i`` of shard ``s`` is
 ``s * 1000 + i`` (in memory), and token ``j`` of shard ``s`` is ``s * 1000 + j`` (on disk), so a
@@ -8,17 +8,12 @@ window's first token identifies it.
 
 from __future__ import annotations
 
-import itertools
-import json
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
-
-from harness import assert_batches_equal, checkpoint_roundtrip
-from resumable_data.streams import Stream
 
 
 class MemoryShards:
@@ -64,45 +59,6 @@ def write_token_shards(directory: Path, sizes: Sequence[int], *, suffix: str = "
             tokens.tofile(path)
         paths.append(path)
     return paths
-
-
-def json_roundtrip(state: dict[str, Any]) -> dict[str, Any]:
-    return json.loads(json.dumps(state))
-
-
-def consume(stream: Any, epochs: int, stop: int | None = None, start_epoch: int = 0) -> tuple[list[Any], int]:
-    """A training loop ``for epoch: set_epoch(epoch); for item in stream``, stopped after ``stop`` items.
-
-    Returns the items and the epoch it was in when it stopped (what a trainer would save).
-    """
-    out: list[Any] = []
-    for epoch in range(start_epoch, epochs):
-        stream.set_epoch(epoch)
-        for item in stream:
-            out.append(item)
-            if len(out) == stop:
-                return out, epoch
-    return out, epochs
-
-
-def assert_stream_resumes_identically(make: Callable[[], Stream], cuts: Sequence[int], *, epochs: int = 2) -> None:
-    """Stop after each cut (cumulative item counts), restore into a fresh pipeline, compare.
-
-    States alternate between a JSON round-trip and torch.save + ``torch.load(weights_only=True)``.
-    """
-    reference, _ = consume(make(), epochs)
-    resumed: list[Any] = []
-    stream, epoch = make(), 0
-    for n, cut in enumerate(itertools.chain(cuts, [None])):
-        part, epoch = consume(stream, epochs, None if cut is None else cut - len(resumed), start_epoch=epoch)
-        resumed += part
-        if cut is None:
-            break
-        roundtrip = json_roundtrip if n % 2 == 0 else checkpoint_roundtrip
-        state = roundtrip(stream.state_dict())
-        stream = make()
-        stream.load_state_dict(state)
-    assert_batches_equal(reference, resumed)
 
 
 def ids(batches: Sequence[Any]) -> list[int]:

@@ -23,10 +23,13 @@ pytest.importorskip("pyarrow", reason="the [parquet] extra (pyarrow) is not inst
 
 import torch  # noqa: E402
 
-from harness import assert_resumes_identically, take  # noqa: E402
+from harness import (  # noqa: E402
+    assert_resumes_identically,
+    consume,
+    take,
+)
 from resumable_data import IterableSource, ParquetReader, ReplayWarning, ResumableDataLoader  # noqa: E402
 from resumable_data.streams import ShardedIterable, StreamLoader  # noqa: E402
-from streams_harness import consume  # noqa: E402
 
 ROWS = 53
 
@@ -50,7 +53,7 @@ def test_arrow_dataset_in_resumable_dataloader_resumes_identically(num_workers: 
         return ResumableDataLoader(dataset, batch_size=4, seed=3, num_workers=num_workers)
 
     n = len(make())
-    assert_resumes_identically(make, [1, 5, 5, n - 1, n, n + 2], total_batches=2 * n + 3)
+    assert_resumes_identically(make, [1, 5, 5, n - 1, n, n + 2], total=2 * n + 3)
 
 
 def test_arrow_dataset_batches_are_fetched_with_getitems(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -88,7 +91,7 @@ def test_hub_parquet_folder_streams_every_row_once_and_resumes_identically(tmp_p
     dataset = tokenized()
     paths = write_hub_layout(tmp_path, dataset, num_shards=4)
     reader = ParquetReader(["id", "input_ids"], parse=to_tensors)
-    rows, _ = consume(ShardedIterable(sorted(tmp_path.glob("data/train-*.parquet")), read_shard=reader), epochs=1)
+    rows = consume(ShardedIterable(sorted(tmp_path.glob("data/train-*.parquet")), read_shard=reader), epochs=1)
     assert sorted(r["id"].item() for r in rows) == list(range(ROWS))
     for row in rows:
         assert row["input_ids"].tolist() == dataset[row["id"].item()]["input_ids"]
@@ -98,7 +101,7 @@ def test_hub_parquet_folder_streams_every_row_once_and_resumes_identically(tmp_p
         return StreamLoader(stream, batch_size=4, num_workers=2)
 
     n = len(list(make()))
-    assert_resumes_identically(make, [2, 6, n, n + 1], total_batches=n + 4)
+    assert_resumes_identically(make, [2, 6, n, n + 1], total=n + 4)
 
 
 def hf_stream(rows: int = 40) -> Any:

@@ -104,7 +104,7 @@ def _check_resume_with_workers(data: st.DataObject) -> None:
         lambda: _loader(**config, prefetch_factor=3, **extra),
         cuts,
         total,
-        make_resumed_loader=lambda: _loader(**resumed, **extra_resumed),
+        make_resumed=lambda: _loader(**resumed, **extra_resumed),
     )
 
 

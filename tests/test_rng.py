@@ -91,7 +91,7 @@ def _augmented(num_workers: int) -> ResumableDataLoader:
 
 
 def test_random_augmentation_resumes_bitwise() -> None:
-    assert_resumes_identically(lambda: _augmented(0), [3, 13, 20], 39, make_resumed_loader=lambda: _augmented(2))
+    assert_resumes_identically(lambda: _augmented(0), [3, 13, 20], 39, make_resumed=lambda: _augmented(2))
 
 
 def test_random_augmentation_differs_across_epochs_and_ignores_workers() -> None:

@@ -56,7 +56,7 @@ def test_realistic_pipeline_resumes_identically(token_paths: list[Path], num_wor
 
     n = epoch_batches(make)
     # mid-shard, twice at the same point, the epoch's last batch, inside the next epoch.
-    assert_resumes_identically(make, [2, 5, 5, n, n + 3], total_batches=n + 6)
+    assert_resumes_identically(make, [2, 5, 5, n, n + 3], total=n + 6)
 
 
 def test_resume_at_a_shard_boundary(tmp_path: Path) -> None:
@@ -68,7 +68,7 @@ def test_resume_at_a_shard_boundary(tmp_path: Path) -> None:
     loader = make()
     list(itertools.islice(iter(loader), 2))
     assert loader.state_dict()["slots"]["0"]["source"]["remaining"][0][2] == 8  # shard just finished
-    assert_resumes_identically(make, [2, 4, 6, 8], total_batches=12)
+    assert_resumes_identically(make, [2, 4, 6, 8], total=12)
 
 
 @pytest.mark.parametrize("num_workers", [0, 2])
@@ -79,7 +79,7 @@ def test_each_rank_resumes_identically(num_workers: int) -> None:
         stream = ShardedIterable(shards.names, read_shard=shards, seed=2).shuffle_buffer(3)
         return StreamLoader(stream, batch_size=2, rank=1, world_size=2, num_workers=num_workers)
 
-    assert_resumes_identically(make, [1, 2, 4, 9], total_batches=14)
+    assert_resumes_identically(make, [1, 2, 4, 9], total=14)
 
 
 def test_epoch_end_checkpoint_continues_with_the_next_epoch_not_an_empty_one() -> None:

@@ -15,9 +15,10 @@ import numpy as np
 import pytest
 import torch
 
+from harness import assert_resumes_identically, json_roundtrip
 from resumable_data import ResumeError
 from resumable_data.streams import ShardedIterable, Stream, TextLineReader, TokenShardReader
-from streams_harness import CountingReader, assert_stream_resumes_identically, json_roundtrip, write_token_shards
+from streams_harness import CountingReader, write_token_shards
 
 
 @pytest.mark.parametrize("suffix", [".bin", ".npy"])
@@ -36,7 +37,7 @@ def test_token_stream_resumes_identically(tmp_path: Path, suffix: str) -> None:
     def make() -> ShardedIterable:
         return ShardedIterable(paths, read_shard=TokenShardReader(8), seed=3)
 
-    assert_stream_resumes_identically(make, [0, 3, 5, 5, 9, 12, 14, 17, 20])
+    assert_resumes_identically(make, [0, 3, 5, 5, 9, 12, 14, 17, 20], epochs=2)
 
 
 def test_restore_mid_shard_reads_no_record_before_the_cursor(tmp_path: Path) -> None:
@@ -84,7 +85,7 @@ def test_jsonl_cursor_is_a_byte_offset_and_resumes_by_seeking(tmp_path: Path) ->
     def make() -> ShardedIterable:
         return ShardedIterable(paths, read_shard=TextLineReader(json.loads), seed=4)
 
-    assert_stream_resumes_identically(make, [0, 2, 5, 7, 7, 13, 18, 20])
+    assert_resumes_identically(make, [0, 2, 5, 7, 7, 13, 18, 20], epochs=2)
     stream = ShardedIterable(paths, read_shard=TextLineReader(json.loads), shuffle=False)
     iterator = iter(stream)
     [next(iterator) for _ in range(2)]

@@ -55,9 +55,7 @@ def loader(num_workers: int) -> ResumableDataLoader:
 @pytest.mark.parametrize(("before", "after"), [(2, 2), (2, 0), (0, 2)])
 def test_v2_augmentation_resumes_bitwise_with_workers(before: int, after: int) -> None:
     n = len(loader(0))
-    assert_resumes_identically(
-        lambda: loader(before), [3, n, n + 2], total_batches=2 * n, make_resumed_loader=lambda: loader(after)
-    )
+    assert_resumes_identically(lambda: loader(before), [3, n, n + 2], total=2 * n, make_resumed=lambda: loader(after))
 
 
 def test_the_augmentation_is_really_random() -> None:

@@ -28,12 +28,13 @@ from torch.distributed.checkpoint import stateful as torch_stateful
 
 import resumable_data
 from resumable_data import CheckpointLockedError, CheckpointManager, ResumeError
+from resumable_data.testing import assert_same
 from trainer.__main__ import main
 from trainer.data import TokenWindows, prepare_data
 from trainer.plot import plot_run
 from trainer.train import CHECKPOINT_FOLDER, CHECKPOINT_KEYS, TrainConfig, TrainResult, read_metrics, train
 from trainer.train_state import TrainState
-from trainer.verify import config_to_argv, first_difference, verify_resume
+from trainer.verify import config_to_argv, verify_resume
 
 REPO = Path(__file__).resolve().parents[1]
 # A tiny corpus of real text: with block 16 and batch 4 an epoch is 14 steps, so runs of 20 steps
@@ -94,10 +95,9 @@ def assert_resumes_identically(
         assert leg.resumed_from is not None and CheckpointManager.step_of(leg.resumed_from) == previous.step
 
     losses = {step: loss for leg in legs for step, loss in leg.losses.items()}
-    assert losses == reference.losses  # every step, floats compared exactly
-    assert {s: v for leg in legs for s, v in leg.val_losses.items()} == reference.val_losses
-    diff = first_difference(final_checkpoint(reference.run_dir), final_checkpoint(legs[-1].run_dir))
-    assert diff is None, f"final checkpoints differ at {diff}"
+    assert_same(reference.losses, losses, "losses")  # every step, floats compared bit for bit
+    assert_same(reference.val_losses, {s: v for leg in legs for s, v in leg.val_losses.items()}, "val_losses")
+    assert_same(final_checkpoint(reference.run_dir), final_checkpoint(legs[-1].run_dir), "final checkpoint")
     return legs
 
 
@@ -168,8 +168,8 @@ def test_corrupt_newest_checkpoint_falls_back_to_the_previous_one(tmp_path: Path
     with pytest.warns(UserWarning, match="skipping checkpoint .*step-00000008"):
         second = train(tiny(tmp_path, corpus, "run"))
     assert second.resumed_from is not None and CheckpointManager.step_of(second.resumed_from) == 6
-    assert {**first.losses, **second.losses} == reference.losses
-    assert first_difference(final_checkpoint(reference.run_dir), final_checkpoint(second.run_dir)) is None
+    assert_same(reference.losses, {**first.losses, **second.losses}, "losses")
+    assert_same(final_checkpoint(reference.run_dir), final_checkpoint(second.run_dir), "final checkpoint")
 
 
 def test_resume_path_to_a_corrupt_checkpoint_is_a_clear_error(

@@ -23,9 +23,10 @@ import torch
 from torch.utils.data import DataLoader, DistributedSampler, RandomSampler
 from torchdata.stateful_dataloader import StatefulDataLoader
 
-from harness import GlobalRandomAugment, assert_batches_equal, checkpoint_roundtrip, resume_from, run_with_snapshots
+from harness import GlobalRandomAugment, checkpoint_roundtrip, resume_from, run_with_snapshots
 from resumable_data import ResumableDataLoader, ResumableSampler, ResumeError, ResumeWarning, wrap
 from resumable_data.streams import ShardedIterable, StreamLoader, TokenShardReader
+from resumable_data.testing import assert_same
 from streams_harness import write_token_shards
 
 pytestmark = pytest.mark.filterwarnings("ignore:'set_vital' is deprecated")
@@ -91,7 +92,7 @@ def test_stateful_dataloader_resumes_exactly_at_every_checkpoint_point(
     }
     for cut, offset in offsets.items():
         resumed = resume_from(make, states[cut], len(reference) - offset)
-        assert_batches_equal(reference[offset:], resumed)
+        assert_same(reference[offset:], resumed, "resumed batches")
 
 
 # -- augmentation that draws from the global RNGs ---------------------------------------------------
@@ -126,10 +127,12 @@ def test_global_rng_augmentation_resumes_bitwise(before: tuple[int, bool], after
     # num_workers) continues it bitwise: mid-epoch, at the epoch's end, and into the next epoch.
     reference, states = run_with_snapshots(_augmented(0), 3, {("in", 4), ("after", 0)})
     uninterrupted, _ = run_with_snapshots(_augmented(*before), 3, set())
-    assert_batches_equal(reference, uninterrupted)
+    assert_same(reference, uninterrupted, "uninterrupted run")
     _, states = run_with_snapshots(_augmented(*before), 1, {("in", 4), ("after", 0)})
     for cut, offset in (((("in", 4)), 4), (("after", 0), 6)):
-        assert_batches_equal(reference[offset:], resume_from(_augmented(*after), states[cut], len(reference) - offset))
+        assert_same(
+            reference[offset:], resume_from(_augmented(*after), states[cut], len(reference) - offset), "resumed batches"
+        )
 
 
 def test_global_rng_none_leaves_worker_augmentation_unreproducible() -> None:
@@ -197,14 +200,14 @@ def test_the_documented_epoch_loop_resumes_exactly(cut: int) -> None:
         for epoch in range(loader.epoch, 3):
             loader.set_epoch(epoch)
             resumed.extend(loader)
-    assert_batches_equal(reference[cut:], resumed)
+    assert_same(reference[cut:], resumed, "resumed batches")
 
 
 @pytest.mark.parametrize("cut", [8, 6], ids=["mid-epoch", "epoch-end"])
 def test_epochs_helper_resumes_exactly(cut: int) -> None:
     reference, loader, _ = _restored(cut)
     resumed = [batch for _ in loader.epochs(3) for batch in loader]
-    assert_batches_equal(reference[cut:], resumed)
+    assert_same(reference[cut:], resumed, "resumed batches")
 
 
 def test_epochs_helper_goes_back_into_an_epoch_left_by_break() -> None:
@@ -403,7 +406,7 @@ def test_stream_loader_epoch_loops_resume_exactly(tmp_path: Path, cut: int | str
                     resumed.extend(loader)
             else:
                 resumed = [batch for _ in loader.epochs(3) for batch in loader]
-        assert_batches_equal(reference[offset:], resumed)
+        assert_same(reference[offset:], resumed, "resumed batches")
     loader = _stream_loader(paths)
     loader.load_state_dict(states[("in", 2)])
     with pytest.warns(ResumeWarning, match=r"stream_loader.set_epoch\(2\) discards the restored position"):

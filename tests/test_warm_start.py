@@ -12,8 +12,9 @@ from typing import Any
 
 import pytest
 
-from harness import GlobalRandomAugment, assert_batches_equal, resume_from, run_with_snapshots
+from harness import GlobalRandomAugment, resume_from, run_with_snapshots
 from resumable_data import ResumableDataLoader
+from resumable_data.testing import assert_same
 
 
 class SlowStart(GlobalRandomAugment):
@@ -66,11 +67,11 @@ def test_warm_start_streams_equal_cold_ones_at_epoch_start_and_after_restores(nu
     reference, states = run_with_snapshots(_maker(num_workers, warm=False), 3, cuts)
     warm = _fetched_in_main_process(_maker(num_workers, warm=True))
     uninterrupted, warm_states = run_with_snapshots(warm, 3, cuts)
-    assert_batches_equal(reference, uninterrupted)
+    assert_same(reference, uninterrupted, "warm-started run")
     assert warm.served > 0  # the main process really served some (workers sleep 0.3 s first)
     for cut, offset in ((("in", 4)), 4), (("after", 0), 10):
         assert warm_states[cut] == states[cut]
-        assert_batches_equal(reference[offset:], resume_from(warm, states[cut], len(reference) - offset))
+        assert_same(reference[offset:], resume_from(warm, states[cut], len(reference) - offset), "resumed batches")
 
 
 def test_warm_start_with_persistent_workers_and_pin_memory() -> None:
@@ -79,7 +80,7 @@ def test_warm_start_with_persistent_workers_and_pin_memory() -> None:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", "'pin_memory' argument is set as true but no accelerator")
             got, _ = run_with_snapshots(_maker(2, warm=True, persistent=persistent, pin=pin), 3, set())
-        assert_batches_equal(reference, got)
+        assert_same(reference, got, "warm-started run")
 
 
 def test_a_state_taken_while_the_main_process_serves_resumes_exactly() -> None:
@@ -90,8 +91,8 @@ def test_a_state_taken_while_the_main_process_serves_resumes_exactly() -> None:
     first = next(iterator)
     assert warm.served == 1  # the first batch came from the main process
     state = loader.state_dict()
-    assert_batches_equal(reference[:1], [first])
-    assert_batches_equal(reference[1:], resume_from(_maker(2, warm=True), state, len(reference) - 1))
+    assert_same(reference[:1], [first], "first batch")
+    assert_same(reference[1:], resume_from(_maker(2, warm=True), state, len(reference) - 1), "resumed batches")
 
 
 def test_break_then_iterate_again_continues_exactly() -> None:
@@ -104,7 +105,7 @@ def test_break_then_iterate_again_continues_exactly() -> None:
             break
     for _ in range(2):
         got.extend(loader)
-    assert_batches_equal(reference, got[: len(reference)])
+    assert_same(reference, got[: len(reference)], "batches after a break")
     assert len(got) == len(reference)
 
 

@@ -31,12 +31,13 @@ from pathlib import Path
 from typing import Any
 
 from resumable_data import CheckpointManager, ResumeError
+from resumable_data.testing import first_difference
 
 from .checkpointing import CHECKPOINT_FOLDER
 from .config import TrainConfig
 from .killpoints import KILLPOINTS
 from .metrics import read_metrics
-from .verify import child_env, config_to_argv, first_difference
+from .verify import child_env, config_to_argv
 
 __all__ = ["CHAOS_DEFAULTS", "ChaosReport", "chaos"]
 

@@ -26,9 +26,8 @@ from dataclasses import fields, replace
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from resumable_data import CheckpointManager
+from resumable_data.testing import first_difference
 
 from . import index_log
 from .checkpointing import CHECKPOINT_FOLDER, MODEL, OPTIMIZER
@@ -37,7 +36,7 @@ from .data import TokenWindows, default_cache_dir, prepare_data
 from .metrics import read_metrics
 from .model import ModelConfig
 
-__all__ = ["child_env", "config_to_argv", "first_difference", "verify_resume"]
+__all__ = ["child_env", "config_to_argv", "verify_resume"]
 
 
 def config_to_argv(config: TrainConfig) -> list[str]:
@@ -51,37 +50,6 @@ def config_to_argv(config: TrainConfig) -> list[str]:
         elif value is not None:
             argv += [name, str(value)]
     return argv
-
-
-def first_difference(a: Any, b: Any, where: str = "") -> str | None:
-    """Where two state dicts first differ (tensors compared bitwise), or None if they are equal."""
-    if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
-        if a.dtype != b.dtype or a.shape != b.shape:
-            return f"{where}: {a.dtype}{list(a.shape)} vs {b.dtype}{list(b.shape)}"
-        # Compare the bytes, so NaNs in the same places count as equal and -0.0 != 0.0.
-        same = torch.equal(a.cpu().reshape(-1).view(torch.uint8), b.cpu().reshape(-1).view(torch.uint8))
-        return (
-            None
-            if same
-            else f"{where}: values differ (max abs diff {(a.double() - b.double()).abs().max().item():.3e})"
-        )
-    if isinstance(a, dict) and isinstance(b, dict):
-        if a.keys() != b.keys():
-            return f"{where}: keys differ ({sorted(map(str, a.keys() ^ b.keys()))})"
-        for key in a:
-            diff = first_difference(a[key], b[key], f"{where}[{key!r}]")
-            if diff is not None:
-                return diff
-        return None
-    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
-        if len(a) != len(b):
-            return f"{where}: lengths {len(a)} vs {len(b)}"
-        for i, (x, y) in enumerate(zip(a, b, strict=False)):
-            diff = first_difference(x, y, f"{where}[{i}]")
-            if diff is not None:
-                return diff
-        return None
-    return None if a == b else f"{where}: {a!r} vs {b!r}"
 
 
 # A torchrun job that hangs (a rank stuck in a collective) must not hang verify-resume.
