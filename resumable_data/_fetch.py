@@ -90,21 +90,30 @@ class BatchFetcher(torch.utils.data.Dataset):
     def __getitems__(self, ticket: Ticket) -> list[Any]:
         if self.global_rng is None:
             return self._fetch(ticket)
-        in_main_process = get_worker_info() is None
-        saved = GLOBAL_RNGS.save() if in_main_process else None
+        prefix = self._key_prefix(ticket)
+        per_batch = self.global_rng == "batch"
+        if per_batch:
+            keys = [hash_more(prefix, ticket.position, _BATCH_SALT)]
+        else:
+            keys = [hash_more(prefix, index, _SAMPLE_SALT) for index in ticket.indices]
+        # In the main process the three RNGs are the training loop's too: fork them around the fetch.
+        forked = None
+        if get_worker_info() is None:
+            forked = GLOBAL_RNGS.fork(keys[0])
+        else:
+            GLOBAL_RNGS.seed(keys[0])
         try:
-            prefix = self._key_prefix(ticket)
-            if self.global_rng == "batch":
-                GLOBAL_RNGS.seed(hash_more(prefix, ticket.position, _BATCH_SALT))
+            if per_batch:
                 return self._fetch(ticket)
             samples = []
-            for index in ticket.indices:
-                GLOBAL_RNGS.seed(hash_more(prefix, index, _SAMPLE_SALT))
+            for n, (index, key) in enumerate(zip(ticket.indices, keys, strict=True)):
+                if n:
+                    GLOBAL_RNGS.seed(key)
                 samples.append(self._one(ticket, index))
             return samples
         finally:
-            if saved is not None:
-                GLOBAL_RNGS.restore(saved)
+            if forked is not None:
+                GLOBAL_RNGS.restore(forked)
 
     def _key_prefix(self, ticket: Ticket) -> int:
         """``hash_ints(seed, epoch)``, so a batch's key ``hash_ints(seed, epoch, position, salt)``

@@ -31,7 +31,7 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
-__all__ = ["GLOBAL_RNGS", "GlobalRngs", "SavedRngs"]
+__all__ = ["GLOBAL_RNGS", "Forked", "GlobalRngs"]
 
 _MT_WORDS = 624
 _PY_HEADER = object.__basicsize__  # the object header before a C object's own fields
@@ -101,18 +101,18 @@ def _numpy_words_readable(address: int, state: np.random.RandomState) -> bool:
         state.set_state(saved)
 
 
-class SavedRngs(NamedTuple):
-    """What :meth:`GlobalRngs.save` captured: raw bytes on the fast paths, public states otherwise."""
+class Forked(NamedTuple):
+    """What :meth:`GlobalRngs.fork` saved. On the fast path python's and numpy's words are in the
+    instance's buffers (``python``/``numpy`` None); otherwise their public states."""
 
     torch: torch.Tensor
-    python: Any  # bytes (index and words), or random.getstate()
     python_gauss: float | None
-    numpy: Any  # bytes (words and position), or numpy.random.get_state()
-    numpy_gauss: bytes | None  # has_gauss and gauss, on the fast path
+    python: Any  # None (in the buffers) or random.getstate()
+    numpy: Any  # None (in the buffers) or numpy.random.get_state()
 
 
 class GlobalRngs:
-    """The process's three global RNGs: :meth:`seed` them from one key, :meth:`save` and :meth:`restore` them.
+    """The process's three global RNGs: :meth:`seed` them from one key, or :meth:`fork` and :meth:`restore` them.
 
     One instance per process (``GLOBAL_RNGS``), built at import: the layouts are checked then (each
     check puts the RNG it probes back exactly), so a restore's first batch does not pay for them, and
@@ -136,6 +136,10 @@ class GlobalRngs:
         self._torch_seed = torch.default_generator.manual_seed
         self._torch_get_state = torch.default_generator.get_state
         self._torch_set_state = torch.default_generator.set_state
+        self._python_buffer = ctypes.create_string_buffer(_PY_STATE_BYTES)
+        self._numpy_buffer = ctypes.create_string_buffer(_NP_STATE_BYTES)
+        self._gauss_buffer = ctypes.create_string_buffer(_NP_GAUSS_BYTES)
+        self._buffers_in_use = False
         self._numpy_raw_address()
 
     @property
@@ -157,30 +161,37 @@ class GlobalRngs:
         else:
             self._python.seed(key)
 
-    def save(self) -> SavedRngs:
-        """Capture all three states, for :meth:`restore`."""
-        python, python_at, numpy_at = self._python, self._python_address, self._numpy_raw_address()
-        return SavedRngs(
-            self._torch_get_state(),
-            ctypes.string_at(python_at, _PY_STATE_BYTES) if python_at else python.getstate(),
-            python.gauss_next,
-            ctypes.string_at(numpy_at, _NP_STATE_BYTES) if numpy_at else self._numpy.get_state(),
-            ctypes.string_at(self._numpy_gauss_address, _NP_GAUSS_BYTES) if numpy_at else None,
-        )
+    def fork(self, key: int) -> Forked:
+        """Save all three states, then :meth:`seed` them from ``key``; :meth:`restore` puts them back.
 
-    def restore(self, saved: SavedRngs) -> None:
-        """Put back what :meth:`save` captured."""
-        self._torch_set_state(saved.torch)
-        if self._python_address:
-            ctypes.memmove(self._python_address, saved.python, _PY_STATE_BYTES)
+        The fast path copies into buffers kept by this instance (no allocation per batch); a fork
+        inside a fork (a dataset that itself iterates a loader in the main process) takes the
+        public path, so the outer fork's buffers are never overwritten.
+        """
+        python, numpy_at = self._python, self._numpy_raw_address()
+        if numpy_at and self._python_address and not self._buffers_in_use:
+            self._buffers_in_use = True
+            ctypes.memmove(self._python_buffer, self._python_address, _PY_STATE_BYTES)
+            ctypes.memmove(self._numpy_buffer, numpy_at, _NP_STATE_BYTES)
+            ctypes.memmove(self._gauss_buffer, self._numpy_gauss_address, _NP_GAUSS_BYTES)
+            forked = Forked(self._torch_get_state(), python.gauss_next, None, None)
         else:
-            self._python.setstate(saved.python)
-        self._python.gauss_next = saved.python_gauss
-        if saved.numpy_gauss is None:
-            self._numpy.set_state(saved.numpy)
+            forked = Forked(self._torch_get_state(), python.gauss_next, python.getstate(), self._numpy.get_state())
+        self.seed(key)
+        return forked
+
+    def restore(self, forked: Forked) -> None:
+        """Put back what :meth:`fork` saved."""
+        self._torch_set_state(forked.torch)
+        if forked.python is None:
+            ctypes.memmove(self._python_address, self._python_buffer, _PY_STATE_BYTES)
+            ctypes.memmove(self._numpy_address, self._numpy_buffer, _NP_STATE_BYTES)
+            ctypes.memmove(self._numpy_gauss_address, self._gauss_buffer, _NP_GAUSS_BYTES)
+            self._buffers_in_use = False
         else:
-            ctypes.memmove(self._numpy_address, saved.numpy, _NP_STATE_BYTES)
-            ctypes.memmove(self._numpy_gauss_address, saved.numpy_gauss, _NP_GAUSS_BYTES)
+            self._python.setstate(forked.python)
+            self._numpy.set_state(forked.numpy)
+        self._python.gauss_next = forked.python_gauss
 
     def _numpy_raw_address(self) -> int:
         if not self._fast:

@@ -64,10 +64,9 @@ def test_save_then_restore_puts_every_rng_back_with_its_gaussian_cache(key: int,
         scramble(key)
         expected = draws()
         scramble(key)
-        saved = rngs.save()
-        rngs.seed(interfering)
+        forked = rngs.fork(interfering)
         draws()
-        rngs.restore(saved)
+        rngs.restore(forked)
         assert draws() == expected
 
 
@@ -103,3 +102,23 @@ def test_keys_are_pinned() -> None:
     assert hash_ints(0) == 580542743492490023
     assert hash_ints(1234, 0, 96, BATCH_SALT) == 3787819898498466473
     assert hash_ints(-5, 2**64 - 1) == 8224632589368128548
+
+
+def test_a_fork_inside_a_fork_puts_each_level_back() -> None:
+    # A dataset that iterates another loader in the main process forks inside a fork: the inner
+    # one must not overwrite what the outer one saved.
+    for rngs in (FAST, PUBLIC):
+        scramble(7)
+        after_outer = draws()
+        torch.manual_seed(2 >> 1), np.random.seed(2), random.seed(2)
+        draws()
+        inside_outer = draws()
+        scramble(7)
+        outer = rngs.fork(2)
+        draws()
+        inner = rngs.fork(3)
+        draws()
+        rngs.restore(inner)
+        assert draws() == inside_outer
+        rngs.restore(outer)
+        assert draws() == after_outer

@@ -239,12 +239,15 @@ def test_architecture_comes_from_the_checkpoint_and_a_conflicting_flag_is_an_err
     assert first.step == 4
 
 
-def test_resume_audit_catches_a_changed_schedule_or_data_order(tmp_path: Path, corpus: Path) -> None:
+def test_resume_audit_catches_a_changed_schedule_data_order_or_weight_decay(tmp_path: Path, corpus: Path) -> None:
     train(tiny(tmp_path, corpus, "run", stop_at=5))
     with pytest.raises(ResumeError, match=r"resume audit failed.*learning rate"):
         train(tiny(tmp_path, corpus, "run", max_steps=30))
     with pytest.raises(ResumeError, match=r"resume audit failed.*next batch"):
         train(tiny(tmp_path, corpus, "run", grad_accum=2))
+    # The restored optimizer would quietly keep the old value (found in review: no error, no effect).
+    with pytest.raises(ResumeError, match=r"resume audit failed.*weight decay 0.1.*--weight-decay 0.3"):
+        train(tiny(tmp_path, corpus, "run", weight_decay=0.3))
     ok = train(tiny(tmp_path, corpus, "run"))
     assert any(e["event"] == "resume" and e["audit"] == "ok" for e in read_metrics(ok.run_dir))
 

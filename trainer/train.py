@@ -218,7 +218,7 @@ def _train(config: TrainConfig, ranks: parallel.Parallel) -> TrainResult:
             # differently, so only the learning rate can be compared.
             same_world = not plan.changes.get("world_size")
             expected_batch = _next_step_fingerprint(loader, grad_accum, ranks) if same_world else None
-            _audit(checkpoint[AUDIT], expected_batch, config, state.step, resume_path, say)
+            _audit(checkpoint[AUDIT], expected_batch, optimizer, config, state.step, resume_path, say)
             if not same_world:
                 say(
                     f"world size changed ({config.elastic}): {plan.describe()}; the rest of epoch {loader.epoch} is read exactly once"
@@ -440,6 +440,7 @@ def _next_step_fingerprint(loader: ResumableDataLoader, grad_accum: int, ranks: 
 def _audit(
     recorded: Mapping[str, Any],
     expected_batch: str | None,
+    optimizer: torch.optim.Optimizer,
     config: TrainConfig,
     step: int,
     path: Path | None,
@@ -452,7 +453,9 @@ def _audit(
     comes next (batch size, gradient accumulation, seed, schedule), so recompute both and compare.
 
     ``expected_batch`` is this run's fingerprint of the next step, or None after a world-size
-    change (batches are then cut differently, and only the learning rate is compared).
+    change (batches are then cut differently, and only the learning rate is compared). The
+    restored ``optimizer`` carries the weight decay the run was trained with: loading it would
+    silently override a changed ``--weight-decay``, so a difference is refused too.
 
     Raises:
         ResumeError: either differs; the message says what probably changed.
@@ -473,6 +476,13 @@ def _audit(
             f"{recorded[NEXT_LR]!r}, but this run's schedule gives {expected_lr!r}: --lr, --min-lr, "
             "--warmup-steps or --max-steps differs from the run that wrote it (its values are in the "
             f"'start' events of {METRICS_FILE}). Resume with the original settings or use another --run-dir"
+        )
+    restored_decay = optimizer.param_groups[0]["weight_decay"]
+    if restored_decay != config.weight_decay:
+        raise ResumeError(
+            f"resume audit failed: the checkpoint {path} was trained with weight decay {restored_decay!r}, "
+            f"but this run sets --weight-decay {config.weight_decay!r}; restoring the optimizer would quietly "
+            "keep the old value. Resume with the original settings or use another --run-dir"
         )
     say(
         f"resume audit ok: step {step}, next batch {expected_batch or '(another world size: not compared)'} "
