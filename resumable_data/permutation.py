@@ -25,7 +25,9 @@ two network evaluations per position on average; each round is eight in-place nu
 the whole chunk (about 30 ns per index on our 2-core machines, as fast as ``torch.randperm``).
 The last few stragglers of a cycle walk (at most :data:`SCALAR_TAIL`) finish in plain Python
 ints: a numpy pass costs ~100 numpy calls whatever the array size, which would otherwise make the
-tail of a short chunk (a restore's first batch) cost several full passes.
+tail of a short chunk cost several full passes; and a chunk of at most :data:`SCALAR_MAX` positions
+(a restore's first batch) is done in Python ints from the start, without building the numpy
+constants at all.
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ ROUNDS = 12
 # Below 4 bits (2 per part) a round function has too few inputs to mix tiny domains evenly.
 _MIN_BITS = 4
 SCALAR_TAIL = 16  # stragglers of a cycle walk finished one by one in Python ints (same result)
+SCALAR_MAX = 32  # so few positions (a restore's first batch) are done in Python ints from the start
 _MASK64 = (1 << 64) - 1
 
 
@@ -78,9 +81,16 @@ class Permutation:
                 (key, hash_more(key, 1) | 1, low_bits, (1 << low_bits) - 1, high_bits, 64 - high_bits)
             )
             low_bits, high_bits = high_bits, low_bits
-        # The same constants as numpy uint64 scalars, for the vectorized network (one array
-        # conversion rather than a np.uint64() call per constant).
-        self._rounds = [tuple(row) for row in np.array(self._scalar_rounds, dtype=np.uint64)]
+        self._vector_rounds: list[tuple[np.uint64, ...]] | None = None  # built on first vectorized use
+
+    @property
+    def _rounds(self) -> list[tuple[np.uint64, ...]]:
+        """The round constants as numpy uint64 scalars, for the vectorized network (one array
+        conversion rather than a np.uint64() call per constant). Lazy: a restore's first batch is
+        small enough for plain ints and never needs them."""
+        if self._vector_rounds is None:
+            self._vector_rounds = [tuple(row) for row in np.array(self._scalar_rounds, dtype=np.uint64)]
+        return self._vector_rounds
 
     def _feistel(self, x: np.ndarray) -> np.ndarray:
         """One pass of the network over a uint64 array, in place (returns it)."""
@@ -102,6 +112,8 @@ class Permutation:
             raise IndexError(
                 f"positions must lie in [0, {self.length}), got range [{positions.min()}, {positions.max()}]"
             )
+        if positions.size <= SCALAR_MAX:
+            return np.array([self._walk_scalar(self._network_scalar(p)) for p in positions.tolist()], dtype=np.int64)
         out = self._feistel(positions.astype(np.uint64))
         outside = np.flatnonzero(out >= self.length)
         while outside.size > SCALAR_TAIL:  # cycle walking: only the stragglers are re-encrypted
@@ -112,12 +124,17 @@ class Permutation:
             out[i] = self._walk_scalar(int(out[i]))
         return out.astype(np.int64)
 
+    def _network_scalar(self, x: int) -> int:
+        """One pass of the network over a Python int: the same network as :meth:`_feistel`."""
+        for key, multiplier, low_bits, low_mask, high_bits, drop in self._scalar_rounds:
+            low = x & low_mask
+            x = (x >> low_bits) ^ ((((low ^ key) * multiplier) & _MASK64) >> drop) | (low << high_bits)
+        return x
+
     def _walk_scalar(self, x: int) -> int:
-        """The rest of one value's cycle walk in Python ints: the same network as :meth:`_feistel`."""
+        """The rest of one value's cycle walk in Python ints."""
         while x >= self.length:
-            for key, multiplier, low_bits, low_mask, high_bits, drop in self._scalar_rounds:
-                low = x & low_mask
-                x = (x >> low_bits) ^ ((((low ^ key) * multiplier) & _MASK64) >> drop) | (low << high_bits)
+            x = self._network_scalar(x)
         return x
 
     def __getitem__(self, position: int) -> int:

@@ -99,18 +99,24 @@ def test_first_positions_spread_evenly_over_a_mid_size_range(length: int) -> Non
 def test_scalar_tail_of_the_cycle_walk_equals_the_vectorized_walk(
     length: int, seed: int, epoch: int, start: int
 ) -> None:
-    # The last stragglers of a cycle walk are finished in Python ints: the order must not change.
+    # The last stragglers of a cycle walk, and chunks of at most SCALAR_MAX positions, are done in
+    # Python ints: the order must not change.
     import resumable_data.permutation as module
 
     permutation = Permutation(length, seed, epoch)
     positions = (start + np.arange(min(length, 300))) % length
     default = permutation(positions)
-    saved = module.SCALAR_TAIL
+    saved = module.SCALAR_TAIL, module.SCALAR_MAX
     try:
-        module.SCALAR_TAIL = 0
+        module.SCALAR_TAIL, module.SCALAR_MAX = 0, 0
         vectorized = permutation(positions)
+        small_chunks = [permutation(positions[:k]) for k in (1, 7, saved[1], saved[1] + 1)]
         module.SCALAR_TAIL = len(positions)
         scalar = permutation(positions)
     finally:
-        module.SCALAR_TAIL = saved
+        module.SCALAR_TAIL, module.SCALAR_MAX = saved
     assert np.array_equal(default, vectorized) and np.array_equal(default, scalar)
+    for chunk in small_chunks:
+        assert np.array_equal(chunk, vectorized[: len(chunk)])
+    for k in (1, 7, saved[1]):  # the scalar path, as a restore's first batch takes it
+        assert np.array_equal(permutation(positions[:k]), vectorized[: min(k, len(positions))])
