@@ -32,6 +32,8 @@ constants at all.
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 
 from ._hash import hash_ints, hash_more
@@ -81,10 +83,10 @@ class Permutation:
                 (key, hash_more(key, 1) | 1, low_bits, (1 << low_bits) - 1, high_bits, 64 - high_bits)
             )
             low_bits, high_bits = high_bits, low_bits
-        self._vector_rounds: list[tuple[np.uint64, ...]] | None = None  # built on first vectorized use
+        self._vector_rounds: list[tuple[Any, ...]] | None = None  # built on first vectorized use
 
     @property
-    def _rounds(self) -> list[tuple[np.uint64, ...]]:
+    def _rounds(self) -> list[tuple[Any, ...]]:
         """The round constants as numpy uint64 scalars, for the vectorized network (one array
         conversion rather than a np.uint64() call per constant). Lazy: a restore's first batch is
         small enough for plain ints and never needs them."""
