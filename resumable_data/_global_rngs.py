@@ -179,15 +179,26 @@ class GlobalRngs:
         inside a fork (a dataset that itself iterates a loader in the main process) takes the
         public path, so the outer fork's buffers are never overwritten.
         """
-        python, numpy_at = self._python, self._numpy_raw_address()
-        if numpy_at and self._python_address and not self._buffers_in_use:
+        python = self._python
+        if (
+            self._numpy_address
+            and self._python_address
+            and not self._buffers_in_use
+            and np.random.mtrand.get_bit_generator() is self._numpy_bit_generator
+        ):
+            # The fast path, written out (it runs once per batch): save into the buffers, then seed.
             self._buffers_in_use = True
             self._python_buffer[:] = self._python_state
             self._numpy_buffer[:] = self._numpy_state
             self._gauss_buffer[:] = self._numpy_gauss
             forked = Forked(self._torch_get_state(), python.gauss_next, None, None)
-        else:
-            forked = Forked(self._torch_get_state(), python.gauss_next, python.getstate(), self._numpy.get_state())
+            self._torch_seed(key >> 1)
+            self._numpy.seed(key & 0xFFFFFFFF)
+            self._python_c_seed(key)
+            python.gauss_next = None
+            return forked
+        self._numpy_raw_address()  # numpy.random.set_bit_generator was called: check the new one for next time
+        forked = Forked(self._torch_get_state(), python.gauss_next, python.getstate(), self._numpy.get_state())
         self.seed(key)
         return forked
 
