@@ -123,8 +123,8 @@ class GlobalRngs:
 
     One instance per process (``GLOBAL_RNGS``), built at import: the layouts are checked then (each
     check puts the RNG it probes back exactly), so a restore's first batch does not pay for them, and
-    a spawned DataLoader worker checks for itself. Everything here runs once per batch, so it is written for few calls
-    (bound methods looked up once) rather than for elegance.
+    a spawned DataLoader worker checks for itself. Everything here runs once per batch, so it is
+    written for few calls (bound methods looked up once) rather than for elegance.
 
     Args:
         fast: ``False`` takes the public APIs only (the reference the fast paths are tested against).
