@@ -137,26 +137,25 @@ class GlobalRngs:
         # Raw addresses, 0 where the public path is taken.
         self._python_address = id(self._python) + _PY_HEADER if fast and _python_fast_layout(self._python) else 0
         self._python_c_seed = _random.Random.seed.__get__(self._python)  # random.seed minus gauss_next = None
-        self._numpy_bit_generator: Any = None  # the bit generator the numpy addresses were checked for
-        self._numpy_address = 0
-        self._numpy_gauss_address = 0
+        self._numpy_bit_generator: Any = None  # the bit generator the numpy views were checked for
         self._torch_seed = torch.default_generator.manual_seed
         self._torch_get_state = torch.default_generator.get_state
         self._torch_set_state = torch.default_generator.set_state
-        # The live states as memoryviews, and buffers for them: a memoryview slice assignment is a
-        # plain memcpy, several times cheaper per call than ctypes.memmove.
+        # The live states as memoryviews (empty where the public path is taken), and buffers for
+        # them: a memoryview slice assignment is a plain memcpy, several times cheaper per call
+        # than ctypes.memmove.
         self._python_state = _raw_view(self._python_address, _PY_STATE_BYTES)
-        self._numpy_state = self._numpy_gauss = memoryview(b"")  # set with the numpy addresses
+        self._numpy_state = self._numpy_gauss = memoryview(b"")  # set by _numpy_is_fast
         self._python_buffer = memoryview(bytearray(_PY_STATE_BYTES))
         self._numpy_buffer = memoryview(bytearray(_NP_STATE_BYTES))
         self._gauss_buffer = memoryview(bytearray(_NP_GAUSS_BYTES))
         self._buffers_in_use = False
-        self._numpy_raw_address()
+        self._numpy_is_fast()
 
     @property
     def fast_paths(self) -> dict[str, bool]:
         """Which RNGs are copied as raw bytes in this process."""
-        return {"python": self._python_address != 0, "numpy": self._numpy_raw_address() != 0}
+        return {"python": self._python_address != 0, "numpy": self._numpy_is_fast()}
 
     def seed(self, key: int) -> None:
         """Seed torch's CPU RNG, numpy's global RNG and python's ``random`` from a 64-bit ``key``.
@@ -181,7 +180,7 @@ class GlobalRngs:
         """
         python = self._python
         if (
-            self._numpy_address
+            self._numpy_state
             and self._python_address
             and not self._buffers_in_use
             and np.random.mtrand.get_bit_generator() is self._numpy_bit_generator
@@ -197,7 +196,9 @@ class GlobalRngs:
             self._python_c_seed(key)
             python.gauss_next = None
             return forked
-        self._numpy_raw_address()  # numpy.random.set_bit_generator was called: check the new one for next time
+        # The public path: not CPython, a fork inside a fork, or a new numpy bit generator
+        # (numpy.random.set_bit_generator), which is checked here for the next fork.
+        self._numpy_is_fast()
         forked = Forked(self._torch_get_state(), python.gauss_next, python.getstate(), self._numpy.get_state())
         self.seed(key)
         return forked
@@ -215,22 +216,21 @@ class GlobalRngs:
             self._numpy.set_state(forked.numpy)
         self._python.gauss_next = forked.python_gauss
 
-    def _numpy_raw_address(self) -> int:
+    def _numpy_is_fast(self) -> bool:
+        """Whether numpy's global bit generator is copied raw; checks it when it is new."""
         if not self._fast:
-            return 0
+            return False
         bit_generator = np.random.mtrand.get_bit_generator()
         if bit_generator is not self._numpy_bit_generator:  # first use, or numpy.random.set_bit_generator
             self._numpy_bit_generator = bit_generator
-            self._numpy_address = 0
+            self._numpy_state = self._numpy_gauss = memoryview(b"")
             offset = _numpy_gauss_offset(self._numpy)
             if offset is not None:
                 address = int(bit_generator.ctypes.state_address)
                 if _numpy_words_readable(address, self._numpy):
-                    self._numpy_address = address
-                    self._numpy_gauss_address = id(self._numpy) + offset
                     self._numpy_state = _raw_view(address, _NP_STATE_BYTES)
-                    self._numpy_gauss = _raw_view(self._numpy_gauss_address, _NP_GAUSS_BYTES)
-        return self._numpy_address
+                    self._numpy_gauss = _raw_view(id(self._numpy) + offset, _NP_GAUSS_BYTES)
+        return bool(self._numpy_state)
 
 
 GLOBAL_RNGS = GlobalRngs()
