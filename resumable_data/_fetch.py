@@ -19,23 +19,26 @@ Seeding, saving and restoring run once per batch, so they are done the fast way 
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any, NamedTuple, Protocol
 
+import numpy as np
 import torch
 import torch.utils.data
 from torch.utils.data import get_worker_info
 
 from ._global_rngs import GLOBAL_RNGS
-from ._hash import hash_ints, hash_more
+from ._hash import hash_ints, hash_more, hash_more_array
 from ._state import ResumeError
 from .rng import SampleKey
 
-__all__ = ["GLOBAL_RNG_MODES", "BatchFetcher", "MapDataset", "Ticket"]
+__all__ = ["GLOBAL_RNG_MODES", "BatchFetcher", "MapDataset", "Ticket", "batch_keys"]
 
 GLOBAL_RNG_MODES = ("batch", "sample")
 # Domain separation: the global-RNG seeds must not coincide with the order's or sample_generator's.
 _BATCH_SALT = 0x6261746368  # "batch"
 _SAMPLE_SALT = 0x73616D706C  # "sampl"
+_KEY_BLOCK = 64  # batch keys computed together, vectorized, after a pass's first
 
 
 class MapDataset(Protocol):
@@ -53,6 +56,23 @@ class Ticket(NamedTuple):
     epoch: int
     position: int  # global position of this rank's first sample of the batch
     indices: list[int]
+    key: int  # seeds the global RNGs for the batch (global_rng="batch"): see batch_keys
+
+
+def batch_keys(seed: int, epoch: int, first: int, stride: int, count: int) -> Iterator[int]:
+    """The keys of ``count`` batches at global positions ``first, first + stride, ...``.
+
+    A batch's key is ``hash_ints(seed, epoch, position, salt)``: what it fetches draws from the
+    global RNGs seeded by it, whichever process fetches it. The first key is computed alone (a
+    restore waits for it); the rest in vectorized blocks, a fraction of a microsecond each
+    instead of two, since the main process makes one per batch.
+    """
+    prefix = hash_ints(seed, epoch)
+    if count > 0:
+        yield hash_more(prefix, first, _BATCH_SALT)
+    for start in range(1, count, _KEY_BLOCK):
+        positions = first + stride * np.arange(start, min(start + _KEY_BLOCK, count), dtype=np.int64)
+        yield from hash_more_array(prefix, positions, _BATCH_SALT).tolist()
 
 
 def check_global_rng(mode: Any) -> str | None:
@@ -90,24 +110,26 @@ class BatchFetcher(torch.utils.data.Dataset):
     def __getitems__(self, ticket: Ticket) -> list[Any]:
         if self.global_rng is None:
             return self._fetch(ticket)
-        prefix = self._key_prefix(ticket)
-        per_batch = self.global_rng == "batch"
-        if per_batch:
-            keys = [hash_more(prefix, ticket.position, _BATCH_SALT)]
-        else:
-            keys = [hash_more(prefix, index, _SAMPLE_SALT) for index in ticket.indices]
+        if self.global_rng == "sample":
+            return self._fetch_seeding_each_sample(ticket)
+        if get_worker_info() is not None:
+            GLOBAL_RNGS.seed(ticket.key)
+            return self._fetch(ticket)
         # In the main process the three RNGs are the training loop's too: fork them around the fetch.
-        forked = None
-        if get_worker_info() is None:
-            forked = GLOBAL_RNGS.fork(keys[0])
-        else:
-            GLOBAL_RNGS.seed(keys[0])
+        forked = GLOBAL_RNGS.fork(ticket.key)
         try:
-            if per_batch:
-                return self._fetch(ticket)
+            return self._fetch(ticket)
+        finally:
+            GLOBAL_RNGS.restore(forked)
+
+    def _fetch_seeding_each_sample(self, ticket: Ticket) -> list[Any]:
+        prefix = self._key_prefix(ticket)
+        keys = [hash_more(prefix, index, _SAMPLE_SALT) for index in ticket.indices]
+        forked = GLOBAL_RNGS.fork(keys[0]) if get_worker_info() is None else None
+        try:
             samples = []
             for n, (index, key) in enumerate(zip(ticket.indices, keys, strict=True)):
-                if n:
+                if n or forked is None:
                     GLOBAL_RNGS.seed(key)
                 samples.append(self._one(ticket, index))
             return samples
@@ -116,7 +138,7 @@ class BatchFetcher(torch.utils.data.Dataset):
                 GLOBAL_RNGS.restore(forked)
 
     def _key_prefix(self, ticket: Ticket) -> int:
-        """``hash_ints(seed, epoch)``, so a batch's key ``hash_ints(seed, epoch, position, salt)``
+        """``hash_ints(seed, epoch)``, so a sample's key ``hash_ints(seed, epoch, index, salt)``
         costs two mixing steps instead of four (kept for the epoch)."""
         seed, epoch, prefix = self._prefix  # one tuple: a warm-start thread may read it too
         if (seed, epoch) != (ticket.seed, ticket.epoch):

@@ -6,10 +6,14 @@ keys that are pure functions of their arguments, stable across numpy/torch relea
 
 from __future__ import annotations
 
+import numpy as np
+
 _MASK64 = (1 << 64) - 1
 _GOLDEN = 0x9E3779B97F4A7C15
 _M1 = 0xBF58476D1CE4E5B9
 _M2 = 0x94D049BB133111EB
+_GOLDEN_U64, _M1_U64, _M2_U64 = np.uint64(_GOLDEN), np.uint64(_M1), np.uint64(_M2)
+_S27, _S30, _S31 = np.uint64(27), np.uint64(30), np.uint64(31)
 
 
 def hash_ints(*values: int) -> int:
@@ -26,3 +30,24 @@ def hash_more(h: int, *values: int) -> int:
         x = ((x ^ (x >> 27)) * _M2) & _MASK64
         h = x ^ (x >> 31)
     return h
+
+
+def hash_more_array(h: int, values: np.ndarray, *tail: int) -> np.ndarray:
+    """``hash_more(h, v, *tail)`` for every non-negative ``v`` in ``values``, as a uint64 array:
+    the same steps in numpy's wrapping uint64 arithmetic, for keys needed in bulk."""
+    x = np.full(len(values), h, dtype=np.uint64)
+    x ^= values.astype(np.uint64) + _GOLDEN_U64
+    _finalize(x)
+    for v in tail:
+        x ^= np.uint64((v + _GOLDEN) & _MASK64)
+        _finalize(x)
+    return x
+
+
+def _finalize(x: np.ndarray) -> None:
+    """SplitMix64's finalizer, in place."""
+    x ^= x >> _S30
+    x *= _M1_U64
+    x ^= x >> _S27
+    x *= _M2_U64
+    x ^= x >> _S31

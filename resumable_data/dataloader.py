@@ -25,7 +25,7 @@ from torchdata.stateful_dataloader.sampler import BatchSampler as StatefulBatchS
 
 from . import _state as keys
 from ._cursor import EpochCursor, Segment
-from ._fetch import BatchFetcher, MapDataset, Ticket, check_global_rng
+from ._fetch import BatchFetcher, MapDataset, Ticket, batch_keys, check_global_rng
 from ._hash import hash_ints
 from ._state import ResumeError, check_int_arg
 from ._warm import WarmPass, WarmStart
@@ -320,16 +320,17 @@ class _BatchPlan(torch.utils.data.Sampler[Ticket]):
         # The first chunk is one batch: a restore (or an epoch start) waits for it alone.
         chunks = sampler.index_chunks(epoch, start, batches * size, first_chunk=size)
         first, stride = start + sampler.rank, sampler.world_size * size
+        keys = batch_keys(sampler.seed, epoch, first, stride, batches)
         buffer: list[int] = []
         offset = 0
-        for batch in range(batches):
+        for batch, key in enumerate(keys):
             if len(buffer) - offset < size:
                 buffer, offset = buffer[offset:], 0
                 for chunk in chunks:
                     buffer.extend(chunk.tolist())
                     if len(buffer) >= size:
                         break
-            yield Ticket(sampler.seed, epoch, first + batch * stride, buffer[offset : offset + size])
+            yield Ticket(sampler.seed, epoch, first + batch * stride, buffer[offset : offset + size], key)
             offset += size
 
 

@@ -1,6 +1,6 @@
 """The global RNGs around a fetch: seeded to the public APIs' streams, saved and restored exactly.
 
-``GlobalRngs`` copies numpy's and python's Mersenne Twister states as raw bytes (the public APIs
+``GlobalRngs`` copies the three Mersenne Twister states as raw bytes (the public APIs
 cost too much per batch); these tests pin it to the public APIs: ``GlobalRngs(fast=False)`` uses
 only those, and both must give the same draws, bit for bit.
 """
@@ -8,6 +8,7 @@ only those, and both must give the same draws, bit for bit.
 from __future__ import annotations
 
 import random
+import struct
 
 import numpy as np
 import pytest
@@ -16,13 +17,22 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from harness import GlobalRandomAugment
-from resumable_data import ResumableDataLoader
-from resumable_data._fetch import BatchFetcher, Ticket
+from resumable_data import ResumableDataLoader, _global_rngs
+from resumable_data._fetch import BatchFetcher, Ticket, batch_keys
 from resumable_data._global_rngs import GlobalRngs
 from resumable_data._hash import hash_ints
 
 FAST, PUBLIC = GlobalRngs(), GlobalRngs(fast=False)
 BATCH_SALT = 0x6261746368  # the batch key's last input: changing it changes every user's augmentations
+
+
+def public_seeding(key: int) -> None:
+    """What a key stands for, through the public APIs: torch and numpy seeded as usual, python's
+    Twister given the words numpy's seeding makes from the key's high half."""
+    torch.manual_seed(key >> 1)
+    np.random.seed(key & 0xFFFFFFFF)
+    python_words = np.random.RandomState(key >> 32).get_state()[1]
+    random.setstate((3, (*python_words.tolist(), 624), None))
 
 
 def draws() -> tuple[list[float], list[float], list[float]]:
@@ -43,14 +53,28 @@ def scramble(key: int) -> None:
 
 def test_both_paths_are_what_they_claim() -> None:
     # If the fast path silently fell back, the tests below would compare the public API with itself.
-    assert FAST.fast_paths == {"python": True, "numpy": True}
-    assert PUBLIC.fast_paths == {"python": False, "numpy": False}
+    assert FAST.raw
+    assert not PUBLIC.raw
+
+
+@pytest.mark.parametrize(
+    ("name", "wrong"),
+    [("_SEEDED_POSITION", struct.pack("i", 623)), ("_NO_GAUSS", b"\x01" + bytes(15)), ("_TORCH_SCAN_BYTES", 16)],
+)
+def test_a_fast_path_that_reads_differently_falls_back_to_the_public_one(
+    monkeypatch: pytest.MonkeyPatch, name: str, wrong: object
+) -> None:
+    # Each layout and the fast seeding are checked against the public APIs once per process; a
+    # mismatch (here planted: a wrong seeded index, a Gaussian cache left set, an engine not found)
+    # must turn the fast path off, not give different streams.
+    monkeypatch.setattr(_global_rngs, name, wrong)
+    assert not GlobalRngs().raw
 
 
 @given(key=st.integers(0, 2**64 - 1))
 def test_seed_gives_the_streams_of_the_public_seeding_calls(key: int) -> None:
     scramble(key ^ 1)
-    torch.manual_seed(key >> 1), np.random.seed(key & 0xFFFFFFFF), random.seed(key)
+    public_seeding(key)
     expected = draws()
     for rngs in (FAST, PUBLIC):
         scramble(key ^ 2)
@@ -72,17 +96,31 @@ def test_save_then_restore_puts_every_rng_back_with_its_gaussian_cache(key: int,
 
 def test_a_batch_is_seeded_from_seed_epoch_and_position() -> None:
     # The key is part of the product: a release that changed it would change a resumed run's
-    # augmentations. Batch 2 of epoch 1 (batch size 4) draws from hash_ints(seed, 1, 8, salt).
+    # augmentations. Batch 2 of epoch 1 (batch size 4, one rank) draws from hash_ints(seed, 1, 8, salt).
+    key = list(batch_keys(11, 1, 0, 4, 3))[2]
+    assert key == hash_ints(11, 1, 8, BATCH_SALT)
     dataset = GlobalRandomAugment(16)
-    key = hash_ints(11, 1, 8, BATCH_SALT)
-    torch.manual_seed(key >> 1), np.random.seed(key & 0xFFFFFFFF), random.seed(key)
+    public_seeding(key)
     expected = [dataset[i] for i in (3, 5, 7, 9)]
-    for fetcher in (BatchFetcher(dataset, global_rng="batch", sample_keys=False),):
-        for _ in range(2):  # the second fetch reuses the epoch's cached key prefix
-            got = fetcher.__getitems__(Ticket(seed=11, epoch=1, position=8, indices=[3, 5, 7, 9]))
-            assert all(torch.equal(a[0], b[0]) for a, b in zip(expected, got, strict=True))
-    other_epoch = fetcher.__getitems__(Ticket(seed=11, epoch=2, position=8, indices=[3, 5, 7, 9]))
-    assert not all(torch.equal(a[0], b[0]) for a, b in zip(expected, other_epoch, strict=True))
+    fetcher = BatchFetcher(dataset, global_rng="batch", sample_keys=False)
+    got = fetcher.__getitems__(Ticket(seed=11, epoch=1, position=8, indices=[3, 5, 7, 9], key=key))
+    assert all(torch.equal(a[0], b[0]) for a, b in zip(expected, got, strict=True))
+
+
+@given(
+    seed=st.integers(0, 2**64 - 1),
+    epoch=st.integers(0, 10**4),
+    first=st.integers(0, 2**40),
+    stride=st.integers(1, 2**12),
+    count=st.integers(0, 200),
+)
+def test_batch_keys_in_vectorized_blocks_are_the_scalar_hash(
+    seed: int, epoch: int, first: int, stride: int, count: int
+) -> None:
+    # The plan computes keys 64 at a time in numpy's uint64 arithmetic; they must be hash_ints's,
+    # across block boundaries and for positions far into a large epoch.
+    expected = [hash_ints(seed, epoch, first + b * stride, BATCH_SALT) for b in range(count)]
+    assert list(batch_keys(seed, epoch, first, stride, count)) == expected
 
 
 @pytest.mark.parametrize("num_workers", [0, 2])
@@ -90,7 +128,7 @@ def test_loader_batches_equal_the_pinned_seeding(num_workers: int) -> None:
     loader = ResumableDataLoader(GlobalRandomAugment(12), batch_size=4, seed=11, shuffle=False, num_workers=num_workers)
     for b, (images, indices) in enumerate(loader):
         key = hash_ints(11, 0, 4 * b, BATCH_SALT)
-        torch.manual_seed(key >> 1), np.random.seed(key & 0xFFFFFFFF), random.seed(key)
+        public_seeding(key)
         expected = torch.stack([loader.dataset[int(i)][0] for i in indices])
         assert torch.equal(images, expected)
 
@@ -110,7 +148,7 @@ def test_a_fork_inside_a_fork_puts_each_level_back() -> None:
     for rngs in (FAST, PUBLIC):
         scramble(7)
         after_outer = draws()
-        torch.manual_seed(2 >> 1), np.random.seed(2), random.seed(2)
+        public_seeding(2)
         draws()
         inside_outer = draws()
         scramble(7)
@@ -136,6 +174,6 @@ def test_a_new_numpy_bit_generator_is_followed() -> None:
             scramble(3)
             FAST.restore(FAST.fork(11))
             assert draws() == expected
-        assert FAST.fast_paths == {"python": True, "numpy": True}
+        assert FAST.raw
     finally:
         np.random.set_bit_generator(original)
