@@ -150,8 +150,10 @@ class BatchFetcher(torch.utils.data.Dataset):
         return self.dataset[SampleKey(index, ticket.epoch, ticket.seed) if self.sample_keys else index]
 
     def _fetch(self, ticket: Ticket) -> list[Any]:
-        if not self.sample_keys:
-            getitems = getattr(self.dataset, "__getitems__", None)
-            if getitems is not None:
-                return getitems(ticket.indices)
-        return [self._one(ticket, index) for index in ticket.indices]
+        dataset = self.dataset
+        if self.sample_keys:
+            return [dataset[SampleKey(index, ticket.epoch, ticket.seed)] for index in ticket.indices]
+        getitems = getattr(dataset, "__getitems__", None)
+        if getitems is not None:
+            return getitems(ticket.indices)
+        return [dataset[index] for index in ticket.indices]  # as DataLoader's fetcher: no call per sample
