@@ -63,7 +63,7 @@ class ResumableDataLoader(DataLoader):
             ``(seed, epoch, position)`` before each batch is fetched, so augmentation drawn from them
             (torchvision transforms) resumes bitwise with any ``num_workers`` (for the same batch
             size and world size); ``"sample"`` seeds them from ``(seed, epoch, index)`` before each
-            sample (also independent of batch size and world size; costs ~25 µs per sample);
+            sample (also independent of batch size and world size; costs ~5 µs per sample);
             ``None`` leaves them alone.
         warm_start: with workers, fetch the first batch of each pass (a resume, an epoch start)
             in the main process instead of waiting for the workers to start, and hand over to them
