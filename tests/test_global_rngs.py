@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import random
 import struct
+from typing import Any
 
 import numpy as np
 import pytest
@@ -19,7 +20,7 @@ from hypothesis import strategies as st
 from harness import GlobalRandomAugment
 from resumable_data import ResumableDataLoader, _global_rngs
 from resumable_data._fetch import BatchFetcher, Ticket, batch_keys
-from resumable_data._global_rngs import GlobalRngs
+from resumable_data._global_rngs import GLOBAL_RNGS, GlobalRngs
 from resumable_data._hash import hash_ints
 
 FAST, PUBLIC = GlobalRngs(), GlobalRngs(fast=False)
@@ -123,9 +124,53 @@ def test_batch_keys_in_vectorized_blocks_are_the_scalar_hash(
     assert list(batch_keys(seed, epoch, first, stride, count)) == expected
 
 
+class DrawsAndSaysHow(torch.utils.data.Dataset):
+    """Draws from the three global RNGs, and says whether its process seeds them the fast way."""
+
+    def __len__(self) -> int:
+        return 12
+
+    def __getitem__(self, index: int) -> tuple[float, float, float, bool]:
+        return torch.rand(()).item(), float(np.random.random_sample()), random.random(), GLOBAL_RNGS.raw
+
+
+def collate_saying_where(samples: list[Any]) -> tuple[list[Any], bool]:
+    """The samples, and whether they were fetched in a worker (a spawned worker needs it picklable)."""
+    return samples, torch.utils.data.get_worker_info() is not None
+
+
+@pytest.mark.parametrize("context", ["fork", "spawn"])
+def test_a_worker_started_fresh_checks_the_layouts_itself_and_seeds_the_same(context: str) -> None:
+    # A spawned worker imports the library anew: its own layout checks must find the fast path,
+    # and its batches must be those of the main process (0 workers) and of a forked worker.
+    def batches(num_workers: int) -> list[Any]:
+        loader = ResumableDataLoader(
+            DrawsAndSaysHow(),
+            batch_size=4,
+            seed=5,
+            num_workers=num_workers,
+            collate_fn=collate_saying_where,
+            warm_start=False,  # every batch from the worker, none from the main process
+            **({"multiprocessing_context": context, "timeout": 60} if num_workers else {}),
+        )
+        return list(loader)
+
+    from_worker = batches(1)
+    assert all(fetched_in_worker for _, fetched_in_worker in from_worker)
+    assert all(raw for samples, _ in from_worker for *_, raw in samples)
+    assert [samples for samples, _ in from_worker] == [samples for samples, _ in batches(0)]
+
+
 @pytest.mark.parametrize("num_workers", [0, 2])
 def test_loader_batches_equal_the_pinned_seeding(num_workers: int) -> None:
-    loader = ResumableDataLoader(GlobalRandomAugment(12), batch_size=4, seed=11, shuffle=False, num_workers=num_workers)
+    loader = ResumableDataLoader(
+        GlobalRandomAugment(12),
+        batch_size=4,
+        seed=11,
+        shuffle=False,
+        num_workers=num_workers,
+        **({"timeout": 60} if num_workers else {}),
+    )
     for b, (images, indices) in enumerate(loader):
         key = hash_ints(11, 0, 4 * b, BATCH_SALT)
         public_seeding(key)
