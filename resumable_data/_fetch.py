@@ -150,9 +150,9 @@ class BatchFetcher(torch.utils.data.Dataset):
         return self.dataset[SampleKey(index, ticket.epoch, ticket.seed) if self.sample_keys else index]
 
     def _fetch(self, ticket: Ticket) -> list[Any]:
-        dataset = self.dataset
         if self.sample_keys:
-            return [dataset[SampleKey(index, ticket.epoch, ticket.seed)] for index in ticket.indices]
+            return [self._one(ticket, index) for index in ticket.indices]
+        dataset = self.dataset
         getitems = getattr(dataset, "__getitems__", None)
         if getitems is not None:
             return getitems(ticket.indices)
