@@ -214,9 +214,10 @@ class GlobalRngs:
         self._gauss_buffer = memoryview(bytearray(_NP_GAUSS_BYTES))
         self._torch_buffer = memoryview(bytearray(_TORCH_BYTES))
         self._buffers_in_use = False
-        # Raw copies for python and torch (numpy is checked per bit generator, in _numpy_is_fast).
-        self._raw = bool(self._python_state and self._torch_state and self._words)
-        self._raw = self._numpy_is_fast() and self._raw_seeding_matches()
+        # The fast path needs every layout (numpy's is checked again per bit generator, in
+        # _numpy_is_fast) and a fast seeding that gives the public one's states.
+        layouts = bool(self._python_state and self._torch_state and self._words) and self._numpy_is_fast()
+        self._raw = layouts and self._raw_seeding_matches()
 
     @property
     def raw(self) -> bool:
@@ -313,8 +314,6 @@ class GlobalRngs:
 
     def _raw_seeding_matches(self) -> bool:
         """Whether the fast seeding gives the public seeding's states (with caches to clear)."""
-        if not self._raw:
-            return False
         saved = self._torch_get_state(), self._python.getstate(), self._numpy.get_state()
         try:
             states = []
