@@ -93,7 +93,6 @@ class BatchFetcher(torch.utils.data.Dataset):
         self.dataset = dataset
         self.global_rng = global_rng
         self.sample_keys = sample_keys
-        self._prefix = (0, 0, hash_ints(0, 0))  # (seed, epoch, hash_ints(seed, epoch))
 
     def __len__(self) -> int:
         return len(self.dataset)
@@ -123,8 +122,9 @@ class BatchFetcher(torch.utils.data.Dataset):
             GLOBAL_RNGS.restore(forked)
 
     def _fetch_seeding_each_sample(self, ticket: Ticket) -> list[Any]:
-        prefix = self._key_prefix(ticket)
-        keys = [hash_more(prefix, index, _SAMPLE_SALT) for index in ticket.indices]
+        # A sample's key: hash_ints(seed, epoch, index, salt), all of the batch's at once.
+        prefix = hash_ints(ticket.seed, ticket.epoch)
+        keys = hash_more_array(prefix, np.asarray(ticket.indices), _SAMPLE_SALT).tolist()
         forked = GLOBAL_RNGS.fork(keys[0]) if get_worker_info() is None else None
         try:
             samples = []
@@ -136,15 +136,6 @@ class BatchFetcher(torch.utils.data.Dataset):
         finally:
             if forked is not None:
                 GLOBAL_RNGS.restore(forked)
-
-    def _key_prefix(self, ticket: Ticket) -> int:
-        """``hash_ints(seed, epoch)``, so a sample's key ``hash_ints(seed, epoch, index, salt)``
-        costs two mixing steps instead of four (kept for the epoch)."""
-        seed, epoch, prefix = self._prefix  # one tuple: a warm-start thread may read it too
-        if (seed, epoch) != (ticket.seed, ticket.epoch):
-            prefix = hash_ints(ticket.seed, ticket.epoch)
-            self._prefix = (ticket.seed, ticket.epoch, prefix)
-        return prefix
 
     def _one(self, ticket: Ticket, index: int) -> Any:
         return self.dataset[SampleKey(index, ticket.epoch, ticket.seed) if self.sample_keys else index]
