@@ -70,7 +70,7 @@ from torchdata.stateful_dataloader.sampler import BatchSampler as StatefulBatchS
 from torchdata.stateful_dataloader.sampler import RandomSampler as StatefulRandomSampler
 
 from resumable_data import ResumableSampler
-from resumable_data.permutation import Permutation
+from resumable_data.core.permutation import Permutation
 
 # torchdata 0.11 calls a deprecated torch API on every StatefulDataLoader; the warning is noise here.
 warnings.filterwarnings("ignore", message="'set_vital' is deprecated")

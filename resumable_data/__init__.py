@@ -1,14 +1,16 @@
 """resumable_data: stop a PyTorch training job anywhere and continue exactly where it was.
 
-The public surface is re-exported here; each name lives in a small module with one job.
+The public surface is re-exported here. Each part is a subpackage: ``core`` (state keys, hashing,
+the keyed permutation), ``map`` (sampler and loader), ``rng``, ``checkpoint``, ``streams``; and
+``distributed``, ``testing`` and ``errors`` beside them.
 """
 
-from ._state import ResumeError, ResumeWarning, Stateful
-from ._version import __version__
 from .checkpoint import CheckpointLockedError, CheckpointManager
-from .dataloader import ResumableDataLoader, wrap
+from .core.permutation import Permutation
+from .core.version import __version__
 from .distributed import DataLoaderState, check_world_size, dcp_errors, global_state, require_agreement
-from .permutation import Permutation
+from .errors import ResumeError, ResumeWarning, Stateful
+from .map import ResumableDataLoader, ResumableSampler, wrap
 from .rng import (
     RandomMap,
     SampleKey,
@@ -18,7 +20,6 @@ from .rng import (
     sample_numpy_rng,
     sample_seed,
 )
-from .sampler import ResumableSampler
 from .streams import (
     IterableSource,
     ParquetReader,

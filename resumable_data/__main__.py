@@ -15,8 +15,8 @@ import sys
 
 import torch
 
-from ._inspect import inspect_checkpoint
-from ._state import ResumeError
+from .checkpoint.inspect import inspect_checkpoint
+from .errors import ResumeError
 
 DESCRIPTION = "Inspect resumable_data checkpoints, or watch a loader resume exactly (demo)."
 
@@ -42,7 +42,7 @@ def inspect(path: str, *, as_json: bool = False) -> int:
 
 def demo() -> int:
     """Stop a shuffled loader mid-epoch, restore it in a new loader with workers, compare."""
-    from .dataloader import ResumableDataLoader
+    from .map.dataloader import ResumableDataLoader
 
     dataset = torch.arange(40)
     reference = [b.tolist() for b in ResumableDataLoader(dataset, batch_size=8, seed=0)]

@@ -33,9 +33,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from . import _state as keys
-from ._state import ResumeError, Stateful, check_version, require_mapping
-from .dataloader import distributed_defaults
+from .core import state as keys
+from .core.dist import distributed_defaults
+from .core.state import check_version, require_mapping
+from .errors import ResumeError, Stateful
 from .streams import StreamLoader
 
 __all__ = [

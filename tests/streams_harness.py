@@ -8,12 +8,17 @@ window's first token identifies it.
 
 from __future__ import annotations
 
+import itertools
+import json
+from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
+
+from resumable_data.streams import StreamLoader
 
 
 class MemoryShards:
@@ -69,3 +74,28 @@ def ids(batches: Sequence[Any]) -> list[int]:
         tensor = torch.as_tensor(tensor)
         out += (tensor[..., 0] if tensor.dim() > 1 else tensor.reshape(-1)).tolist()
     return out
+
+
+def consume_ranks(loaders: list[StreamLoader], batches_per_rank: list[int | None]) -> list[int]:
+    """Run each rank's loader for its number of batches (None: to the end of the epoch)."""
+    seen: list[int] = []
+    for loader, n in zip(loaders, batches_per_rank, strict=False):
+        loader.set_epoch(loader.epoch)  # stay in this epoch
+        seen += ids(itertools.islice(iter(loader), n))
+    return seen
+
+
+def assert_exactly_once_across_layout_change(make_stream, all_records, old, new, cuts) -> None:
+    """``old``/``new``: (world_size, num_workers); ``cuts``: batches each old rank takes."""
+    before = [
+        StreamLoader(make_stream(), batch_size=3, rank=r, world_size=old[0], num_workers=old[1]) for r in range(old[0])
+    ]
+    seen = consume_ranks(before, cuts)
+    merged = json.loads(json.dumps(StreamLoader.merge_states([loader.state_dict() for loader in before])))
+    after = [
+        StreamLoader(make_stream(), batch_size=3, rank=r, world_size=new[0], num_workers=new[1]) for r in range(new[0])
+    ]
+    for loader in after:
+        loader.load_state_dict(merged)
+    seen += consume_ranks(after, [None] * new[0])
+    assert Counter(seen) == Counter(all_records)

@@ -50,11 +50,10 @@ import itertools
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
-from .._state import (
+from ..core.state import (
     EPOCH,
     INT64_MAX,
     VERSION,
-    ResumeError,
     brief,
     check_int_arg,
     check_version,
@@ -63,6 +62,7 @@ from .._state import (
     require_int,
     require_mapping,
 )
+from ..errors import ResumeError
 
 __all__ = ["Key", "Slot", "Stream"]
 

@@ -7,7 +7,7 @@ from typing import Any
 
 from torch.utils.data import default_collate
 
-from .._state import check_int_arg
+from ..core.state import check_int_arg
 from .base import Key, Stream, Wrapper
 
 __all__ = ["Batch"]

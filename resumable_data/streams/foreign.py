@@ -13,7 +13,8 @@ import warnings
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
-from .._state import VERSION, ResumeError, brief, check_version, require_mapping
+from ..core.state import VERSION, brief, check_version, require_mapping
+from ..errors import ResumeError
 from .base import EPOCH, STREAM_STATE_VERSION, Key, Slot, Stream, require_count, require_epoch
 
 __all__ = ["IterableSource", "ReplayWarning"]

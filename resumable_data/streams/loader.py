@@ -44,12 +44,12 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
-from .._cursor import EpochCursor
-from .._hash import hash_ints
-from .._state import (
+from ..core.cursor import EpochCursor
+from ..core.dist import distributed_defaults
+from ..core.hash import hash_ints
+from ..core.state import (
     VERSION,
     WORLD_SIZE,
-    ResumeError,
     brief,
     check_int_arg,
     check_version,
@@ -58,7 +58,7 @@ from .._state import (
     require_int,
     require_mapping,
 )
-from ..dataloader import distributed_defaults
+from ..errors import ResumeError
 from .base import EPOCH, Stream, require_count
 from .batch import Batch
 

@@ -7,9 +7,9 @@ from typing import Any
 
 import torch
 
-from .._hash import hash_ints
-from .._state import SEED, check_int_arg
-from ..rng import sample_generator
+from ..core.hash import hash_ints
+from ..core.state import SEED, check_int_arg
+from ..rng.sample import sample_generator
 from .base import Key, Stream, Wrapper, check_same, record_key
 
 __all__ = ["Map"]

@@ -16,8 +16,9 @@ import math
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
-from .._hash import hash_ints
-from .._state import SEED, VERSION, ResumeError, brief, check_int_arg, check_version, require_mapping
+from ..core.hash import hash_ints
+from ..core.state import SEED, VERSION, brief, check_int_arg, check_version, require_mapping
+from ..errors import ResumeError
 from .base import (
     DRAWS,
     EPOCH,

@@ -20,7 +20,8 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 from typing import IO, Any
 
-from .._state import ResumeError, check_int_arg
+from ..core.state import check_int_arg
+from ..errors import ResumeError
 
 __all__ = ["ParquetReader"]
 

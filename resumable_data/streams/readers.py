@@ -14,7 +14,8 @@ from typing import Any, BinaryIO
 import numpy as np
 import torch
 
-from .._state import ResumeError, check_int_arg
+from ..core.state import check_int_arg
+from ..errors import ResumeError
 
 __all__ = ["TextLineReader", "TokenShardReader"]
 

@@ -40,11 +40,11 @@ from typing import Any
 
 import numpy as np
 
-from .._state import (
+from ..core.permutation import Permutation
+from ..core.state import (
     SEED,
     SHUFFLE,
     VERSION,
-    ResumeError,
     brief,
     check_int_arg,
     check_version,
@@ -53,7 +53,7 @@ from .._state import (
     require_int,
     require_mapping,
 )
-from ..permutation import Permutation
+from ..errors import ResumeError
 from .base import (
     EPOCH,
     MAX_COUNT,

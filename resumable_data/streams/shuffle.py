@@ -28,8 +28,9 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from operator import itemgetter
 from typing import Any
 
-from .._hash import hash_ints, hash_more
-from .._state import SEED, ResumeError, brief, check_int_arg
+from ..core.hash import hash_ints, hash_more
+from ..core.state import SEED, brief, check_int_arg
+from ..errors import ResumeError
 from .base import DRAWS, SOURCE, Key, Stream, Wrapper, check_same, record_key, require_count, require_key
 
 __all__ = ["ShuffleBuffer"]

@@ -5,7 +5,8 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
-from .._state import ResumeError, check_int_arg
+from ..core.state import check_int_arg
+from ..errors import ResumeError
 from .base import Key, Stream, Wrapper, check_same, require_count
 
 __all__ = ["Take"]

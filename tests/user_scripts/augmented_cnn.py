@@ -1,4 +1,4 @@
-"""A training script written the way users write them, used by tests/test_user_code.py.
+"""A training script written the way users write them, used by tests/map/test_user_code.py.
 
 torchvision-style transform classes draw from the *global* RNGs (torch, numpy, random) inside
 DataLoader workers; the epoch loop is the user's own; the checkpoint holds model, AdamW, LR schedule,

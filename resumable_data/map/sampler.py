@@ -1,0 +1,363 @@
+"""ResumableSampler: an epoch's order as a pure function of ``(seed, epoch, length)``, resumable in O(1).
+
+Positions are counted globally. Epoch ``e`` has one global order of the dataset (shuffled by a
+keyed :class:`~resumable_data.permutation.Permutation`, or ``0..N-1``); ranks interleave it from the
+position ``p`` where this stretch of the epoch starts: rank ``r`` takes global positions
+``p + r, p + r + W, p + r + 2W, ...``. Because every rank advances in lockstep (as under DDP), the
+saved state — ``epoch`` and ``position`` (global samples consumed in the epoch) — is the same on all
+ranks, and any rank's state can be loaded into any rank of a world of a different size: the new
+ranks interleave the *rest* of the same global order.
+
+The uneven tail is handled as ``torch.utils.data.DistributedSampler`` does: padded by wrapping to the
+start of the epoch's order, or trimmed with ``drop_last=True``.
+
+Where the sampler stands is an :class:`~resumable_data.core.cursor.EpochCursor` (the epoch rules live
+there). Each ``iter()`` returns an iterator that owns its stretch of the epoch and is itself
+stateful, so a consumer that snapshots iterators (torchdata's ``StatefulDataLoader``) gets the state
+of the very iterator whose indices it handed out, and an iterator it creates and throws away on a
+restore moves nothing.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable, Iterator, Mapping, Sized
+from typing import Any
+
+import numpy as np
+import torch
+import torch.utils.data
+
+from ..core import state as keys
+from ..core.cursor import EpochCursor, Segment
+from ..core.permutation import Permutation
+from ..core.state import check_int_arg, check_version, require_bool, require_int, require_mapping
+from ..errors import ResumeError, ResumeWarning
+
+__all__ = ["ResumableSampler"]
+
+SAMPLER_STATE_VERSION = 1
+_WHAT = "sampler"
+# Indices are computed in chunks that start small (a restore needs only the first batch) and grow
+# so that steady-state iteration amortizes numpy's per-call overhead.
+_FIRST_CHUNK = 256
+_MAX_CHUNK = 65536
+
+
+class ResumableSampler(torch.utils.data.Sampler[int]):
+    """Yields this rank's dataset indices; ``state_dict()`` / ``load_state_dict()`` resume in O(1).
+
+    Args:
+        data_source: a ``Sized`` dataset or its length as an int (>= 1).
+        shuffle: shuffle each epoch with a keyed permutation of ``(seed, epoch)``.
+        seed: the shuffle seed; the order never depends on the global RNG. ``None`` takes
+            ``torch.initial_seed()`` and, on ``load_state_dict``, adopts the checkpoint's seed.
+        rank: this process's rank in ``[0, world_size)``.
+        world_size: number of data-parallel processes.
+        drop_last: trim the uneven tail so every rank gets the same number of samples, instead of
+            padding it with the start of the epoch's order.
+        adopt_checkpoint_seed: the seed is a default rather than a choice: ``load_state_dict``
+            takes the checkpoint's seed (with a :class:`ResumeWarning` saying so) instead of
+            refusing a different one. Implied by ``seed=None``.
+
+    Epochs: ``set_epoch(e)`` selects epoch ``e`` (from position 0, unless ``e`` is the epoch the
+    sampler is already in, e.g. just restored: then the position is kept, so loops that call
+    ``set_epoch(epoch)`` at the top of every epoch resume mid-epoch). Without ``set_epoch``, an
+    ``iter()`` after an exhausted epoch starts the next epoch by itself. ``epochs(n)`` yields the
+    epochs still to run.
+
+    Used on its own, the position advances as the newest iterator's indices are *drawn*.
+    torchdata's ``StatefulDataLoader`` snapshots the iterator when it sends indices to a worker, so
+    its state is exact at every point (mid-epoch, after the loop, with workers and prefetching). A
+    plain ``DataLoader`` with workers draws ahead of what it has yielded: use
+    :class:`~resumable_data.ResumableDataLoader` there, which counts only batches handed out.
+
+    Example:
+        >>> from torchdata.stateful_dataloader import StatefulDataLoader
+        >>> data = list(range(10))
+        >>> loader = StatefulDataLoader(data, sampler=ResumableSampler(data, seed=0), batch_size=4)
+        >>> first = next(iter(loader)).tolist()
+        >>> state = loader.state_dict()
+        >>> resumed = StatefulDataLoader(data, sampler=ResumableSampler(data, seed=0), batch_size=4)
+        >>> resumed.load_state_dict(state)
+        >>> [b.tolist() for b in resumed] == [b.tolist() for b in loader]
+        True
+    """
+
+    def __init__(
+        self,
+        data_source: Sized | int,
+        *,
+        shuffle: bool = True,
+        seed: int | None = 0,
+        rank: int = 0,
+        world_size: int = 1,
+        drop_last: bool = False,
+        adopt_checkpoint_seed: bool = False,
+    ) -> None:
+        length = data_source if isinstance(data_source, int) else len(data_source)
+        self._length = check_int_arg("dataset length", length, minimum=1)
+        self._world_size = check_int_arg("world_size", world_size, minimum=1)
+        check_int_arg("rank", rank, minimum=0)
+        if rank >= world_size:
+            raise ResumeError(f"rank should be in [0, world_size), but got rank={rank}, world_size={world_size}")
+        if seed is None:
+            seed, adopt_checkpoint_seed = torch.initial_seed(), True
+        if isinstance(seed, bool) or not isinstance(seed, int):
+            raise ResumeError(f"seed should be an int or None, but got seed={seed!r}")
+        self._rank = rank
+        self._shuffle = bool(shuffle)
+        self._seed = seed
+        self._adopt_seed = bool(adopt_checkpoint_seed)
+        self._drop_last = bool(drop_last)
+        self._cursor = EpochCursor("sampler")
+        self._permutation: Permutation | None = None
+
+    # -- read-only views ---------------------------------------------------------------------
+    @property
+    def epoch(self) -> int:
+        """The current epoch."""
+        return self._cursor.epoch
+
+    @property
+    def position(self) -> int:
+        """Global samples consumed in the current epoch (all ranks together)."""
+        return self._cursor.position
+
+    @property
+    def cursor(self) -> EpochCursor:
+        """Where the sampler stands; a loader that drives this sampler advances it."""
+        return self._cursor
+
+    @property
+    def dataset_length(self) -> int:
+        return self._length
+
+    @property
+    def rank(self) -> int:
+        return self._rank
+
+    @property
+    def world_size(self) -> int:
+        return self._world_size
+
+    @property
+    def seed(self) -> int:
+        return self._seed
+
+    @property
+    def shuffle(self) -> bool:
+        return self._shuffle
+
+    @property
+    def drop_last(self) -> bool:
+        return self._drop_last
+
+    # -- epochs --------------------------------------------------------------------------------
+    def set_epoch(self, epoch: int) -> None:
+        """Select ``epoch``; keeps the position if it is already the current (e.g. restored) epoch."""
+        self._cursor.set_epoch(epoch)
+
+    def epochs(self, num_epochs: int) -> Iterator[int]:
+        """``for epoch in sampler.epochs(n)``: the epochs still to run, each already ``set_epoch``-ed."""
+        return self._cursor.epochs(num_epochs)
+
+    def __len__(self) -> int:
+        """This rank's samples in a full epoch."""
+        return self.rank_samples(0)
+
+    # -- the arithmetic of a stretch of an epoch -----------------------------------------------
+    def rank_samples(self, start: int) -> int:
+        """Samples each rank takes when the epoch continues from global position ``start``."""
+        remaining = max(0, self._length - start)
+        return remaining // self._world_size if self._drop_last else -(-remaining // self._world_size)
+
+    def end_position(self, start: int) -> int:
+        """The position that marks the epoch done when it continues from ``start`` (>= length)."""
+        return max(self._length, start + self._world_size * self.rank_samples(start))
+
+    def position_after(self, start: int, taken: int) -> int:
+        """Global position once every rank has taken ``taken`` samples from ``start``."""
+        if taken >= self.rank_samples(start):
+            return self.end_position(start)
+        return start + self._world_size * taken
+
+    def is_end(self, position: int) -> bool:
+        """Whether ``position`` means the epoch is exhausted."""
+        return position >= self._length
+
+    def index_chunks(
+        self, epoch: int, start: int, count: int | None = None, *, first_chunk: int = _FIRST_CHUNK
+    ) -> Iterator[np.ndarray]:
+        """This rank's indices for epoch ``epoch`` from global ``start``, as int64 chunks.
+
+        Pure: reads only the configuration. ``count`` limits how many indices are produced;
+        ``first_chunk`` is the size of the first chunk (a restore needs just one batch), after which
+        chunks double up to 65536.
+        """
+        total = self.rank_samples(start) if count is None else min(count, self.rank_samples(start))
+        permutation = self._permutation_for(epoch)
+        done, size = 0, max(1, first_chunk)
+        while done < total:
+            n = min(size, total - done)
+            positions = start + self._rank + self._world_size * np.arange(done, done + n, dtype=np.int64)
+            positions %= self._length  # the padded tail wraps to the start of the epoch's order
+            yield permutation(positions) if permutation is not None else positions
+            done += n
+            size = min(2 * size, _MAX_CHUNK)
+
+    def _permutation_for(self, epoch: int) -> Permutation | None:
+        if not self._shuffle:
+            return None
+        cached = self._permutation
+        if cached is None or cached.epoch != epoch or cached.seed != self._seed:
+            cached = self._permutation = Permutation(self._length, self._seed, epoch)
+        return cached
+
+    def __iter__(self) -> Iterator[int]:
+        return _SamplerIterator(self)
+
+    # -- state ---------------------------------------------------------------------------------
+    def state_for(self, epoch: int, position: int) -> dict[str, Any]:
+        """The state dict of this sampler's configuration at ``(epoch, position)``."""
+        return {
+            keys.VERSION: SAMPLER_STATE_VERSION,
+            keys.EPOCH: epoch,
+            keys.POSITION: position,
+            keys.DATASET_LENGTH: self._length,
+            keys.SEED: self._seed,
+            keys.SHUFFLE: self._shuffle,
+            keys.WORLD_SIZE: self._world_size,
+            keys.DROP_LAST: self._drop_last,
+        }
+
+    def state_dict(self) -> dict[str, Any]:
+        """A small plain dict: ``version``, ``epoch``, ``position`` and what fixes the order."""
+        return self.state_for(self._cursor.epoch, self._cursor.position)
+
+    def load_state_dict(self, state_dict: Mapping[str, Any], *, strict: bool = True) -> None:
+        """Continue from ``state_dict`` (a sampler's or a ResumableDataLoader's state).
+
+        Args:
+            state_dict: the state to resume from.
+            strict: refuse a state whose dataset length, seed or shuffle differ from this
+                sampler's. With ``strict=False`` the position is kept but applied to this
+                sampler's order, so the rest of that epoch is not the uninterrupted run's.
+
+        Raises:
+            ResumeError: the state is malformed or does not match; nothing was changed.
+        """
+        self.check_state(state_dict, strict=strict, what=_WHAT)()
+
+    def check_state(self, state: Mapping[str, Any], *, strict: bool, what: str) -> Callable[[], Segment]:
+        """Validate ``state`` (errors name ``what``); return a thunk that restores it.
+
+        The thunk moves the cursor to the state's position and returns that as the current
+        segment. Nothing changes until it is called, so a caller can validate its own fields too
+        before anything moves.
+        """
+        state = require_mapping(state, what)
+        check_version(state, SAMPLER_STATE_VERSION, what)
+        epoch = require_int(state, keys.EPOCH, what, minimum=0)
+        position = require_int(state, keys.POSITION, what, minimum=0)
+        length = require_int(state, keys.DATASET_LENGTH, what, minimum=1)
+        # A seed is any int64 or uint64 (torch.initial_seed() is a uint64).
+        seed = require_int(state, keys.SEED, what, minimum=-(2**63), maximum=2**64 - 1)
+        shuffle = require_bool(state, keys.SHUFFLE, what)
+        saved_world = require_int(state, keys.WORLD_SIZE, what, minimum=1)
+        require_bool(state, keys.DROP_LAST, what)
+        if keys.BATCH_SIZE in state:
+            require_int(state, keys.BATCH_SIZE, what, minimum=1)
+        adopt = seed != self._seed and self._adopt_seed
+        if strict:
+            if length != self._length:
+                raise ResumeError(
+                    f"dataset length changed: checkpoint has {length}, {what} has {self._length}; resume "
+                    f"with the dataset the checkpoint was taken on ({length} samples), or pass "
+                    "strict=False to load_state_dict to keep the position in the new order"
+                )
+            if seed != self._seed and not adopt:
+                raise ResumeError(
+                    f"seed changed: checkpoint has {seed}, {what} has {self._seed}; build the {what} "
+                    f"with seed={seed} to resume exactly, or pass strict=False to load_state_dict to "
+                    "keep the position in the new order"
+                )
+            if shuffle != self._shuffle:
+                raise ResumeError(
+                    f"shuffle changed: checkpoint has {shuffle}, {what} has {self._shuffle}; build the "
+                    f"{what} with shuffle={shuffle} to resume exactly, or pass strict=False to "
+                    "load_state_dict to keep the position in the new order"
+                )
+        # The largest position a run can reach is the padded end: length + world_size - 1.
+        limit = length + saved_world - 1
+        if position > limit:
+            raise ResumeError(
+                f"{what} state field 'position' is {position}, past the end of an epoch of "
+                f"{length} samples over {saved_world} ranks (at most {limit})"
+            )
+
+        # A finished epoch's padded end depends on the world size that wrote it: bring it within
+        # this sampler's own bound, so its state_dict() loads into an identical sampler again.
+        position = min(position, self._length + self._world_size - 1)
+
+        def apply() -> Segment:
+            if adopt:
+                warnings.warn(
+                    f"{what}: adopting the checkpoint's seed {seed} (this {what} was built without an "
+                    f"explicit seed and had {self._seed}); pass seed= to pin it",
+                    ResumeWarning,
+                    stacklevel=4,
+                )
+                self._seed = seed
+            return self._cursor.restore(epoch, position, self.is_end(position))
+
+        return apply
+
+
+class _SamplerIterator(Iterator[int]):
+    """One pass of a standalone sampler over its stretch of an epoch; itself stateful.
+
+    The stretch is entered lazily, on the first ``next()``, so that a ``load_state_dict`` between
+    ``iter()`` and ``next()`` (what StatefulDataLoader does on a restore) decides it.
+    """
+
+    def __init__(self, sampler: ResumableSampler) -> None:
+        self._sampler = sampler
+        self._segment: Segment | None = None
+        self._indices: Iterator[int] = iter(())
+        self._taken = 0
+        self._total = 0
+
+    def __iter__(self) -> _SamplerIterator:
+        return self
+
+    def _enter(self, segment: Segment) -> Segment:
+        sampler = self._sampler
+        self._segment, self._taken = segment, 0
+        self._total = sampler.rank_samples(segment.start)
+        chunks = sampler.index_chunks(segment.epoch, segment.start)
+        self._indices = (index for chunk in chunks for index in chunk.tolist())
+        return segment
+
+    def __next__(self) -> int:
+        sampler = self._sampler
+        segment = self._segment or self._enter(sampler.cursor.begin())
+        if self._taken >= self._total:
+            sampler.cursor.advance(segment, sampler.end_position(segment.start), True)
+            raise StopIteration
+        index = next(self._indices)
+        self._taken += 1
+        position = sampler.position_after(segment.start, self._taken)
+        sampler.cursor.advance(segment, position, sampler.is_end(position))
+        return index
+
+    def state_dict(self) -> dict[str, Any]:
+        """The sampler's state after the indices this iterator has drawn (before any: where it will start)."""
+        if self._segment is None:
+            return self._sampler.state_for(*self._sampler.cursor.next_segment())
+        position = self._sampler.position_after(self._segment.start, self._taken)
+        return self._sampler.state_for(self._segment.epoch, position)
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """Continue this iterator (and the sampler) from ``state_dict``."""
+        self._enter(self._sampler.check_state(state_dict, strict=True, what=_WHAT)())

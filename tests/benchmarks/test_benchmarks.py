@@ -1,0 +1,137 @@
+"""Smoke tests of the benchmarks: each runs with ``--quick`` and must report every method as correct.
+
+No timing is asserted (a shared CI machine makes any threshold flaky). What is asserted is what the
+benchmarks check along the way: every resumed batch is the one the uninterrupted run yields, every
+epoch hands out each sample once, every checkpoint loads back as it was saved.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO / "benchmarks"))
+
+import _common  # noqa: E402  (the benchmarks' helpers, for parsing their tables)
+
+QUICK_TIMEOUT_S = 240  # --quick aims at ≤ 15 s; the margin is for a loaded CI machine
+
+
+def _run_quick(script: str, out: Path) -> str:
+    completed = subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / script), "--quick", "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=QUICK_TIMEOUT_S,
+        cwd=REPO,
+    )
+    assert completed.returncode == 0, completed.stderr[-4000:]
+    return completed.stdout
+
+
+def _replot(script: str, report: Path, out: Path) -> None:
+    """``--replot`` redraws a written report's plots without measuring anything."""
+    completed = subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / script), "--replot", str(report), "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=QUICK_TIMEOUT_S,
+        cwd=REPO,
+    )
+    assert completed.returncode == 0, completed.stderr[-4000:]
+
+
+def _rows(out: Path, name: str, first_header: str) -> list[dict[str, str]]:
+    text = (out / f"{name}.md").read_text()
+    assert text.startswith("# ") and "- machine:" in text and "- command:" in text
+    return _common.parse_markdown_rows(text, first_header)
+
+
+def test_bench_resume_quick(tmp_path: Path) -> None:
+    _run_quick("bench_resume.py", tmp_path)
+    text = (tmp_path / "bench_resume.md").read_text()
+    rows = [row for row in _rows(tmp_path, "bench_resume", "method") if "exact" in row]
+    methods = {(row["sweep"], row["method"]) for row in rows}
+    data_methods = (
+        "naive skip",
+        "index-only skip",
+        "StatefulDataLoader",
+        "torchdata.nodes",
+        "resumable_data",
+        "resumable_data, warm start",
+    )
+    expected = {("data", m) for m in data_methods}
+    expected |= {("index", m) for m in ("index-only skip", "StatefulDataLoader", "torchdata.nodes", "resumable_data")}
+    assert methods == expected
+    wrong = [row for row in rows if row["exact"] != "ok" and not row["exact"].startswith("not run")]
+    assert not wrong, wrong
+    # Baselines are skipped only where they would materialize the whole permutation; ours never is.
+    assert all(row["exact"] == "ok" for row in rows if row["method"] == "resumable_data")
+    assert all("would materialize" in row["note"] for row in rows if row["exact"].startswith("not run"))
+    # Every resumable_data cell with a dataset has its floor and a verdict against the 2x target.
+    ours = [row for row in rows if row["method"] == "resumable_data" and row["sweep"] == "data"]
+    assert ours and all(row["floor"] and row["÷ floor"].endswith(("(met)", "(missed)")) for row in ours), ours
+    assert "restore / floor" in text
+    # Warm start has cells only with workers, and is checked against the same reference as resumable_data.
+    assert all(row["workers"] != "0" for row in rows if row["method"] == "resumable_data, warm start")
+    # Epoch start: every variant (warm start or not, persistent or not) hands out the same batches.
+    epoch_rows = [row for row in _rows(tmp_path, "bench_resume", "variant") if "same batches" in row]
+    assert len(epoch_rows) == 4 and all(row["same batches"] == "ok" for row in epoch_rows), epoch_rows
+    _replot("bench_resume.py", tmp_path / "bench_resume.md", tmp_path / "replot")
+    for plot in ("resume_vs_position.png", "resume_vs_n.png"):
+        assert (tmp_path / plot).stat().st_size > 0
+        assert (tmp_path / "replot" / plot).stat().st_size > 0
+
+
+def test_bench_overhead_quick(tmp_path: Path) -> None:
+    _run_quick("bench_overhead.py", tmp_path)
+    rows = _rows(tmp_path, "bench_overhead", "method")
+    epochs = [row for row in rows if "coverage" in row]
+    control = "control: DataLoader fed resumable_data's order"
+    methods = {
+        "DataLoader",
+        "StatefulDataLoader",
+        "resumable_data",
+        control,
+        "resumable_data, global_rng=None",
+        'resumable_data, global_rng="sample"',
+    }
+    assert {row["method"] for row in epochs} == methods
+    assert all(row["coverage"] == "ok" for row in epochs), epochs
+    machinery = [row for row in rows if "per batch" in row]
+    assert {row["method"] for row in machinery} == methods
+    # The global-RNG modes side by side, as ratios to global_rng=None of the same round.
+    rng_rows = _rows(tmp_path, "bench_overhead", "global_rng")
+    assert [row["global_rng"] for row in rng_rows][:2] == ['global_rng="batch" (default)', 'global_rng="sample"']
+    states = [row for row in rows if "pickled size" in row]
+    assert {row["method"] for row in states} == {"StatefulDataLoader", "resumable_data"}
+    assert all(row["JSON-serializable"] == "yes" for row in states if row["method"] == "resumable_data")
+    assert (tmp_path / "overhead_throughput.png").stat().st_size > 0
+    _replot("bench_overhead.py", tmp_path / "bench_overhead.md", tmp_path / "replot")
+    assert (tmp_path / "replot" / "overhead_throughput.png").stat().st_size > 0
+
+
+def test_bench_streams_quick(tmp_path: Path) -> None:
+    # The benchmark exits non-zero if a restored batch differs from the uninterrupted run's.
+    _run_quick("bench_streams.py", tmp_path)
+    rows = _rows(tmp_path, "streams", "pipeline")
+    pipelines = ["source", "realistic (buffer 1000)", "realistic (buffer 1000), 2 workers"]
+    try:
+        import pyarrow  # noqa: F401
+    except ImportError:
+        assert "Parquet rows: not run" in (tmp_path / "streams.md").read_text()
+    else:
+        pipelines += ["parquet source", "parquet, shuffle buffer 1000"]
+    assert [row["pipeline"] for row in rows] == pipelines
+    assert all(row["restore"] and row["fresh start"] for row in rows)
+    assert "restore ≤ 5 ms" in (tmp_path / "streams.md").read_text()
+
+
+def test_bench_checkpoint_quick(tmp_path: Path) -> None:
+    _run_quick("bench_checkpoint.py", tmp_path)
+    rows = [row for row in _rows(tmp_path, "bench_checkpoint", "mode") if "restored" in row]
+    assert {row["mode"] for row in rows} == {"no checkpoints", "synchronous", "asynchronous"}
+    assert all(row["restored"] == "ok" for row in rows if row["mode"] != "no checkpoints"), rows
+    assert (tmp_path / "checkpoint_step_time.png").stat().st_size > 0

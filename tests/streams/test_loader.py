@@ -1,0 +1,233 @@
+"""StreamLoader: exact resume with workers and ranks, exactly-once across a layout change.
+
+With the checkpoint's layout the resumed batches are bitwise those of the uninterrupted run
+(harness.assert_resumes_identically). With another num_workers or world size, the records consumed
+before and after the change together are exactly the epoch's records (order may differ).
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from harness import assert_resumes_identically, checkpoint_roundtrip
+from resumable_data import ResumeError
+from resumable_data.streams import ShardedIterable, ShuffleBuffer, Stream, StreamLoader, TokenShardReader, mix
+from streams_harness import (
+    MemoryShards,
+    assert_exactly_once_across_layout_change,
+    ids,
+    write_token_shards,
+)
+
+WINDOW = 9  # 8 inputs + 1 target
+
+
+def augment(window: torch.Tensor, g: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random token dropout plus noise, drawn only from the record's generator."""
+    keep = torch.rand(window.shape, generator=g) > 0.1
+    return window * keep, torch.randn(3, generator=g)
+
+
+@pytest.fixture(scope="module")
+def token_paths(tmp_path_factory: pytest.TempPathFactory) -> list[Path]:
+    # Uneven shards (one shorter than a window) so workers and ranks end at different times.
+    return write_token_shards(tmp_path_factory.mktemp("tokens"), [97, 160, 5, 130, 64, 121, 88])
+
+
+def realistic(paths: list[Path]) -> Stream:
+    """token shards -> shuffle buffer -> random augmentation (the loader batches)."""
+    source = ShardedIterable(paths, read_shard=TokenShardReader(WINDOW), seed=11)
+    return source.shuffle_buffer(6, seed=12).map(augment, seed=13)
+
+
+def epoch_batches(make_loader) -> int:
+    return len(list(make_loader()))
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_realistic_pipeline_resumes_identically(token_paths: list[Path], num_workers: int) -> None:
+    def make() -> StreamLoader:
+        return StreamLoader(realistic(token_paths), batch_size=4, num_workers=num_workers)
+
+    n = epoch_batches(make)
+    # mid-shard, twice at the same point, the epoch's last batch, inside the next epoch.
+    assert_resumes_identically(make, [2, 5, 5, n, n + 3], total=n + 6)
+
+
+def test_resume_at_a_shard_boundary(tmp_path: Path) -> None:
+    paths = write_token_shards(tmp_path, [8 * WINDOW] * 4)
+
+    def make() -> StreamLoader:
+        return StreamLoader(ShardedIterable(paths, read_shard=TokenShardReader(WINDOW), seed=1), batch_size=4)
+
+    loader = make()
+    list(itertools.islice(iter(loader), 2))
+    assert loader.state_dict()["slots"]["0"]["source"]["remaining"][0][2] == 8  # shard just finished
+    assert_resumes_identically(make, [2, 4, 6, 8], total=12)
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_each_rank_resumes_identically(num_workers: int) -> None:
+    shards = MemoryShards([7, 3, 9, 4, 6, 5, 8])
+
+    def make() -> StreamLoader:
+        stream = ShardedIterable(shards.names, read_shard=shards, seed=2).shuffle_buffer(3)
+        return StreamLoader(stream, batch_size=2, rank=1, world_size=2, num_workers=num_workers)
+
+    assert_resumes_identically(make, [1, 2, 4, 9], total=14)
+
+
+def test_epoch_end_checkpoint_continues_with_the_next_epoch_not_an_empty_one() -> None:
+    shards = MemoryShards([4, 4])
+    loader = StreamLoader(ShardedIterable(shards.names, read_shard=shards), batch_size=4)
+    epoch0 = list(itertools.islice(iter(loader), 2))  # the last batch, before StopIteration
+    restored = StreamLoader(ShardedIterable(shards.names, read_shard=shards), batch_size=4)
+    restored.load_state_dict(checkpoint_roundtrip(loader.state_dict()))
+    epoch1 = list(restored)
+    assert restored.epoch == 1 and len(epoch1) == 2
+    assert sorted(ids(epoch0)) == sorted(ids(epoch1)) == shards.all_records()
+
+
+# -- exactly once across a change of num_workers or world size ----------------------------------
+@settings(max_examples=30)
+@given(
+    sizes=st.lists(st.integers(0, 12), min_size=1, max_size=7),
+    old_world=st.integers(1, 3),
+    new_world=st.integers(1, 4),
+    buffer=st.integers(1, 5),
+    cuts=st.lists(st.integers(0, 6), min_size=3, max_size=3),
+)
+def test_world_size_change_consumes_every_record_exactly_once(sizes, old_world, new_world, buffer, cuts) -> None:
+    shards = MemoryShards(sizes)
+
+    def make() -> Stream:
+        return ShardedIterable(shards.names, read_shard=shards, seed=5).shuffle_buffer(buffer, seed=6)
+
+    assert_exactly_once_across_layout_change(
+        make, shards.all_records(), (old_world, 0), (new_world, 0), cuts[:old_world]
+    )
+
+
+@pytest.mark.parametrize(("old", "new"), [((1, 2), (1, 0)), ((2, 1), (1, 2))])
+def test_num_workers_change_consumes_every_record_exactly_once(old, new) -> None:
+    shards = MemoryShards([10, 4, 13, 7, 9])
+
+    def make() -> Stream:
+        return ShardedIterable(shards.names, read_shard=shards, seed=5).shuffle_buffer(4, seed=6)
+
+    assert_exactly_once_across_layout_change(make, shards.all_records(), old, new, [5, 3])
+
+
+def test_mixed_sources_change_world_size_exactly_once() -> None:
+    web, books = MemoryShards([6, 9, 4]), MemoryShards([5, 8])
+    books.records = {name: [r + 500 for r in records] for name, records in books.records.items()}
+
+    def make() -> Stream:
+        sources = [ShardedIterable(s.names, read_shard=s, seed=i) for i, s in enumerate((web, books))]
+        return mix(sources, weights=[2, 1], seed=3).shuffle_buffer(4, seed=4)
+
+    every = web.all_records() + books.all_records()
+    assert_exactly_once_across_layout_change(make, every, (2, 0), (3, 0), [2, 4])
+
+
+def test_layout_change_needs_every_ranks_state() -> None:
+    shards = MemoryShards([5, 5, 5])
+    state = StreamLoader(ShardedIterable(shards.names, read_shard=shards), rank=0, world_size=2).state_dict()
+    loader = StreamLoader(ShardedIterable(shards.names, read_shard=shards), world_size=1)
+    before = loader.state_dict()
+    with pytest.raises(ResumeError, match=r"state lacks slots \[1\]; load StreamLoader.merge_states"):
+        loader.load_state_dict(state)
+    assert loader.state_dict() == before
+
+
+def test_take_refuses_a_layout_change() -> None:
+    shards = MemoryShards([5, 5, 5])
+    state = StreamLoader(ShardedIterable(shards.names, read_shard=shards).take(4), num_workers=0).state_dict()
+    loader = StreamLoader(ShardedIterable(shards.names, read_shard=shards).take(4), world_size=2)
+    with pytest.raises(ResumeError, match="resume with the checkpoint's num_workers and world_size"):
+        loader.load_state_dict(state)
+
+
+@pytest.mark.parametrize("kwargs", [{"persistent_workers": True}, {"in_order": False}, {"shuffle": True}])
+def test_dataloader_options_that_break_exactness_are_refused(kwargs) -> None:
+    shards = MemoryShards([3])
+    with pytest.raises(ResumeError):
+        StreamLoader(ShardedIterable(shards.names, read_shard=shards), **kwargs)
+
+
+def test_loader_state_is_small_and_plain(token_paths: list[Path]) -> None:
+    loader = StreamLoader(realistic(token_paths), batch_size=4, world_size=2, rank=0)
+    list(itertools.islice(iter(loader), 3))
+    state = loader.state_dict()
+    assert checkpoint_roundtrip(state) == json.loads(json.dumps(state))
+    assert len(json.dumps(state)) < 1500  # 7 shards and 6 buffered keys
+
+
+# -- a restore validates once, and the loader's own pipeline goes on from where it stands -------
+class CheckCountingBuffer(ShuffleBuffer):
+    """A shuffle buffer that counts how often a state is validated (``check``) on it."""
+
+    def __init__(self, source: Stream, size: int, *, seed: int = 0) -> None:
+        super().__init__(source, size, seed=seed)
+        self.checks = 0
+
+    def check(self, state: Any) -> Callable[[], None]:
+        self.checks += 1
+        return super().check(state)
+
+
+def test_restore_validates_the_state_once_with_0_workers() -> None:
+    shards = MemoryShards([40, 30, 50])
+
+    def make() -> tuple[StreamLoader, CheckCountingBuffer]:
+        buffer = CheckCountingBuffer(ShardedIterable(shards.names, read_shard=shards, seed=3), 10, seed=4)
+        return StreamLoader(buffer, batch_size=4), buffer
+
+    reference, _ = make()
+    expected = ids(itertools.islice(iter(reference), 12))
+    loader, _ = make()
+    list(itertools.islice(iter(loader), 5))
+    restored, buffer = make()
+    restored.load_state_dict(checkpoint_roundtrip(loader.state_dict()))
+    assert buffer.checks == 1
+    got = ids(itertools.islice(iter(restored), 3))
+    got += ids(itertools.islice(iter(restored), 4))  # stopped and iterated again: goes on, no reload
+    assert buffer.checks == 1
+    assert got == expected[5 * 4 :]
+
+
+def test_a_batch_that_raised_is_produced_again_from_its_start() -> None:
+    """With 0 workers an error inside a batch leaves the pipeline mid-batch: the next iter() reloads
+    the state after the last batch handed out, so the stream still equals the uninterrupted one."""
+    shards = MemoryShards([40, 30, 50])
+    failures = {"left": 0}
+
+    def fail_once(record: int) -> int:
+        if record == 1010 and failures["left"]:
+            failures["left"] -= 1
+            raise RuntimeError("transient read error")
+        return record
+
+    def make() -> StreamLoader:
+        stream = ShardedIterable(shards.names, read_shard=shards, seed=3).shuffle_buffer(10, seed=4).map(fail_once)
+        return StreamLoader(stream, batch_size=4)
+
+    expected = ids(make())
+    loader = make()
+    got = ids(itertools.islice(iter(loader), 2))
+    failures["left"] = 1
+    batches = iter(loader)
+    with pytest.raises(RuntimeError, match="transient"):
+        while True:
+            got += ids([next(batches)])
+    got += ids(loader)
+    assert got == expected
