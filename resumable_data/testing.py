@@ -19,13 +19,14 @@ reference trainer use it; so can yours::
 from __future__ import annotations
 
 import dataclasses
-import math
 import struct
 from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
 import torch
+
+from .core.state import brief
 
 __all__ = ["assert_same", "first_difference"]
 
@@ -75,7 +76,7 @@ def first_difference(expected: Any, actual: Any, path: str = "") -> str | None:
                 return diff if len(expected) == len(actual) else f"{diff} (and {where} has {lengths})"
         return None if len(expected) == len(actual) else f"{where}: {lengths}"
     if type(expected) is not type(actual):
-        return f"{where}: {type(expected).__name__} vs {type(actual).__name__} ({_short(expected)} vs {_short(actual)})"
+        return f"{where}: {type(expected).__name__} vs {type(actual).__name__} ({brief(expected)} vs {brief(actual)})"
     if isinstance(expected, torch.Tensor):
         return _array_difference(where, expected, actual, _tensor_bytes)
     if isinstance(expected, (np.ndarray, np.generic)):
@@ -92,7 +93,7 @@ def first_difference(expected: Any, actual: Any, path: str = "") -> str | None:
         same = _float_bits(expected) == _float_bits(actual)
     else:
         same = expected == actual
-    return None if same else f"{where}: {_short(expected)} vs {_short(actual)}"
+    return None if same else f"{where}: {brief(expected)} vs {brief(actual)}"
 
 
 def assert_same(expected: Any, actual: Any, what: str = "") -> None:
@@ -151,11 +152,4 @@ def _array_difference(where: str, a: Any, b: Any, to_bytes: Callable[[Any], np.n
 def _element(array: Any, flat_index: int) -> str:
     value = array.reshape(-1)[flat_index]
     value = value.item() if hasattr(value, "item") else value
-    return _short(value)
-
-
-def _short(value: Any) -> str:
-    if isinstance(value, float) and math.isnan(value):
-        return f"nan (bits {struct.pack('>d', value).hex()})"  # NaNs differ only in their bits
-    text = repr(value)
-    return text if len(text) <= 80 else text[:77] + "..."
+    return brief(value)

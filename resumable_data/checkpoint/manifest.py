@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..core.state import VERSION, is_int
+from ..core.state import VERSION, brief, is_int
 from ..core.version import __version__
 from ..errors import ResumeError
 
@@ -187,13 +187,13 @@ def _typed(record: Mapping[str, Any], path: Path) -> Manifest:
             return None
         value = record[key]
         if not ok(value):
-            raise ResumeError(f"manifest {path} field {key!r} must be {expected}, but got {_short(value)}")
+            raise ResumeError(f"manifest {path} field {key!r} must be {expected}, but got {brief(value)}")
         return value
 
     version = record.get(VERSION)
     if not is_int(version) or version != MANIFEST_VERSION:
         raise ResumeError(
-            f"manifest {path} has version {_short(version)}, but this resumable_data reads version "
+            f"manifest {path} has version {brief(version)}, but this resumable_data reads version "
             f"{MANIFEST_VERSION}; load it with the release that wrote it"
         )
     step = field(STEP, lambda v: is_int(v) and v >= 0, "an int >= 0", required=True)
@@ -226,11 +226,6 @@ def _fits_float(value: int | float) -> bool:
     except OverflowError:
         return False
     return True
-
-
-def _short(value: Any) -> str:
-    text = repr(value)
-    return text if len(text) <= 60 else text[:57] + "..."
 
 
 def file_digest(path: Path) -> tuple[str, int]:

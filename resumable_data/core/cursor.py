@@ -93,10 +93,6 @@ class EpochCursor:
         if segment.generation == self._generation:
             self._position, self._done = position, done
 
-    def is_current(self, segment: Segment) -> bool:
-        """Whether ``segment`` belongs to the newest iteration (no begin or restore since)."""
-        return segment.generation == self._generation
-
     def restore(self, epoch: int, position: int, done: bool) -> Segment:
         """Jump to a (validated) checkpointed position; returns it as the current segment."""
         self._epoch, self._position, self._done = epoch, position, done

@@ -9,7 +9,9 @@ tensors only where they must be) so it round-trips through ``json.dumps`` and
 from __future__ import annotations
 
 import itertools
+import math
 import reprlib
+import struct
 from collections.abc import Mapping
 from typing import Any, TypeGuard
 
@@ -45,6 +47,11 @@ class _Brief(reprlib.Repr):
     def __init__(self) -> None:
         super().__init__()
         self.maxlevel, self.maxstring, self.maxother, self.maxlong = 3, 80, 80, 40
+
+    def repr_float(self, x: float, level: int) -> str:
+        if math.isnan(x):  # NaNs differ only in their bits, which a comparison must show
+            return f"nan (bits {struct.pack('>d', x).hex()})"
+        return repr(x)
 
     def repr_int(self, x: int, level: int) -> str:
         if x.bit_length() > 128:  # repr() itself refuses ints of more than 4300 digits
