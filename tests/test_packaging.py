@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import sysconfig
@@ -18,6 +19,19 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 PACKAGE = "resumable_data"
+# What a checkout holds that is not source: environments, build outputs, caches, run folders.
+_NOT_SOURCES = (
+    ".git",
+    ".venv",
+    "build",
+    "dist",
+    "*.egg-info",
+    "__pycache__",
+    ".*_cache",
+    ".hypothesis",
+    "runs",
+    ".cache",
+)
 
 
 def _site_packages(prefix: Path) -> Path:
@@ -32,9 +46,13 @@ def test_pip_install_of_the_checkout_gives_the_library_and_no_top_level_trainer(
     # and installs it. Here the two halves run apart — the build in the test venv (its setuptools, no
     # index), the install into the fresh interpreter — and dependencies (torch, numpy, torchdata) come
     # from the test venv below, so the test needs no index and stays quick.
+    # The build runs in a copy of the checkout without its build outputs: setuptools reuses a
+    # build/ folder it finds, which would hide what the current pyproject.toml packages.
+    checkout = tmp_path / "checkout"
+    shutil.copytree(REPO, checkout, ignore=shutil.ignore_patterns(*_NOT_SOURCES))
     wheels = tmp_path / "wheels"
     pip = [sys.executable, "-m", "pip"]
-    quiet = {"cwd": REPO, "check": True, "capture_output": True, "text": True, "timeout": 300}
+    quiet = {"cwd": checkout, "check": True, "capture_output": True, "text": True, "timeout": 300}
     subprocess.run(
         [*pip, "wheel", "--no-deps", "--no-build-isolation", "--no-index", "-q", "-w", str(wheels), "."], **quiet
     )
