@@ -4,7 +4,7 @@ Only settings live here. Values derived from them (the learning rate of a step, 
 flags given) are methods, and what a run derives at start (gradient accumulation after an elastic
 resume, tokens per step) are local variables of :func:`trainer.train.train`. Test instrumentation
 (SIGKILL at a chosen moment, a log of every batch's indices) is installed from outside the trainer
-by :mod:`trainer.killpoints`.
+by :mod:`trainer.harness.killpoints`.
 """
 
 from __future__ import annotations

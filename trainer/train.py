@@ -13,7 +13,7 @@ FSDP2 with ``--fsdp``), rank 0 choosing the checkpoint and writing checkpoints a
 rank's RNG state gathered into the checkpoint, and elastic resume on another number of ranks.
 
 The loop carries no test hooks: verify-resume's SIGKILL during a step and the batch-index log
-of the elastic checks are installed from outside by :mod:`trainer.killpoints`.
+of the elastic checks are installed from outside by :mod:`trainer.harness.killpoints`.
 """
 
 from __future__ import annotations

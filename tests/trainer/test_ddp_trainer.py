@@ -24,10 +24,10 @@ import pytest
 import torch
 
 from resumable_data import ResumeError
-from trainer import index_log
+from trainer.harness import index_log
+from trainer.harness.verify import config_to_argv, verify_resume
 from trainer.parallel import elastic_plan
 from trainer.train import DCP_FOLDER, TrainConfig, read_metrics
-from trainer.verify import config_to_argv, verify_resume
 
 REPO = Path(__file__).resolve().parents[2]
 JOB_TIMEOUT = 120
@@ -51,8 +51,8 @@ def torchrun(
     config: TrainConfig, nproc: int, *, wait: bool = True, log_indices: bool = False
 ) -> subprocess.Popen[bytes] | int:
     """``torchrun -m trainer train``; with ``log_indices`` every rank logs its batch indices to
-    RUN_DIR (``trainer.index_log``, installed from outside the trainer by ``trainer.killpoints``)."""
-    entry = "trainer.killpoints" if log_indices else "trainer"
+    RUN_DIR (``trainer.harness.index_log``, installed from outside the trainer by ``trainer.harness.killpoints``)."""
+    entry = "trainer.harness.killpoints" if log_indices else "trainer"
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
                "-m", entry, "train", *config_to_argv(config)]  # fmt: skip
     env = {**os.environ, "PYTHONPATH": str(REPO)}

@@ -31,10 +31,10 @@ from resumable_data import CheckpointLockedError, CheckpointManager, ResumeError
 from resumable_data.testing import assert_same
 from trainer.__main__ import main
 from trainer.data import TokenWindows, prepare_data
+from trainer.harness.verify import config_to_argv, verify_resume
 from trainer.plot import plot_run
 from trainer.train import CHECKPOINT_FOLDER, CHECKPOINT_KEYS, TrainConfig, TrainResult, read_metrics, train
 from trainer.train_state import TrainState
-from trainer.verify import config_to_argv, verify_resume
 
 REPO = Path(__file__).resolve().parents[2]
 # A tiny corpus of real text: with block 16 and batch 4 an epoch is 14 steps, so runs of 20 steps

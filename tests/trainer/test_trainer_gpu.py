@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from resumable_data import CheckpointManager
+from trainer.harness.verify import verify_resume
 from trainer.train import CHECKPOINT_FOLDER, TrainConfig, train
-from trainer.verify import verify_resume
 
 pytestmark = pytest.mark.gpu
 

@@ -2,7 +2,7 @@
 
 Three jobs train the same configuration: one straight through; one that kills itself with
 SIGKILL (no handler runs, nothing is flushed or saved) during step k, armed from outside the
-trainer by the ``step`` kill point of :mod:`trainer.killpoints`; and one that resumes the killed
+trainer by the ``step`` kill point of :mod:`trainer.harness.killpoints`; and one that resumes the killed
 run from its newest checkpoint. The per-step losses of every attempt and the final weights
 and optimizer state must be bitwise equal.
 
@@ -10,7 +10,7 @@ With ``--nproc N`` each job is a ``torchrun`` job of N ranks (rank 0 is the one 
 then stops the others), every rank must end with the same weights, and two elastic resumes of the
 killed run follow: on one rank (``--elastic global-batch``: gradient accumulation doubles) and on
 N + 1 ranks (``--elastic per-rank-batch``). Their batch indices, logged by every rank
-(:mod:`trainer.index_log`), must read the rest of the interrupted epoch exactly once.
+(:mod:`trainer.harness.index_log`), must read the rest of the interrupted epoch exactly once.
 """
 
 from __future__ import annotations
@@ -29,14 +29,32 @@ from typing import Any
 from resumable_data import CheckpointManager
 from resumable_data.testing import first_difference
 
+from ..checkpointing import CHECKPOINT_FOLDER, MODEL, OPTIMIZER
+from ..config import TrainConfig, flag
+from ..data import TokenWindows, default_cache_dir, prepare_data
+from ..metrics import read_metrics
+from ..model import ModelConfig
 from . import index_log
-from .checkpointing import CHECKPOINT_FOLDER, MODEL, OPTIMIZER
-from .config import TrainConfig, flag
-from .data import TokenWindows, default_cache_dir, prepare_data
-from .metrics import read_metrics
-from .model import ModelConfig
 
-__all__ = ["child_env", "config_to_argv", "verify_resume"]
+__all__ = ["VERIFY_DEFAULTS", "VERIFY_KILL_AT", "child_env", "config_to_argv", "verify_resume"]
+
+# verify-resume's defaults: small enough for a few minutes on 2 CPU cores, with dropout on so the
+# RNG restore matters, and checkpoints that do not fall on the kill step so steps get replayed.
+VERIFY_DEFAULTS = {
+    "run_dir": "runs/verify-resume",
+    "max_steps": 60,
+    "block_size": 64,
+    "n_layer": 2,
+    "n_head": 2,
+    "n_embd": 64,
+    "dropout": 0.1,
+    "batch_size": 8,
+    "warmup_steps": 10,
+    "eval_every": 20,
+    "eval_batches": 4,
+    "checkpoint_every": 10,
+}
+VERIFY_KILL_AT = 37
 
 
 def config_to_argv(config: TrainConfig) -> list[str]:
@@ -59,7 +77,7 @@ JOB_TIMEOUT_S = 900
 def child_env() -> dict[str, str]:
     """The environment for a trainer subprocess: it must import this very trainer and library,
     installed or not."""
-    source_root = str(Path(__file__).resolve().parents[1])
+    source_root = str(Path(__file__).resolve().parents[2])
     return {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [source_root, os.environ.get("PYTHONPATH")]))}
 
 
@@ -67,8 +85,8 @@ def _run(config: TrainConfig, label: str, nproc: int | None = None, *, kill_at: 
     """Train ``config`` in fresh processes (``torchrun`` with ``nproc`` ranks when given); the
     output goes to ``RUN_DIR/LABEL.log``.
 
-    Under torchrun every rank logs its batch indices (:mod:`trainer.index_log`) for the elastic
-    checks; ``kill_at`` SIGKILLs (rank 0) during that step (:mod:`trainer.killpoints`).
+    Under torchrun every rank logs its batch indices (:mod:`trainer.harness.index_log`) for the elastic
+    checks; ``kill_at`` SIGKILLs (rank 0) during that step (:mod:`trainer.harness.killpoints`).
     """
     launcher = (
         [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
@@ -77,7 +95,7 @@ def _run(config: TrainConfig, label: str, nproc: int | None = None, *, kill_at: 
     )
     instrumented = nproc is not None or kill_at is not None
     kill = ["step", str(kill_at)] if kill_at is not None else []
-    entry = ["-m", "trainer.killpoints", *kill] if instrumented else ["-m", "trainer"]
+    entry = ["-m", "trainer.harness.killpoints", *kill] if instrumented else ["-m", "trainer"]
     command = [*launcher, *entry, "train", *config_to_argv(config)]
     env = child_env()
     if nproc is not None:

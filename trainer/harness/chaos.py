@@ -3,7 +3,7 @@
 The way storage engines are tested. A tiny model trains once straight through (the reference, every
 checkpoint kept). Then runs of the same configuration are killed with SIGKILL again and again and
 relaunched *at once* with ``--resume auto`` until each finishes. Kills land at random moments and at
-aimed ones (:mod:`trainer.killpoints`): mid payload write, between payload and manifest, just before
+aimed ones (:mod:`trainer.harness.killpoints`): mid payload write, between payload and manifest, just before
 and after the publishing rename, mid prune; launches alternate ``--num-workers`` 0 and 2 (forked
 workers outlive a killed trainer for a few seconds) and sync and async saves. Checked:
 
@@ -33,10 +33,10 @@ from typing import Any
 from resumable_data import CheckpointManager, ResumeError
 from resumable_data.testing import first_difference
 
-from .checkpointing import CHECKPOINT_FOLDER
-from .config import TrainConfig
+from ..checkpointing import CHECKPOINT_FOLDER
+from ..config import TrainConfig
+from ..metrics import read_metrics
 from .killpoints import KILLPOINTS
-from .metrics import read_metrics
 from .verify import child_env, config_to_argv
 
 __all__ = ["CHAOS_DEFAULTS", "ChaosReport", "chaos"]
@@ -220,7 +220,7 @@ def _launch(config: TrainConfig, launch: Launch) -> subprocess.Popen[bytes]:
     if launch.killpoint == NO_KILL:
         command = [sys.executable, "-m", "trainer", *train_argv]
     else:
-        command = [sys.executable, "-m", "trainer.killpoints", launch.killpoint, launch.count, *train_argv]
+        command = [sys.executable, "-m", "trainer.harness.killpoints", launch.killpoint, launch.count, *train_argv]
     log_path = Path(config.run_dir) / "launches.log"
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with open(log_path, "a") as out:
