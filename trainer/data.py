@@ -13,15 +13,15 @@ import json
 import os
 import shutil
 import sysconfig
+import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
-
-__all__ = ["TokenData", "TokenWindows", "default_cache_dir", "prepare_data"]
 
 # Byte-level tokens: one byte each, so uint8 holds the whole vocabulary (256).
 TOKEN_DTYPE = np.uint8
@@ -81,12 +81,13 @@ def _user_files(path: Path) -> list[Path]:
     return files
 
 
-def prepare_data(data: str | os.PathLike[str] | None, cache_dir: Path) -> TokenData:
+def prepare_data(data: str | os.PathLike[str] | None, cache_dir: Path, say: Callable[[str], None] = print) -> TokenData:
     """Build (once) and return the train/val token files for ``data``.
 
     Args:
         data: a text file or a folder of them; None for the default standard-library corpus.
         cache_dir: where prepared corpora are kept, one sub-folder per distinct input.
+        say: where the lines before and after a build go (nothing is said when the cache has it).
 
     Returns:
         The token files; the last ``VAL_FRACTION`` of the bytes is the validation split.
@@ -106,7 +107,11 @@ def prepare_data(data: str | os.PathLike[str] | None, cache_dir: Path) -> TokenD
     folder = cache_dir / key
     prepared = TokenData(folder / "train.bin", folder / "val.bin", source, len(files))
     if not (folder / "meta.json").is_file():
+        # The first launch on a machine builds the corpus: say so, rather than stay silent.
+        say(f"tokenizing {len(files)} files of {source} into {folder} (once; later runs reuse it)")
+        started = time.perf_counter()
         _build(files, cap, folder, {"source": source, "files": len(files)})
+        say(f"tokenized: {prepared.describe()} in {time.perf_counter() - started:.1f} s")
     return prepared
 
 
@@ -183,6 +188,11 @@ class TokenWindows(torch.utils.data.Dataset):
 
     def __len__(self) -> int:
         return self.n_windows
+
+    def spread(self, n: int) -> list[int]:
+        """``n`` window indices (at most all) spread evenly over the file, for a fixed evaluation set."""
+        n = min(n, self.n_windows)
+        return list(range(0, self.n_windows, self.n_windows // n))[:n]
 
     def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         if not 0 <= index < self.n_windows:

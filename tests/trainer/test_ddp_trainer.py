@@ -24,17 +24,31 @@ import pytest
 import torch
 
 from resumable_data import ResumeError
+from trainer.checkpointing import DCP_FOLDER
+from trainer.config import TrainConfig
 from trainer.harness import index_log
 from trainer.harness.verify import config_to_argv, verify_resume
+from trainer.metrics import read_metrics
 from trainer.parallel import elastic_plan
-from trainer.train import DCP_FOLDER, TrainConfig, read_metrics
 
 REPO = Path(__file__).resolve().parents[2]
 JOB_TIMEOUT = 120
 TINY = dict(
-    n_layer=1, n_head=2, n_embd=16, block_size=16, dropout=0.1, batch_size=4, max_steps=20,
-    lr=1e-2, min_lr=1e-3, warmup_steps=3, eval_every=6, eval_batches=1, checkpoint_every=4, progress=False,
-)  # fmt: skip
+    n_layer=1,
+    n_head=2,
+    n_embd=16,
+    block_size=16,
+    dropout=0.1,
+    batch_size=4,
+    max_steps=20,
+    lr=1e-2,
+    min_lr=1e-3,
+    warmup_steps=3,
+    eval_every=6,
+    eval_batches=1,
+    checkpoint_every=4,
+    progress=False,
+)
 KILL_AT = 15
 
 
@@ -53,8 +67,17 @@ def torchrun(
     """``torchrun -m trainer train``; with ``log_indices`` every rank logs its batch indices to
     RUN_DIR (``trainer.harness.index_log``, installed from outside the trainer by ``trainer.harness.killpoints``)."""
     entry = "trainer.harness.killpoints" if log_indices else "trainer"
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-               "-m", entry, "train", *config_to_argv(config)]  # fmt: skip
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={nproc}",
+        "-m",
+        entry,
+        "train",
+        *config_to_argv(config),
+    ]
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     if log_indices:
         env[index_log.ENV] = config.run_dir
@@ -202,10 +225,10 @@ def _decisions_main(rank: int, world_size: int, tmp: str) -> None:
     import torch.distributed as dist
 
     from dist_harness import finish, init_gloo
-    from trainer.parallel import Parallel
+    from trainer.parallel import DataParallel
 
     init_gloo(rank, world_size, f"{tmp}/init")
-    ranks = Parallel(rank, world_size, 0, torch.device("cpu"), True)
+    ranks = DataParallel(torch.device("cpu"), rank, world_size)
     outcome: dict[str, Any] = {"chosen": ranks.decide(lambda: "step-00000008")}
 
     def locked() -> str:

@@ -44,17 +44,39 @@ __all__ = ["CHAOS_DEFAULTS", "ChaosReport", "chaos"]
 # Small enough that a launch is mostly Python start-up: many kills per minute on 2 cores. Dropout on
 # (so RNG restore matters), a checkpoint every 2 steps (so kills often land in writes and prunes).
 CHAOS_DEFAULTS: dict[str, Any] = dict(
-    n_layer=1, n_head=2, n_embd=16, block_size=16, dropout=0.1, batch_size=4, max_steps=24, lr=1e-2,
-    min_lr=1e-3, warmup_steps=3, eval_every=8, eval_batches=1, checkpoint_every=2, keep_last=2, progress=False,
-)  # fmt: skip
+    n_layer=1,
+    n_head=2,
+    n_embd=16,
+    block_size=16,
+    dropout=0.1,
+    batch_size=4,
+    max_steps=24,
+    lr=1e-2,
+    min_lr=1e-3,
+    warmup_steps=3,
+    eval_every=8,
+    eval_batches=1,
+    checkpoint_every=2,
+    keep_last=2,
+    progress=False,
+)
 CORPUS_BYTES = 4000
 # Kill points in turn: any 3 kills in a row include a checkpoint write, a random moment and a prune;
 # with workers and async alternating on periods 2 and 4, every point meets every combination
 # within 44 kills.
 PLAN = (
-    "payload-half", "after-seconds", "prune-half", "manifest-synced", "after-seconds", "prune-aside",
-    "before-publish", "after-seconds", "payload-synced", "after-publish", "after-seconds",
-)  # fmt: skip
+    "payload-half",
+    "after-seconds",
+    "prune-half",
+    "manifest-synced",
+    "after-seconds",
+    "prune-aside",
+    "before-publish",
+    "after-seconds",
+    "payload-synced",
+    "after-publish",
+    "after-seconds",
+)
 LAUNCH_TIMEOUT_S = 300
 NO_KILL = "none"
 
@@ -208,8 +230,10 @@ def chaos(kills: int, run_dir: str | Path = "runs/chaos", *, seed: int = 0, log:
         if not report.failures:
             report.runs_completed += 1
             _check_run(run, launches, expected_losses, Path(reference.run_dir), report)
-        log(f"  {Path(run.run_dir).name}: {len(launches)} launches, kills so far {report.total_kills}/{kills}"
-            f"{'' if report.ok else ' FAILED: ' + report.failures[-1]}")  # fmt: skip
+        log(
+            f"  {Path(run.run_dir).name}: {len(launches)} launches, kills so far {report.total_kills}/{kills}"
+            f"{'' if report.ok else ' FAILED: ' + report.failures[-1]}"
+        )
     report.wall_s = time.perf_counter() - started
     return report
 
