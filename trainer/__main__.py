@@ -115,7 +115,12 @@ def _parser() -> argparse.ArgumentParser:
         help="run each job under torchrun with this many ranks, plus elastic resumes on 1 and NPROC+1 ranks",
     )
     _add_threads_flag(verify)
+    _add_harness_commands(commands)
+    return parser
 
+
+def _add_harness_commands(commands: Any) -> None:
+    """chaos, plot and gpu-smoke: the subcommands that do not train a run of their own flags."""
     chaos_cmd = commands.add_parser(
         "chaos",
         help="SIGKILL a tiny run again and again (mid-write, mid-prune, with workers), relaunch at once, compare",
@@ -142,7 +147,6 @@ def _parser() -> argparse.ArgumentParser:
         help="steps of the default run to time (default: %(default)s)",
     )
     smoke.add_argument("--run-dir", default="runs/gpu-smoke", help="parent folder of the smoke runs")
-    return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -213,30 +213,27 @@ def next_step_fingerprint(loader: ResumableDataLoader, grad_accum: int, par: par
 
 def audit(
     recorded: Mapping[str, Any],
-    loader: ResumableDataLoader,
-    grad_accum: int | None,
+    next_batch: str | None,
     optimizer: torch.optim.Optimizer,
     config: TrainConfig,
     step: int,
     path: Path,
-    par: parallel.Parallel,
 ) -> None:
     """Check, on every rank, that the restored run takes the step the interrupted one would have taken.
 
     Restoring puts the loader and the scheduler back, but flags can still have changed what comes
-    next (batch size, gradient accumulation, seed, schedule): recompute the next step's batch
-    fingerprint and learning rate and compare them with the checkpoint's. ``grad_accum`` is None
-    after a world-size change, when batches are cut differently and only the learning rate compares.
+    next (batch size, gradient accumulation, seed, schedule): compare this run's ``next_batch``
+    fingerprint (:func:`next_step_fingerprint`) and learning rate with the checkpoint's. ``next_batch``
+    is None after a world-size change, when batches are cut differently: only the learning rate compares.
     The restored optimizer would silently keep the old weight decay, so a changed one is refused too.
 
     Raises:
         ResumeError: something differs; the message says what probably changed.
     """
-    expected_batch = None if grad_accum is None else next_step_fingerprint(loader, grad_accum, par)
-    if expected_batch is not None and recorded[NEXT_BATCH] != expected_batch:
+    if next_batch is not None and recorded[NEXT_BATCH] != next_batch:
         raise ResumeError(
             f"resume audit failed: after step {step} the checkpoint {path} expects the next batch "
-            f"{recorded[NEXT_BATCH]}, but this run would read {expected_batch}. The data order changed: "
+            f"{recorded[NEXT_BATCH]}, but this run would read {next_batch}. The data order changed: "
             "most likely --batch-size, --grad-accum or --seed differs from the run that wrote it, or the "
             "corpus (--data, --block-size) changed. Resume with the original settings or use another --run-dir"
         )

@@ -1,8 +1,8 @@
-"""A single process, DDP or FSDP2: the few things the loop does differently in each, behind :class:`Parallel`.
+"""A single process, DDP or FSDP2: what the loop does differently in each, behind :class:`Parallel`.
 
-Started by ``torchrun``, the trainer finds ``RANK``/``WORLD_SIZE``/``LOCAL_RANK`` in its environment
-and joins a process group (gloo on CPU, NCCL on CUDA). The loop calls the same methods in every mode:
-the base class is a single process, where none of them talks to anyone.
+Under ``torchrun`` (``RANK``/``WORLD_SIZE``/``LOCAL_RANK`` set) the trainer joins a process group,
+gloo on CPU or NCCL on CUDA; the base class is a single process, where nothing talks to anyone. Also
+here: the stop signal, per-rank seeds, and the batch layout of a resume on another number of ranks.
 """
 
 from __future__ import annotations
@@ -54,7 +54,7 @@ class Parallel:
         return model
 
     def gradient_sync(self, wrapped: nn.Module, sync: bool) -> contextlib.AbstractContextManager[Any]:
-        """Around a micro-batch's backward: all-reduce the gradients only when ``sync`` (the last one)."""
+        """Around a micro-batch's forward and backward: all-reduce gradients only if ``sync`` (the last)."""
         return contextlib.nullcontext()
 
     def local(self, tensor: torch.Tensor) -> torch.Tensor:
@@ -70,7 +70,7 @@ class Parallel:
         return [value]
 
     def decide(self, choose: Callable[[], T]) -> T:
-        """Run ``choose`` on rank 0 only and give every rank its result, or its error."""
+        """Run ``choose`` on rank 0 only and give every rank its result, or its error (so none waits forever)."""
         return choose()
 
     def all_or_none(self, error: Exception | None, what: str) -> None:
@@ -98,8 +98,6 @@ class _ProcessGroup(Parallel):
         return out
 
     def decide(self, choose: Callable[[], T]) -> T:
-        # An error on rank 0 (a locked run folder, a corrupt checkpoint) is raised on every rank,
-        # so no rank waits forever for the others.
         box: list[Any] = [None]
         failure: Exception | None = None
         if self.is_main:
@@ -123,12 +121,11 @@ class _ProcessGroup(Parallel):
 
     def close(self, *, clean: bool) -> None:
         # A gloo group's C++ threads live as long as anything holds the group, and the DDP model
-        # (kept alive by a reference cycle that torch's state-dict helpers leave) does. Freed at
-        # interpreter exit, the group's thread dies in pthread_exit and aborts a finished run
-        # ("terminate called without an active exception"). So collect the cycles, then destroy
-        # the group while the interpreter is alive. The barrier, only after a clean run, keeps a
-        # rank from closing while another is still in a collective; after an error the others may
-        # be anywhere, and it would wait for the whole collective timeout.
+        # (in a reference cycle torch's state-dict helpers leave) does. Freed at interpreter exit,
+        # a thread dies in pthread_exit and aborts a finished run ("terminate called without an
+        # active exception"): collect the cycles and destroy the group while Python is alive. The
+        # barrier keeps a rank from leaving while another is in a collective; after an error the
+        # others may be anywhere, and it would wait for the whole collective timeout.
         if not dist.is_initialized():
             return
         gc.collect()
@@ -202,24 +199,19 @@ def start(device_name: str, fsdp: bool = False) -> Parallel:
     return (FullyShardedParallel if fsdp else DataParallel)(device, rank, world_size)
 
 
-class GracefulStop:
-    """SIGTERM and SIGINT set :attr:`reason`; the loop finishes its step, saves and exits.
-
-    A preempted job (SIGTERM) or a Ctrl-C thus always leaves a checkpoint of its last step. A
-    second Ctrl-C raises KeyboardInterrupt at once, for when saving itself hangs.
-    """
+class GracefulStop(contextlib.AbstractContextManager["GracefulStop"]):
+    """SIGTERM and SIGINT set :attr:`reason`: the loop finishes its step, saves and exits, so a
+    preempted job or a Ctrl-C leaves a checkpoint. A second Ctrl-C aborts at once (a hung save)."""
 
     def __init__(self) -> None:
         self.reason: str | None = None
         self._previous: dict[int, Any] = {}
 
-    def __enter__(self) -> GracefulStop:
         # Handlers can only be installed from the main thread (a notebook or test may call
         # train() from another one; it then simply cannot be stopped by a signal).
         if threading.current_thread() is threading.main_thread():
             for sig in (signal.SIGTERM, signal.SIGINT):
                 self._previous[sig] = signal.signal(sig, self._handle)
-        return self
 
     def __exit__(self, *exc: object) -> None:
         for sig, handler in self._previous.items():
@@ -249,7 +241,7 @@ def rank_seed(seed: int, rank: int, step: int | None = None) -> int:
 
 @dataclass(frozen=True)
 class ElasticPlan:
-    """Per-rank batch and gradient accumulation after a resume, and what changed."""
+    """Per-rank batch and gradient accumulation after a resume, and what changed (old, new)."""
 
     batch_size: int
     grad_accum: int

@@ -161,21 +161,13 @@ def _train(config: TrainConfig, par: parallel.Parallel) -> TrainResult:
             scheduler.load_state_dict(checkpoint[ckpt.LR_SCHEDULER])
             # After a world-size change the batches are cut differently: only the learning rate compares.
             same_world = "world_size" not in plan.changes
-            ckpt.audit(
-                checkpoint[ckpt.AUDIT],
-                loader,
-                grad_accum if same_world else None,
-                optimizer,
-                config,
-                state.step,
-                resume_path,
-                par,
-            )
-            done = loader.position // (config.batch_size * par.world_size)
+            next_batch = ckpt.next_step_fingerprint(loader, grad_accum, par) if same_world else None
+            ckpt.audit(checkpoint[ckpt.AUDIT], next_batch, optimizer, config, state.step, resume_path)
+            done, lr = loader.position // (config.batch_size * par.world_size), optimizer.param_groups[0]["lr"]
             say(
-                f"resuming at step {state.step}: epoch {loader.epoch}, {done} of {len(loader)} batches done; the next "
-                f"step's {'batch indices and ' if same_world else ''}learning rate {format_lr(optimizer.param_groups[0]['lr'])} "
-                "match what the checkpoint recorded" + ("" if same_world else f"; {config.elastic}: {plan.describe()}")
+                f"resuming at step {state.step}: epoch {loader.epoch}, {done} of {len(loader)} batches done; "
+                f"the next step's {'batch indices and ' if same_world else ''}learning rate {format_lr(lr)} match "
+                "what the checkpoint recorded" + ("" if same_world else f"; {config.elastic}: {plan.describe()}")
             )
             # Last, because building the model above drew from the RNGs it restores.
             rng = ckpt.restore_rng(checkpoint[ckpt.RNG], par, config.seed, state.step)

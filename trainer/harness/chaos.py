@@ -26,6 +26,7 @@ import subprocess
 import sys
 import time
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -165,6 +166,30 @@ def chaos(kills: int, run_dir: str | Path = "runs/chaos", *, seed: int = 0, log:
         raise ValueError(f"--kills should be >= 1, but got {kills}")
     started = time.perf_counter()
     base = Path(run_dir)
+    config, expected_losses, train_s = _reference_run(base)
+    log(f"chaos: reference run of {config.max_steps} steps trained in {train_s:.2f} s; now {kills} kills")
+    report = ChaosReport()
+    rng = random.Random(seed)
+    for run_number in itertools.count(1):
+        if report.total_kills >= kills or report.failures:
+            break
+        run = replace(config, run_dir=str(base / f"run-{run_number:03d}"), resume="auto")
+        launches = _kill_until_finished(run, kills, rng, train_s, report, base / "snapshots")
+        if not report.failures:
+            report.runs_completed += 1
+            _check_run(run, launches, expected_losses, Path(config.run_dir), report)
+        log(
+            f"  {Path(run.run_dir).name}: {len(launches)} launches, kills so far {report.total_kills}/{kills}"
+            f"{'' if report.ok else ' FAILED: ' + report.failures[-1]}"
+        )
+    report.wall_s = time.perf_counter() - started
+    return report
+
+
+def _reference_run(base: Path) -> tuple[TrainConfig, dict[int, float], float]:
+    """Empty ``base``, write the corpus and train the reference straight through, keeping every
+    checkpoint (so each one a chaos run writes can be compared). Returns its configuration, its
+    loss at every step and how long its training took (the range of the random kill moments)."""
     shutil.rmtree(base, ignore_errors=True)
     base.mkdir(parents=True)
     corpus = base / "corpus.txt"
@@ -172,70 +197,58 @@ def chaos(kills: int, run_dir: str | Path = "runs/chaos", *, seed: int = 0, log:
     config = TrainConfig(
         run_dir=str(base / "reference"), data=str(corpus), cache_dir=str(base / "cache"), **CHAOS_DEFAULTS
     )
-
-    # The reference keeps every checkpoint, so each one a chaos run writes can be compared.
     reference = replace(config, resume="never", keep_last=10**6)
     code = _launch(reference, Launch(NO_KILL, "0", 0, False)).wait(timeout=LAUNCH_TIMEOUT_S)
     if code != 0:
         raise RuntimeError(f"the reference run failed with exit code {code}; see {base / 'reference' / 'launches.log'}")
     events = read_metrics(reference.run_dir)
-    expected_losses = {e["step"]: e["loss"] for e in events if e["event"] == "step"}
     times = [e["time"] for e in events if e["event"] in ("start", "end")]
-    train_s = times[-1] - times[0]
-    log(f"chaos: reference run of {config.max_steps} steps trained in {train_s:.2f} s; now {kills} kills")
+    return config, {e["step"]: e["loss"] for e in events if e["event"] == "step"}, times[-1] - times[0]
 
-    report = ChaosReport()
-    rng = random.Random(seed)
-    for run_number in itertools.count(1):
-        if report.total_kills >= kills or report.failures:
+
+def _next_launch(attempt: int, kills: int, rng: random.Random, train_s: float) -> Launch:
+    """The launch after ``attempt`` kills: the plan's next kill point (none once ``kills`` landed),
+    with 2 workers every other kill and async saves every other pair. The plan moves on only when a
+    kill lands (a launch may finish first), so the first K kills are exactly the plan's first K."""
+    if attempt >= kills:
+        return Launch(NO_KILL, "0", num_workers=0, async_save=False)
+    point = PLAN[attempt % len(PLAN)]
+    count = f"{rng.uniform(0.0, train_s):.3f}" if point == "after-seconds" else str(rng.randint(1, 2))
+    return Launch(point, count, num_workers=2 * (attempt % 2), async_save=(attempt // 2) % 2 == 1)
+
+
+def _kill_until_finished(
+    run: TrainConfig, kills: int, rng: random.Random, train_s: float, report: ChaosReport, snapshots: Path
+) -> list[Launch]:
+    """Launch ``run`` again and again, at once after each SIGKILL, until a launch exits by itself."""
+    launches: list[Launch] = []
+    while True:
+        launch = _next_launch(report.total_kills, kills, rng, train_s)
+        report.launches += 1
+        launch.first_event = len(_events(run.run_dir))
+        process = _launch(replace(run, num_workers=launch.num_workers, async_save=launch.async_save), launch)
+        try:
+            launch.exit_code = process.wait(timeout=LAUNCH_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            launch.exit_code = process.wait()
+            report.failures.append(f"{run.run_dir}: a launch ran over {LAUNCH_TIMEOUT_S} s and was stopped")
+        launches.append(launch)
+        if launch.exit_code != -signal.SIGKILL:
             break
-        run = replace(config, run_dir=str(base / f"run-{run_number:03d}"), resume="auto")
-        launches: list[Launch] = []
-        while True:
-            # The plan moves on only when a kill lands (a launch may finish first), so the first K kills
-            # are exactly the plan's first K, each with its own workers/async combination.
-            attempt = report.total_kills
-            if attempt < kills:
-                point = PLAN[attempt % len(PLAN)]
-                count = f"{rng.uniform(0.0, train_s):.3f}" if point == "after-seconds" else str(rng.randint(1, 2))
-            else:
-                point, count = NO_KILL, "0"
-            launch = Launch(point, count, num_workers=2 * (attempt % 2), async_save=(attempt // 2) % 2 == 1)
-            report.launches += 1
-            launch.first_event = len(_events(run.run_dir))
-            process = _launch(replace(run, num_workers=launch.num_workers, async_save=launch.async_save), launch)
-            try:
-                launch.exit_code = process.wait(timeout=LAUNCH_TIMEOUT_S)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                launch.exit_code = process.wait()
-                report.failures.append(f"{run.run_dir}: a launch ran over {LAUNCH_TIMEOUT_S} s and was stopped")
-            launches.append(launch)
-            if launch.exit_code == -signal.SIGKILL:
-                report.kills[point] += 1
-                report.kills_with_workers += launch.num_workers > 0
-                report.kills_with_async += launch.async_save
-                # The folder exactly as the kill left it (a few ms); the relaunch follows at once.
-                launch.snapshot = base / "snapshots" / f"{Path(run.run_dir).name}-{len(launches):02d}"
-                shutil.copytree(Path(run.run_dir) / CHECKPOINT_FOLDER, launch.snapshot, symlinks=True)
-                continue
-            if launch.exit_code != 0:
-                output = (Path(run.run_dir) / "launches.log").read_text(errors="replace")
-                if "locked by pid" in output:
-                    report.relaunches_refused += 1
-                report.failures.append(
-                    f"{run.run_dir}: launch {len(launches)} exited with {launch.exit_code}; see launches.log"
-                )
-            break
-        if not report.failures:
-            report.runs_completed += 1
-            _check_run(run, launches, expected_losses, Path(reference.run_dir), report)
-        log(
-            f"  {Path(run.run_dir).name}: {len(launches)} launches, kills so far {report.total_kills}/{kills}"
-            f"{'' if report.ok else ' FAILED: ' + report.failures[-1]}"
+        report.kills[launch.killpoint] += 1
+        report.kills_with_workers += launch.num_workers > 0
+        report.kills_with_async += launch.async_save
+        # The folder exactly as the kill left it (a few ms); the relaunch follows at once.
+        launch.snapshot = snapshots / f"{Path(run.run_dir).name}-{len(launches):02d}"
+        shutil.copytree(Path(run.run_dir) / CHECKPOINT_FOLDER, launch.snapshot, symlinks=True)
+    if launch.exit_code != 0:
+        output = (Path(run.run_dir) / "launches.log").read_text(errors="replace")
+        report.relaunches_refused += "locked by pid" in output
+        report.failures.append(
+            f"{run.run_dir}: launch {len(launches)} exited with {launch.exit_code}; see launches.log"
         )
-    report.wall_s = time.perf_counter() - started
-    return report
+    return launches
 
 
 def _launch(config: TrainConfig, launch: Launch) -> subprocess.Popen[bytes]:
@@ -280,40 +293,9 @@ def _check_run(
     for i, launch in enumerate(launches):
         own = events[launch.first_event : launches[i + 1].first_event if i + 1 < len(launches) else len(events)]
         if i > 0:
-            resumed = [e for e in own if e["event"] == "resume"]
-            started = [e for e in own if e["event"] == "start"]
-            expected = launches[i - 1].snapshot and _newest_valid(launches[i - 1].snapshot)
-            if started and (resumed[0]["step"] if resumed else 0) != (expected or 0):
-                report.wrong_resume_point += 1
-                report.failures.append(
-                    f"{name}: launch {i + 1} resumed from {resumed[0]['step'] if resumed else 0}, newest valid was {expected}"
-                )
-        if launch.snapshot is None:
-            continue
-        saved = [e["step"] for e in own if e["event"] == "checkpoint"]
-        durable = saved[:-1] if launch.async_save else saved  # an async save is durable once the next one starts
-        floor = max([floor, *durable])
-        newest = _newest_valid(launch.snapshot) or 0
-        if newest < floor:
-            report.checkpoints_lost += 1
-            report.failures.append(
-                f"{name}: after kill {i + 1} ({launch.killpoint}) the newest valid checkpoint is {newest}, but {floor} had been saved"
-            )
-        floor = newest
-        for folder in sorted(launch.snapshot.glob("step-*")):
-            state = _verified_state(folder)
-            if state is None:  # incomplete or corrupt: never selected (the resume check above proves it)
-                continue
-            report.checkpoints_checked += 1
-            step = CheckpointManager.step_of(folder)
-            difference = first_difference(reference_state(step), state)
-            if difference is not None:
-                report.corrupt_valid += 1
-                report.corrupt_selected += step == newest
-                report.failures.append(
-                    f"{name}: checkpoint {folder} verifies but differs from the reference at {difference}"
-                )
-
+            _check_resume_point(name, i, own, launches[i - 1].snapshot, report)
+        if launch.snapshot is not None:
+            floor = _check_kill(name, i, launch, launch.snapshot, own, floor, reference_state, report)
     for event in events:
         if event["event"] == "step":
             report.losses_compared += 1
@@ -325,12 +307,59 @@ def _check_run(
     missing = set(expected_losses) - {e["step"] for e in events if e["event"] == "step"}
     if missing:
         report.failures.append(f"{name}: steps {sorted(missing)} were never logged")
-    final = first_difference(
-        reference_state(run.max_steps), _load(Path(run.run_dir) / CHECKPOINT_FOLDER / f"step-{run.max_steps:08d}")
-    )
-    if final is not None:
+    final = _load(Path(run.run_dir) / CHECKPOINT_FOLDER / f"step-{run.max_steps:08d}")
+    difference = first_difference(reference_state(run.max_steps), final)
+    if difference is not None:
         report.final_mismatches += 1
-        report.failures.append(f"{name}: final state differs from the uninterrupted run at {final}")
+        report.failures.append(f"{name}: final state differs from the uninterrupted run at {difference}")
+
+
+def _check_resume_point(name: str, i: int, own: list[dict[str, Any]], killed: Path | None, report: ChaosReport) -> None:
+    """Launch ``i`` (after a kill that left the folder ``killed``) resumed from its newest valid checkpoint."""
+    resumed = [e["step"] for e in own if e["event"] == "resume"]
+    expected = (killed and _newest_valid(killed)) or 0
+    if any(e["event"] == "start" for e in own) and (resumed[0] if resumed else 0) != expected:
+        report.wrong_resume_point += 1
+        report.failures.append(
+            f"{name}: launch {i + 1} resumed from {resumed[0] if resumed else 0}, newest valid was {expected}"
+        )
+
+
+def _check_kill(
+    name: str,
+    i: int,
+    launch: Launch,
+    snapshot: Path,
+    own: list[dict[str, Any]],
+    floor: int,
+    reference_state: Callable[[int], dict[str, Any]],
+    report: ChaosReport,
+) -> int:
+    """After kill ``i`` (its checkpoint folder copied to ``snapshot``): no checkpoint saved before it
+    is lost, and every one that verifies holds the reference's state. Returns the newest valid step."""
+    saved = [e["step"] for e in own if e["event"] == "checkpoint"]
+    durable = saved[:-1] if launch.async_save else saved  # an async save is durable once the next one starts
+    floor = max([floor, *durable])
+    newest = _newest_valid(snapshot) or 0
+    if newest < floor:
+        report.checkpoints_lost += 1
+        report.failures.append(
+            f"{name}: after kill {i + 1} ({launch.killpoint}) the newest valid checkpoint is {newest}, but {floor} had been saved"
+        )
+    for folder in sorted(snapshot.glob("step-*")):
+        state = _verified_state(folder)
+        if state is None:  # incomplete or corrupt: never selected (the resume check proves it)
+            continue
+        report.checkpoints_checked += 1
+        step = CheckpointManager.step_of(folder)
+        difference = first_difference(reference_state(step), state)
+        if difference is not None:
+            report.corrupt_valid += 1
+            report.corrupt_selected += step == newest
+            report.failures.append(
+                f"{name}: checkpoint {folder} verifies but differs from the reference at {difference}"
+            )
+    return newest
 
 
 def _newest_valid(folder: Path) -> int | None:
