@@ -71,6 +71,7 @@ class Progress(contextlib.AbstractContextManager["Progress"]):
             unit="step",
             dynamic_ncols=columns > 0,  # follows a resized terminal
             ncols=None if columns > 0 else FALLBACK_COLUMNS,
+            nrows=None if columns > 0 else 24,  # tqdm would take -1 from such a terminal, and hide the bar
             postfix=self._fields("-", "-", "-"),
         )
 
