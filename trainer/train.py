@@ -186,12 +186,23 @@ def _train(config: TrainConfig, par: parallel.Parallel) -> TrainResult:
         # Compile after loading: the compiled wrapper renames state_dict keys, so the plain model
         # is what gets saved and loaded.
         forward = torch.compile(wrapped) if config.compile else wrapped
-        # Evaluation runs on every rank with the same windows, outside DDP (whose forward would
-        # expect a matching backward); an FSDP model gathers its shards on every rank.
+        # Evaluation runs on every rank with the same windows, outside DDP (whose forward would expect
+        # a matching backward); an FSDP model gathers its shards on every rank.
         evaluate_with = model if par.distributed else forward
 
+        @torch.no_grad()
         def evaluate() -> float:
-            return _evaluate(evaluate_with, val_windows, val_indices, config.batch_size, par.device, autocast)
+            # No random numbers are drawn (eval mode has no dropout; batches are stacked by hand, not by
+            # a DataLoader, whose iterators draw a seed), so evaluating never changes the training run.
+            evaluate_with.eval()
+            losses = []
+            for start in range(0, len(val_indices), config.batch_size):
+                pairs = [val_windows[i] for i in val_indices[start : start + config.batch_size]]
+                x, y = (torch.stack(t).to(par.device) for t in zip(*pairs, strict=True))
+                with autocast:
+                    losses.append(evaluate_with(x, y)[1].item())
+            evaluate_with.train()
+            return sum(losses) / len(losses)
 
         def save_checkpoint(val_loss: float | None) -> Path:
             # Everything that decides the next step, under the checkpoint's fixed keys. Every rank
@@ -272,10 +283,11 @@ def _train(config: TrainConfig, par: parallel.Parallel) -> TrainResult:
                 if stopped_by is None and anyone > 0:
                     stopped_by = signalled or "a signal to another rank"
                 step_time = (time.perf_counter() - window_started) / len(pending)  # .tolist() waited for the GPU
+                rate = tokens_per_step / step_time  # for the bar, smoothed: the first value, then a moving average
+                tokens_per_second = rate if tokens_per_second == 0 else 0.9 * tokens_per_second + 0.1 * rate
                 norms = torch.stack([p[2] for p in pending]).tolist()
                 for (event, _, _), step_loss, norm in zip(pending, losses, norms, strict=True):
                     result.losses[event["step"]] = step_loss
-                    tokens_per_second = _moving_average(tokens_per_second, tokens_per_step / step_time)
                     metrics.log("step", **event, loss=step_loss, grad_norm=norm, step_time=step_time)
                 bar.update(len(pending), losses[-1], lr, tokens_per_second)
                 pending.clear()
@@ -318,41 +330,10 @@ def _train(config: TrainConfig, par: parallel.Parallel) -> TrainResult:
     return result
 
 
-@torch.no_grad()
-def _evaluate(
-    model: torch.nn.Module,
-    val: TokenWindows,
-    indices: list[int],
-    batch_size: int,
-    device: torch.device,
-    autocast: torch.autocast,
-) -> float:
-    """Mean loss over fixed validation windows.
-
-    It draws no random numbers (eval mode has no dropout; batches are stacked by hand rather than
-    through a DataLoader, whose iterators draw a seed), so evaluating never changes the training
-    run: a checkpoint written right after an evaluation resumes identically.
-    """
-    model.eval()
-    losses = []
-    for start in range(0, len(indices), batch_size):
-        pairs = [val[i] for i in indices[start : start + batch_size]]
-        x, y = (torch.stack(t).to(device) for t in zip(*pairs, strict=True))
-        with autocast:
-            losses.append(model(x, y)[1].item())
-    model.train()
-    return sum(losses) / len(losses)
-
-
 def _endless(loader: ResumableDataLoader) -> Iterator[Any]:
     """Batches forever: each new ``iter()`` continues the loader's epoch, or starts the next."""
     while True:
         yield from loader
-
-
-def _moving_average(average: float, value: float) -> float:
-    """Throughput for the progress bar: the first value, then an exponential moving average."""
-    return value if average == 0 else 0.9 * average + 0.1 * value
 
 
 def _weights_digest(model: torch.nn.Module, par: parallel.Parallel) -> str:

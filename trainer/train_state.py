@@ -33,14 +33,6 @@ class TrainState:
 
     The layout (ranks, sequences per micro-batch, micro-batches per step) is the one the steps so
     far were taken with: after :meth:`load_state_dict` the checkpoint's, until :meth:`relayout`.
-
-    Example:
-        >>> state = TrainState(world_size=1, batch_size=4, grad_accum=1)
-        >>> state.step, state.tokens_seen = 6, 384
-        >>> resumed = TrainState(world_size=2, batch_size=4, grad_accum=1)
-        >>> resumed.load_state_dict(state.state_dict())
-        >>> resumed.step, resumed.tokens_seen, resumed.world_size
-        (6, 384, 1)
     """
 
     world_size: int
