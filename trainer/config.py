@@ -134,21 +134,14 @@ class TrainConfig:
         return restored
 
     def lr_factor(self, step: int) -> float:
-        """The learning rate of 0-based optimizer step ``step`` as a fraction of ``lr`` (LambdaLR's factor)."""
-        return lr_multiplier(step, self.warmup_steps, self.max_steps, self.min_lr / self.lr)
+        """The learning rate of 0-based optimizer step ``step`` as a fraction of ``lr`` (LambdaLR's factor).
 
-
-def lr_multiplier(step: int, warmup_steps: int, max_steps: int, min_ratio: float) -> float:
-    """The learning rate of 0-based optimizer step ``step``, as a fraction of the peak.
-
-    Linear warmup (the first steps' Adam moments are too noisy for the full rate), then cosine
-    decay from 1 to ``min_ratio`` at ``max_steps``.
-
-    Example:
-        >>> [round(lr_multiplier(s, warmup_steps=2, max_steps=4, min_ratio=0.1), 3) for s in range(5)]
-        [0.5, 1.0, 1.0, 0.55, 0.1]
-    """
-    if step < warmup_steps:
-        return (step + 1) / warmup_steps
-    progress = min(1.0, (step - warmup_steps) / max(1, max_steps - warmup_steps))
-    return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+        Linear warmup (the first steps' Adam moments are too noisy for the full rate), then cosine
+        decay to ``min_lr`` at ``max_steps``: with warmup 2, max 4 and min_lr 0.1 x lr, steps 0..4 get
+        0.5, 1.0, 1.0, 0.55 and 0.1.
+        """
+        if step < self.warmup_steps:
+            return (step + 1) / self.warmup_steps
+        progress = min(1.0, (step - self.warmup_steps) / max(1, self.max_steps - self.warmup_steps))
+        min_ratio = self.min_lr / self.lr
+        return min_ratio + (1.0 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
