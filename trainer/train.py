@@ -16,7 +16,7 @@ import math
 import os
 import time
 import traceback
-from collections.abc import Iterator
+from collections.abc import Generator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -142,20 +142,9 @@ def _train(config: TrainConfig, par: parallel.Parallel) -> TrainResult:
             f"{model.num_parameters() / 1e6:.2f}M parameters on {par.device} x {par.world_size} | "
             f"{data.describe()} | {len(loader) // grad_accum} optimizer steps per epoch"
         )
-        metrics = stack.enter_context(Metrics(run_dir / METRICS_FILE if par.is_main else None))
-        metrics.log(
-            "start",
-            step=state.step,
-            device=str(par.device),
-            world_size=par.world_size,
-            pids=par.gather(os.getpid()),
-            parameters=model.num_parameters(),
-            config=asdict(config),
-            model_config=asdict(model_config),
-            data=data.describe(),
-        )
 
         # -- Resume: put everything back, check the next step, restore the RNGs last --
+        resumed: dict[str, Any] = {}  # for the log
         if checkpoint is not None and resume_path is not None:
             checkpoints.restore(resume_path, checkpoint, wrapped, optimizer, loader)  # weights, moments, data position
             scheduler.load_state_dict(checkpoint[ckpt.LR_SCHEDULER])
@@ -171,16 +160,25 @@ def _train(config: TrainConfig, par: parallel.Parallel) -> TrainResult:
             )
             # Last, because building the model above drew from the RNGs it restores.
             rng = ckpt.restore_rng(checkpoint[ckpt.RNG], par, config.seed, state.step)
-            metrics.log(
-                "resume",
-                step=state.step,
-                checkpoint=str(resume_path),
-                audit="ok",
-                elastic=config.elastic,
-                changes=plan.changes,
-                rng=rng,
-            )
+            resumed = {"step": state.step, "checkpoint": str(resume_path), "audit": "ok", "elastic": config.elastic}
+            resumed |= {"changes": plan.changes, "rng": rng}
             checkpoint = None  # free the CPU copy of the weights
+
+        # -- Logging: opened after the resume, so a refused one leaves no start event in metrics.jsonl --
+        metrics = stack.enter_context(Metrics(run_dir / METRICS_FILE if par.is_main else None))
+        metrics.log(
+            "start",
+            step=state.step,
+            device=str(par.device),
+            world_size=par.world_size,
+            pids=par.gather(os.getpid()),
+            parameters=model.num_parameters(),
+            config=asdict(config),
+            model_config=asdict(model_config),
+            data=data.describe(),
+        )
+        if resumed:
+            metrics.log("resume", **resumed)
 
         autocast = torch.autocast(par.device.type, torch.bfloat16, enabled=par.device.type == "cuda")
         # Compile after loading: the compiled wrapper renames state_dict keys, so the plain model
@@ -330,7 +328,7 @@ def _train(config: TrainConfig, par: parallel.Parallel) -> TrainResult:
     return result
 
 
-def _endless(loader: ResumableDataLoader) -> Iterator[Any]:
+def _endless(loader: ResumableDataLoader) -> Generator[Any, None, None]:
     """Batches forever: each new ``iter()`` continues the loader's epoch, or starts the next."""
     while True:
         yield from loader
