@@ -57,30 +57,26 @@ def test_the_first_build_of_the_corpus_says_what_it_is_doing_and_a_cached_one_sa
     assert len(said) == 2
 
 
-def test_the_resume_line_says_where_the_run_continues(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    """The step, the epoch and the batch, and the next step's learning rate printed as the bar prints
-    it (format_lr). No bare fingerprint: the hash of the next batch is for the audit, not for people."""
-    train(tiny(tmp_path, max_steps=6, stop_at=5))
-    capsys.readouterr()
-    train(tiny(tmp_path, max_steps=6))
-    [line] = [line for line in capsys.readouterr().out.splitlines() if line.startswith("resuming at")]
-    lr = next(e["lr"] for e in read_metrics(tmp_path / "run") if e["event"] == "step" and e["step"] == 6)
-    assert line == (
-        "resuming at step 5: epoch 0, 5 of 14 batches done; the next step's batch indices and learning rate "
-        f"{format_lr(lr)} match what the checkpoint recorded"
-    )
-
-
-def test_the_bar_is_drawn_at_most_once_per_step_with_that_steps_values_at_one_width(
+def test_the_resume_line_says_where_the_run_continues_and_the_bar_draws_each_step_once_at_one_width(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """Every frame pairs a step count with that step's loss and learning rate (never the new loss
-    beside the old count), no step is drawn twice but the last (redrawn under the final messages and
-    when the bar closes), and all frames are equally wide, the first (no values yet) included."""
+    """The resume line names the step, the epoch and the batch, and the next learning rate printed as
+    the bar prints it (no bare fingerprint: the hash of the next batch is for the audit, not for
+    people). Every frame of the bar pairs a step count with that step's loss and learning rate (never
+    the new loss beside the old count), no step is drawn twice but the last (redrawn under the final
+    messages and when the bar closes), and all frames are equally wide, the first (no values yet) too."""
+    train(tiny(tmp_path, stop_at=5))
+    capsys.readouterr()
     result = train(tiny(tmp_path, progress=True))
-    frames = [frame.rstrip("\n") for frame in capsys.readouterr().err.split("\r") if "/8 [" in frame]
+    captured = capsys.readouterr()
     lrs = {e["step"]: e["lr"] for e in read_metrics(tmp_path / "run") if e["event"] == "step"}
-    drawn = [m for m in map(FRAME.search, frames) if m and m[1] != "0"]
+    [line] = [line for line in captured.out.splitlines() if line.startswith("resuming at")]
+    assert line == (
+        "resuming at step 5: epoch 0, 5 of 14 batches done; the next step's batch indices and learning rate "
+        f"{format_lr(lrs[6])} match what the checkpoint recorded"
+    )
+    frames = [frame.rstrip("\n") for frame in captured.err.split("\r") if "/8 [" in frame]
+    drawn = [m for m in map(FRAME.search, frames) if m and m[1] != "5"]  # 5: the first frame, values not yet known
     assert drawn and all(n == 1 for step, n in collections.Counter(int(m[1]) for m in drawn).items() if step != 8)
     for m in drawn:
         assert (m[2], m[3]) == (f"{result.losses[int(m[1])]:.4f}", format_lr(lrs[int(m[1])]))
