@@ -206,7 +206,6 @@ class GracefulStop(contextlib.AbstractContextManager["GracefulStop"]):
     def __init__(self) -> None:
         self.reason: str | None = None
         self._previous: dict[int, Any] = {}
-
         # Handlers can only be installed from the main thread (a notebook or test may call
         # train() from another one; it then simply cannot be stopped by a signal).
         if threading.current_thread() is threading.main_thread():
