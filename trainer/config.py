@@ -14,8 +14,8 @@ from typing import Any
 
 from resumable_data import ResumeError
 
-from . import parallel
 from .model import ModelConfig
+from .train_state import ELASTIC_POLICIES
 
 # The model's shape comes from the checkpoint on resume; these fields may only repeat it.
 ARCHITECTURE_FIELDS = ("block_size", "n_layer", "n_head", "n_embd", "dropout")
@@ -102,7 +102,7 @@ class TrainConfig:
                 raise ValueError(f"{flag(name)} should be a finite number >= 0 (lr > 0), but got {value}")
         if self.min_lr > self.lr:
             raise ValueError(f"--min-lr {self.min_lr} is above --lr {self.lr}")
-        for name, choices in (("checkpoint_format", CHECKPOINT_FORMATS), ("elastic", parallel.ELASTIC_POLICIES)):
+        for name, choices in (("checkpoint_format", CHECKPOINT_FORMATS), ("elastic", ELASTIC_POLICIES)):
             if getattr(self, name) not in choices:
                 raise ValueError(f"{flag(name)} should be one of {', '.join(choices)}, but got {getattr(self, name)!r}")
         if self.stop_at is not None and not 1 <= self.stop_at <= self.max_steps:

@@ -2,7 +2,7 @@
 
 Under ``torchrun`` (``RANK``/``WORLD_SIZE``/``LOCAL_RANK`` set) the trainer joins a process group,
 gloo on CPU or NCCL on CUDA; the base class is a single process, where nothing talks to anyone. Also
-here: the stop signal, per-rank seeds, and the batch layout of a resume on another number of ranks.
+here: the stop signal, and the seeds of each rank's RNGs.
 """
 
 from __future__ import annotations
@@ -16,7 +16,6 @@ import random
 import signal
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
 from types import FrameType
 from typing import Any, TypeVar
 
@@ -30,7 +29,6 @@ from tqdm import tqdm
 from resumable_data import ResumeError
 
 T = TypeVar("T")
-ELASTIC_POLICIES = ("per-rank-batch", "global-batch", "refuse")
 # Long enough for a slow checkpoint write on rank 0 while the others wait, short enough that a
 # hung job ends by itself.
 COLLECTIVE_TIMEOUT = datetime.timedelta(minutes=10)
@@ -236,56 +234,3 @@ def rank_seed(seed: int, rank: int, step: int | None = None) -> int:
     ``(seed, step, rank)`` so an elastic resume is still reproducible."""
     text = f"{seed}:{rank}" if step is None else f"{seed}:{step}:{rank}"
     return int.from_bytes(hashlib.sha256(text.encode()).digest()[:4], "little")
-
-
-@dataclass(frozen=True)
-class ElasticPlan:
-    """Per-rank batch and gradient accumulation after a resume, and what changed (old, new)."""
-
-    batch_size: int
-    grad_accum: int
-    changes: dict[str, list[int]]
-
-    def describe(self) -> str:
-        return ", ".join(f"{name} {old} -> {new}" for name, (old, new) in self.changes.items()) or "nothing changed"
-
-
-def elastic_plan(
-    *, policy: str, saved_world: int, saved_batch: int, saved_accum: int, world: int, batch: int, accum: int
-) -> ElasticPlan:
-    """The batch layout for a resume on ``world`` ranks of a checkpoint written on ``saved_world``.
-
-    Policies: ``per-rank-batch`` keeps ``--batch-size`` and ``--grad-accum`` (the global batch
-    scales with the ranks); ``global-batch`` keeps ``world * batch * grad_accum`` by changing the
-    gradient accumulation, and refuses when it does not divide; ``refuse`` refuses any change.
-
-    Raises:
-        ResumeError: an unknown policy, a refused change, or a global batch the new ranks cannot split.
-    """
-    if policy not in ELASTIC_POLICIES:
-        raise ResumeError(f"--elastic should be one of {ELASTIC_POLICIES}, but got {policy!r}")
-    changes: dict[str, list[int]] = {}
-    if world != saved_world:
-        if policy == "refuse":
-            raise ResumeError(
-                f"world size changed: the checkpoint was written by {saved_world} ranks, this job has {world} "
-                f"(--elastic refuse); start it with torchrun --nproc_per_node {saved_world}, or allow the change with "
-                "--elastic per-rank-batch or --elastic global-batch"
-            )
-        changes["world_size"] = [saved_world, world]
-        total = saved_world * saved_batch * saved_accum
-        if policy == "global-batch" and total % (world * batch):
-            raise ResumeError(
-                f"--elastic global-batch: the checkpoint's global batch of {total} sequences ({saved_world} ranks x "
-                f"--batch-size {saved_batch} x --grad-accum {saved_accum}) cannot be split over {world} ranks of "
-                f"--batch-size {batch}; pick a --batch-size or a number of ranks that divides it, or resume with "
-                f"--elastic per-rank-batch (the global batch then becomes {world * batch * accum})"
-            )
-        if policy == "global-batch":
-            accum = total // (world * batch)
-    for name, old, new in (("batch_size", saved_batch, batch), ("grad_accum", saved_accum, accum)):
-        if old != new:
-            changes[name] = [old, new]
-    if changes:
-        changes["global_batch"] = [saved_world * saved_batch * saved_accum, world * batch * accum]
-    return ElasticPlan(batch, accum, changes)

@@ -1,4 +1,5 @@
-"""The train state: what the loop carries from one optimizer step to the next, as a ``Stateful``.
+"""The train state: what the loop carries from one optimizer step to the next, as a ``Stateful``, and
+the batch layout a resume on another number of ranks takes (:func:`elastic_plan`).
 
 As torchtitan's ``TrainState``, it is saved under ``"train_state"`` beside the model, optimizer,
 scheduler, data loader and RNG states. Everything else the loop needs derives from the configuration
@@ -15,8 +16,7 @@ from typing import Any
 
 from resumable_data import ResumeError
 
-from .parallel import ElasticPlan, elastic_plan
-
+ELASTIC_POLICIES = ("per-rank-batch", "global-batch", "refuse")
 # Keys of the state dict, declared once. Trainer 0.1.0 wrote version 1 without the batch layout;
 # that is refused by name.
 TRAIN_STATE_VERSION = 1
@@ -86,9 +86,62 @@ class TrainState:
         """Take this job's batch layout, as ``--elastic`` ``policy`` plans it from the saved one.
 
         Raises:
-            ResumeError: the policy refuses the change (see :func:`trainer.parallel.elastic_plan`).
+            ResumeError: the policy refuses the change (see :func:`elastic_plan`).
         """
         saved = {"saved_world": self.world_size, "saved_batch": self.batch_size, "saved_accum": self.grad_accum}
         plan = elastic_plan(policy=policy, **saved, world=world_size, batch=batch_size, accum=grad_accum)
         self.world_size, self.batch_size, self.grad_accum = world_size, batch_size, plan.grad_accum
         return plan
+
+
+@dataclass(frozen=True)
+class ElasticPlan:
+    """Per-rank batch and gradient accumulation after a resume, and what changed (old, new)."""
+
+    batch_size: int
+    grad_accum: int
+    changes: dict[str, list[int]]
+
+    def describe(self) -> str:
+        return ", ".join(f"{name} {old} -> {new}" for name, (old, new) in self.changes.items()) or "nothing changed"
+
+
+def elastic_plan(
+    *, policy: str, saved_world: int, saved_batch: int, saved_accum: int, world: int, batch: int, accum: int
+) -> ElasticPlan:
+    """The batch layout for a resume on ``world`` ranks of a checkpoint written on ``saved_world``.
+
+    Policies: ``per-rank-batch`` keeps ``--batch-size`` and ``--grad-accum`` (the global batch
+    scales with the ranks); ``global-batch`` keeps ``world * batch * grad_accum`` by changing the
+    gradient accumulation, and refuses when it does not divide; ``refuse`` refuses any change.
+
+    Raises:
+        ResumeError: an unknown policy, a refused change, or a global batch the new ranks cannot split.
+    """
+    if policy not in ELASTIC_POLICIES:
+        raise ResumeError(f"--elastic should be one of {ELASTIC_POLICIES}, but got {policy!r}")
+    changes: dict[str, list[int]] = {}
+    if world != saved_world:
+        if policy == "refuse":
+            raise ResumeError(
+                f"world size changed: the checkpoint was written by {saved_world} ranks, this job has {world} "
+                f"(--elastic refuse); start it with torchrun --nproc_per_node {saved_world}, or allow the change with "
+                "--elastic per-rank-batch or --elastic global-batch"
+            )
+        changes["world_size"] = [saved_world, world]
+        total = saved_world * saved_batch * saved_accum
+        if policy == "global-batch" and total % (world * batch):
+            raise ResumeError(
+                f"--elastic global-batch: the checkpoint's global batch of {total} sequences ({saved_world} ranks x "
+                f"--batch-size {saved_batch} x --grad-accum {saved_accum}) cannot be split over {world} ranks of "
+                f"--batch-size {batch}; pick a --batch-size or a number of ranks that divides it, or resume with "
+                f"--elastic per-rank-batch (the global batch then becomes {world * batch * accum})"
+            )
+        if policy == "global-batch":
+            accum = total // (world * batch)
+    for name, old, new in (("batch_size", saved_batch, batch), ("grad_accum", saved_accum, accum)):
+        if old != new:
+            changes[name] = [old, new]
+    if changes:
+        changes["global_batch"] = [saved_world * saved_batch * saved_accum, world * batch * accum]
+    return ElasticPlan(batch, accum, changes)

@@ -30,7 +30,7 @@ from trainer.config import TrainConfig
 from trainer.harness import index_log
 from trainer.harness.verify import config_to_argv, verify_resume
 from trainer.metrics import read_metrics
-from trainer.parallel import elastic_plan
+from trainer.train_state import elastic_plan
 
 REPO = Path(__file__).resolve().parents[2]
 JOB_TIMEOUT = 120
