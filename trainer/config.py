@@ -76,7 +76,9 @@ class TrainConfig:
     deterministic: bool = _option(False, "torch.use_deterministic_algorithms (exact resume on CUDA)")
     progress: bool = _option(True, "show a progress bar")
     # Distributed (under torchrun).
-    sync_every: int = _option(10, "steps between the all-reduces that average the logged loss and check for a stop", 1)
+    sync_every: int = _option(
+        10, "under torchrun: steps between the all-reduces that average the logged loss and check for a stop", 1
+    )
     checkpoint_format: str = _option(
         "file", "'file' (one weights_only file, rank 0), 'dcp' or 'dcp-async' (torch.distributed.checkpoint)"
     )
