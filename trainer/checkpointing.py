@@ -112,14 +112,11 @@ class Checkpoints(contextlib.AbstractContextManager["Checkpoints"]):
             )
         return checkpoint
 
-    def restore(
-        self,
-        path: Path,
-        checkpoint: dict[str, Any],
-        wrapped: torch.nn.Module,
-        optimizer: torch.optim.Optimizer,
-        loader: ResumableDataLoader,
-    ) -> None:
+    def track(self, wrapped: torch.nn.Module, optimizer: torch.optim.Optimizer, loader: ResumableDataLoader) -> None:
+        """The model (as the loop calls it), optimizer and loader that :meth:`restore` and :meth:`save` serve."""
+        self.wrapped, self.optimizer, self.loader = wrapped, optimizer, loader
+
+    def restore(self, path: Path, checkpoint: dict[str, Any]) -> None:
         """Load the model, the optimizer and the data position (a collective under DCP).
 
         Call it after the scheduler is built: LambdaLR's constructor overwrites the optimizer's
@@ -129,44 +126,42 @@ class Checkpoints(contextlib.AbstractContextManager["Checkpoints"]):
             ResumeError: the state does not fit this model or loader.
         """
         if self.store is not None:
-            DcpCheckpoints.load(path, app := _dcp_app(wrapped, optimizer, loader))
+            DcpCheckpoints.load(path, app := self._dcp_app())
             model_sd, optim_sd = app[MODEL], app[OPTIMIZER]
         else:
             model_sd, optim_sd = checkpoint[MODEL], checkpoint[OPTIMIZER]
-            loader.load_state_dict(checkpoint[DATALOADER])
+            self.loader.load_state_dict(checkpoint[DATALOADER])
         options = StateDictOptions(full_state_dict=self.store is None and self.par.distributed)
         try:
-            set_state_dict(wrapped, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd, options=options)
+            set_state_dict(
+                self.wrapped, self.optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd, options=options
+            )
         except (KeyError, RuntimeError, ValueError) as e:
             raise ResumeError(
                 f"the model or optimizer state of {path} does not fit this model: {e}; was it written by "
                 "this trainer version (optimizer state keyed by parameter name)?"
             ) from e
 
-    def save(
-        self,
-        step: int,
-        states: dict[str, Any],
-        wrapped: torch.nn.Module,
-        optimizer: torch.optim.Optimizer,
-        loader: ResumableDataLoader,
-        *,
-        metric: float | None,
-    ) -> Path:
+    def save(self, step: int, states: dict[str, Any], *, metric: float | None) -> Path:
         """Write checkpoint ``step``: model, optimizer and data state from here, the rest (``EXTRA_KEYS``,
         gathered from every rank) from ``states``; ``metric`` makes the manager keep the best. Every
         rank calls it. Returns the checkpoint's folder (on ranks > 0 with files: the checkpoints folder).
         """
         if self.store is not None:
-            return self.store.save(step, _dcp_app(wrapped, optimizer, loader), states)
+            return self.store.save(step, self._dcp_app(), states)
         distributed = self.par.distributed
         options = StateDictOptions(full_state_dict=distributed, cpu_offload=distributed)
-        model_state, optimizer_state = get_state_dict(wrapped, optimizer, options=options)
-        data_state = resumable_data.global_state(loader)  # refuses ranks that disagree
+        model_state, optimizer_state = get_state_dict(self.wrapped, self.optimizer, options=options)
+        data_state = resumable_data.global_state(self.loader)  # refuses ranks that disagree
         if self.manager is None:  # not rank 0
             return self.run_dir / CHECKPOINT_FOLDER
         parts = {MODEL: model_state, OPTIMIZER: optimizer_state, DATALOADER: data_state, **states}
         return self.manager.save(step, {key: parts[key] for key in CHECKPOINT_KEYS}, metric=metric)
+
+    def _dcp_app(self) -> dict[str, Any]:
+        """What DCP saves and loads, under fixed keys: sharded model and optimizer, the global data state."""
+        model_state, optimizer_state = get_state_dict(self.wrapped, self.optimizer)
+        return {MODEL: model_state, OPTIMIZER: optimizer_state, DATALOADER: DataLoaderState(self.loader)}
 
 
 def _find_checkpoint(manager: CheckpointManager | DcpCheckpoints, resume: str) -> Path | None:
@@ -197,12 +192,6 @@ def _find_checkpoint(manager: CheckpointManager | DcpCheckpoints, resume: str) -
             "resuming from an older one would mix two histories: move them away or use another --run-dir"
         )
     return path
-
-
-def _dcp_app(wrapped: torch.nn.Module, optimizer: torch.optim.Optimizer, loader: ResumableDataLoader) -> dict[str, Any]:
-    """What DCP saves and loads, under fixed keys: sharded model and optimizer, the global data state."""
-    model_state, optimizer_state = get_state_dict(wrapped, optimizer)
-    return {MODEL: model_state, OPTIMIZER: optimizer_state, DATALOADER: DataLoaderState(loader)}
 
 
 def next_step_fingerprint(loader: ResumableDataLoader, grad_accum: int, par: parallel.Parallel) -> str:

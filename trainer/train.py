@@ -138,6 +138,7 @@ def _train(config: TrainConfig, par: parallel.Parallel) -> TrainResult:
         wrapped = par.wrap(model)
         optimizer = torch.optim.AdamW(model.param_groups(config.weight_decay), lr=config.lr, betas=ADAM_BETAS)
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: config.lr_factor(s))
+        checkpoints.track(wrapped, optimizer, loader)
         say(
             f"{model.num_parameters() / 1e6:.2f}M parameters on {par.device} x {par.world_size} | "
             f"{data.describe()} | {len(loader) // grad_accum} optimizer steps per epoch"
@@ -146,7 +147,7 @@ def _train(config: TrainConfig, par: parallel.Parallel) -> TrainResult:
         # -- Resume: put everything back, check the next step, restore the RNGs last --
         resumed: dict[str, Any] = {}  # for the log
         if checkpoint is not None and resume_path is not None:
-            checkpoints.restore(resume_path, checkpoint, wrapped, optimizer, loader)  # weights, moments, data position
+            checkpoints.restore(resume_path, checkpoint)  # weights, moments, data position
             scheduler.load_state_dict(checkpoint[ckpt.LR_SCHEDULER])
             # After a world-size change the batches are cut differently: only the learning rate compares.
             same_world = "world_size" not in plan.changes
@@ -217,7 +218,7 @@ def _train(config: TrainConfig, par: parallel.Parallel) -> TrainResult:
                     ckpt.NEXT_LR: optimizer.param_groups[0]["lr"],
                 },
             }
-            path = checkpoints.save(state.step, states, wrapped, optimizer, loader, metric=val_loss)
+            path = checkpoints.save(state.step, states, metric=val_loss)
             metrics.log("checkpoint", step=state.step, path=str(path))
             return path
 
