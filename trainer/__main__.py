@@ -13,47 +13,24 @@ python -m trainer gpu-smoke                    # on a CUDA machine: default run,
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import shutil
-import statistics
 import sys
-import time
 import typing
 from collections.abc import Mapping, Sequence
 from dataclasses import fields
-from pathlib import Path
 from typing import Any
 
 import torch
 
 from resumable_data import ResumeError
 
-from .chaos import chaos
 from .config import TrainConfig, flag
-from .metrics import read_metrics
+from .harness.chaos import chaos
+from .harness.gpu_smoke import gpu_smoke
+from .harness.verify import VERIFY_DEFAULTS, VERIFY_KILL_AT, verify_resume
 from .model import ModelConfig
 from .plot import plot_run
 from .train import train
-from .verify import verify_resume
-
-# verify-resume's defaults: small enough for a few minutes on 2 CPU cores, with dropout on so the
-# RNG restore matters, and checkpoints that do not fall on the kill step so steps get replayed.
-VERIFY_DEFAULTS = {
-    "run_dir": "runs/verify-resume",
-    "max_steps": 60,
-    "block_size": 64,
-    "n_layer": 2,
-    "n_head": 2,
-    "n_embd": 64,
-    "dropout": 0.1,
-    "batch_size": 8,
-    "warmup_steps": 10,
-    "eval_every": 20,
-    "eval_batches": 4,
-    "checkpoint_every": 10,
-}
-VERIFY_KILL_AT = 37
 
 # Intra-op threads. One by default: on our shared 2-core machines the default run's steps were
 # several times faster with one thread than with torch's default of one per core (see README), and
@@ -138,7 +115,12 @@ def _parser() -> argparse.ArgumentParser:
         help="run each job under torchrun with this many ranks, plus elastic resumes on 1 and NPROC+1 ranks",
     )
     _add_threads_flag(verify)
+    _add_harness_commands(commands)
+    return parser
 
+
+def _add_harness_commands(commands: Any) -> None:
+    """chaos, plot and gpu-smoke: the subcommands that do not train a run of their own flags."""
     chaos_cmd = commands.add_parser(
         "chaos",
         help="SIGKILL a tiny run again and again (mid-write, mid-prune, with workers), relaunch at once, compare",
@@ -165,50 +147,6 @@ def _parser() -> argparse.ArgumentParser:
         help="steps of the default run to time (default: %(default)s)",
     )
     smoke.add_argument("--run-dir", default="runs/gpu-smoke", help="parent folder of the smoke runs")
-    return parser
-
-
-def _gpu_smoke(steps: int, run_dir: str) -> bool:
-    """The checks a CUDA machine owes the issue, in one go; prints the figures and a JSON summary.
-
-    Returns:
-        True when verify-resume passed.
-
-    Raises:
-        ValueError: no CUDA device.
-    """
-    if not torch.cuda.is_available():
-        raise ValueError("gpu-smoke needs a CUDA device; torch.cuda.is_available() is False here")
-    base = Path(run_dir)
-    shutil.rmtree(base / "default", ignore_errors=True)  # a fresh run each time, so the figures compare
-    default_run = TrainConfig(
-        run_dir=str(base / "default"), resume="never", max_steps=steps, device="cuda", progress=False
-    )
-    started = time.perf_counter()
-    result = train(default_run)
-    wall = time.perf_counter() - started
-    step_times = [e["step_time"] for e in read_metrics(default_run.run_dir) if e["event"] == "step"]
-    # The first steps include CUDA start-up and kernel selection; time the steady state.
-    steady = statistics.median(step_times[len(step_times) // 4 :])
-    tokens_per_step = default_run.batch_size * default_run.grad_accum * ModelConfig().block_size
-    verify_config = TrainConfig(
-        **{**VERIFY_DEFAULTS, "run_dir": str(base / "verify"), "device": "cuda", "deterministic": True}
-    )
-    verified = verify_resume(verify_config, VERIFY_KILL_AT)
-    summary = {
-        "device": torch.cuda.get_device_name(0),
-        "torch": torch.__version__,
-        "default_run_steps": steps,
-        "default_run_wall_s": round(wall, 1),
-        "median_step_time_ms": round(steady * 1000, 2),
-        "tokens_per_s": round(tokens_per_step / steady),
-        "val_loss_first": result.val_losses[min(result.val_losses)],
-        "val_loss_last": result.val_losses[max(result.val_losses)],
-        "verify_resume_deterministic": "PASS" if verified else "FAIL",
-    }
-    print(json.dumps(summary, indent=2))
-    (base / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-    return verified
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -235,7 +173,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "plot":
             print(f"wrote {plot_run(args.run_dir, args.out)}")
             return 0
-        return 0 if _gpu_smoke(args.steps, args.run_dir) else 1
+        return 0 if gpu_smoke(args.steps, args.run_dir) else 1
     except (ResumeError, ValueError, OSError) as e:
         # ResumeError covers a locked run folder (CheckpointLockedError) and corrupt checkpoints;
         # OSError a checkpoint that cannot be written (disk full, read-only) or a missing file.

@@ -1,28 +1,20 @@
-"""The trainer's checkpoints: their fixed keys, which one to resume from, and reading and writing them.
+"""The trainer's checkpoints: fixed keys, which one to resume from, reading, restoring and writing them,
+and the audit that checks a restore.
 
-As in torchtitan, a checkpoint is a dict of the run's stateful parts under fixed keys:
-
-| key | holds |
-|---|---|
-| ``model``, ``optimizer`` | the model's and AdamW's state (full; sharded in DCP's files) |
-| ``lr_scheduler`` | LambdaLR's state |
-| ``dataloader`` | the data loader's global state: epoch, position and what fixes the order |
-| ``rng`` | every rank's RNG states, indexed by rank |
-| ``train_state`` | :class:`trainer.train_state.TrainState` |
-| ``model_config``, ``library_version`` | the architecture; ``resumable_data.__version__`` |
-| ``audit`` | the next step's batch fingerprint and learning rate, checked after a resume |
-
-Two formats: ``file`` (default) is one ``weights_only`` file per step written by rank 0 through
-``resumable_data.CheckpointManager``; ``dcp`` / ``dcp-async`` write the model, optimizer and data
-state with ``torch.distributed.checkpoint`` (every rank its shards) and the rest in ``trainer.pt``
-(:mod:`trainer.dcp_store`).
+As in torchtitan, a checkpoint is a dict of the run's stateful parts under fixed keys (the table is in
+``trainer/README.md``). ``--checkpoint-format file`` (default) writes one ``weights_only`` file per
+step from rank 0 through ``resumable_data.CheckpointManager``; ``dcp`` / ``dcp-async`` write model,
+optimizer and data state with ``torch.distributed.checkpoint`` (every rank its shards) and the rest in
+``trainer.pt`` (``dcp_store.py``).
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import json
+from collections.abc import Mapping
 from pathlib import Path
-from types import TracebackType
 from typing import Any
 
 import torch
@@ -34,116 +26,84 @@ from resumable_data import CheckpointManager, DataLoaderState, ResumableDataLoad
 from . import parallel
 from .config import TrainConfig
 from .dcp_store import DcpCheckpoints
-
-__all__ = ["CHECKPOINT_FOLDER", "CHECKPOINT_KEYS", "DCP_FOLDER", "Checkpoints"]
+from .metrics import METRICS_FILE, format_lr
 
 # Checkpoint keys, declared once: every checkpoint this trainer writes has exactly these.
-MODEL = "model"
-OPTIMIZER = "optimizer"
-LR_SCHEDULER = "lr_scheduler"
-DATALOADER = "dataloader"
-RNG = "rng"
-TRAIN_STATE = "train_state"
-MODEL_CONFIG = "model_config"
-LIBRARY_VERSION = "library_version"
-AUDIT = "audit"
+MODEL, OPTIMIZER, LR_SCHEDULER, DATALOADER, RNG = "model", "optimizer", "lr_scheduler", "dataloader", "rng"
+TRAIN_STATE, MODEL_CONFIG, LIBRARY_VERSION, AUDIT = "train_state", "model_config", "library_version", "audit"
 CHECKPOINT_KEYS = (MODEL, OPTIMIZER, LR_SCHEDULER, DATALOADER, RNG, TRAIN_STATE, MODEL_CONFIG, LIBRARY_VERSION, AUDIT)
-# A DCP checkpoint splits them: model, optimizer and data state in DCP's shards, the rest in
-# trainer.pt, written by rank 0 and read with weights_only=True.
+# A DCP checkpoint keeps model, optimizer and data state in DCP's shards, the rest in trainer.pt.
 DCP_KEYS = (MODEL, OPTIMIZER, DATALOADER)
 EXTRA_KEYS = tuple(key for key in CHECKPOINT_KEYS if key not in DCP_KEYS)
-# Keys inside "audit".
-NEXT_BATCH = "next_batch"
-NEXT_LR = "next_lr"
-
-CHECKPOINT_FOLDER = "checkpoints"
-DCP_FOLDER = "dcp"
+NEXT_BATCH, NEXT_LR = "next_batch", "next_lr"  # inside "audit"
+CHECKPOINT_FOLDER, DCP_FOLDER = "checkpoints", "dcp"
 
 
-class Checkpoints:
+class Checkpoints(contextlib.AbstractContextManager["Checkpoints"]):
     """The run folder's checkpoints: choose one to resume from, read it on every rank, write new ones.
 
-    A context manager: on exit an asynchronous save still in flight completes, and rank 0 releases
-    the run folder's lock.
-
-    Args:
-        run_dir: the run folder.
-        config: the run (``keep_last``, ``async_save``, ``checkpoint_format``).
-        ranks: this process's place in the job.
+    On exit an asynchronous save still in flight completes, and rank 0 releases the run folder's lock.
     """
 
-    def __init__(self, run_dir: Path, config: TrainConfig, ranks: parallel.Parallel) -> None:
-        self.run_dir, self.ranks = run_dir, ranks
-        self.keep_last, self.async_save = config.keep_last, config.async_save
-        self.store = (
-            DcpCheckpoints(
-                run_dir / DCP_FOLDER,
-                keep_last=config.keep_last,
-                is_main=ranks.is_main,
-                async_save=config.async_save or config.checkpoint_format == "dcp-async",
+    def __init__(self, run_dir: Path, config: TrainConfig, par: parallel.Parallel) -> None:
+        self.run_dir, self.par, self.keep_last, self.async_save = run_dir, par, config.keep_last, config.async_save
+        self.store: DcpCheckpoints | None = None
+        if config.checkpoint_format != "file":
+            async_dcp = config.async_save or config.checkpoint_format == "dcp-async"
+            self.store = DcpCheckpoints(
+                run_dir / DCP_FOLDER, keep_last=config.keep_last, is_main=par.is_main, async_save=async_dcp
             )
-            if config.checkpoint_format != "file"
-            else None
-        )
         self.manager: CheckpointManager | None = None  # rank 0's, opened by choose()
         self._stack = contextlib.ExitStack()
 
-    def __enter__(self) -> Checkpoints:
-        return self
-
-    def __exit__(self, *exc: type[BaseException] | BaseException | TracebackType | None) -> None:
+    def __exit__(self, *exc: object) -> None:
         with self._stack:
             if self.store is not None:
                 self.store.wait()
 
     def choose(self, resume: str) -> Path | None:
-        """The checkpoint to resume from, following ``--resume`` (a collective; None: from scratch).
-
-        Rank 0 locks the run folder first, so a second job on it stops before touching anything,
-        and picks the checkpoint once for every rank.
+        """The checkpoint ``--resume`` asks for (None: from scratch). Rank 0 locks the run folder first,
+        so a second job on it stops before touching anything, and picks once for every rank.
 
         Raises:
             ResumeError: the folder is locked by another trainer, or ``--resume`` cannot be followed.
         """
 
         def on_rank_zero() -> str | None:
+            folder = self.run_dir / CHECKPOINT_FOLDER
             self.manager = self._stack.enter_context(
-                CheckpointManager(
-                    self.run_dir / CHECKPOINT_FOLDER, keep_last=self.keep_last, async_save=self.async_save
-                )
+                CheckpointManager(folder, keep_last=self.keep_last, async_save=self.async_save)
             )
             if self.store is not None:
                 self.store.remove_leftovers()
-            path = _find_checkpoint(self.store if self.store is not None else self.manager, resume)
+            path = _find_checkpoint(self.store or self.manager, resume)
             return None if path is None else str(path)
 
-        chosen = self.ranks.decide(on_rank_zero)
+        chosen = self.par.decide(on_rank_zero)
         return None if chosen is None else Path(chosen)
 
     def read(self, path: Path | None) -> dict[str, Any] | None:
-        """This rank's copy of checkpoint ``path`` (for DCP its rank-0 part; the shards load in :meth:`restore`).
-
-        A collective: a rank that cannot read it stops every rank, with its reason.
+        """This rank's copy of checkpoint ``path`` (under DCP its rank-0 part; the shards load in
+        :meth:`restore`). A rank that cannot read it stops every rank, with its reason.
 
         Raises:
             ResumeError: unreadable on some rank, or not written by this trainer.
         """
         checkpoint, problem = None, None
-        if path is not None:
-            try:
-                checkpoint = self._read(path)
-            except ResumeError as e:
-                problem = e
-        self.ranks.all_or_none(problem, f"reading checkpoint {path}")
+        try:
+            checkpoint = None if path is None else self._read(path)
+        except ResumeError as e:
+            problem = e
+        self.par.all_or_none(problem, f"reading checkpoint {path}")
         return checkpoint
 
     def _read(self, path: Path) -> dict[str, Any]:
         if self.store is not None:
             checkpoint, expected = DcpCheckpoints.read_extras(path), EXTRA_KEYS
         else:
-            # Only rank 0 holds the run folder's lock; the others just read.
+            # Only rank 0 holds the run folder's lock; the others just read. map_location="cpu":
+            # nothing lands on the GPU until the model is built and moved there.
             with CheckpointManager(self.run_dir / CHECKPOINT_FOLDER, keep_last=self.keep_last, lock=False) as reader:
-                # map_location="cpu": nothing lands on the GPU until the model is built and moved there.
                 checkpoint, expected = reader.load(path, map_location="cpu"), CHECKPOINT_KEYS
         missing = [key for key in expected if key not in checkpoint]
         if missing:
@@ -152,72 +112,56 @@ class Checkpoints:
             )
         return checkpoint
 
-    def restore(
-        self,
-        path: Path,
-        checkpoint: dict[str, Any],
-        wrapped: torch.nn.Module,
-        optimizer: torch.optim.Optimizer,
-        loader: ResumableDataLoader,
-    ) -> None:
-        """Load the model, the optimizer and the data position of ``checkpoint`` (a collective under DCP).
+    def track(self, wrapped: torch.nn.Module, optimizer: torch.optim.Optimizer, loader: ResumableDataLoader) -> None:
+        """The model (as the loop calls it), optimizer and loader that :meth:`restore` and :meth:`save` serve."""
+        self.wrapped, self.optimizer, self.loader = wrapped, optimizer, loader
+
+    def restore(self, path: Path, checkpoint: dict[str, Any]) -> None:
+        """Load the model, the optimizer and the data position (a collective under DCP).
 
         Call it after the scheduler is built: LambdaLR's constructor overwrites the optimizer's
-        learning rate, and this puts the saved one back. AdamW's moments go to the device of the
-        (already moved) parameters.
+        learning rate, and this puts the saved one back. AdamW's moments go to the parameters' device.
 
         Raises:
             ResumeError: the state does not fit this model or loader.
         """
         if self.store is not None:
-            app = _dcp_app(wrapped, optimizer, loader)
-            DcpCheckpoints.load(path, app)
-            model_state, optimizer_state = app[MODEL], app[OPTIMIZER]
+            DcpCheckpoints.load(path, app := self._dcp_app())
+            model_sd, optim_sd = app[MODEL], app[OPTIMIZER]
         else:
-            model_state, optimizer_state = checkpoint[MODEL], checkpoint[OPTIMIZER]
-            loader.load_state_dict(checkpoint[DATALOADER])
+            model_sd, optim_sd = checkpoint[MODEL], checkpoint[OPTIMIZER]
+            self.loader.load_state_dict(checkpoint[DATALOADER])
+        options = StateDictOptions(full_state_dict=self.store is None and self.par.distributed)
         try:
             set_state_dict(
-                wrapped, optimizer, model_state_dict=model_state, optim_state_dict=optimizer_state,
-                options=StateDictOptions(full_state_dict=self.store is None and self.ranks.distributed),
-            )  # fmt: skip
+                self.wrapped, self.optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd, options=options
+            )
         except (KeyError, RuntimeError, ValueError) as e:
             raise ResumeError(
                 f"the model or optimizer state of {path} does not fit this model: {e}; was it written by "
                 "this trainer version (optimizer state keyed by parameter name)?"
             ) from e
 
-    def save(
-        self,
-        step: int,
-        states: dict[str, Any],
-        wrapped: torch.nn.Module,
-        optimizer: torch.optim.Optimizer,
-        loader: ResumableDataLoader,
-        *,
-        metric: float | None,
-    ) -> Path:
-        """Write checkpoint ``step``: model, optimizer and data state from here, the rest from ``states``.
-
-        Every rank calls it (the states are gathered or, under DCP, written by each rank).
-
-        Args:
-            states: the checkpoint's other keys (``EXTRA_KEYS``), already gathered from every rank.
-            metric: the validation loss of this step, if evaluated: the manager keeps the best.
-
-        Returns:
-            The checkpoint's folder (rank 0), or the checkpoint folder (other ranks, file format).
+    def save(self, step: int, states: dict[str, Any], *, metric: float | None) -> Path:
+        """Write checkpoint ``step``: model, optimizer and data state from here, the rest (``EXTRA_KEYS``,
+        gathered from every rank) from ``states``; ``metric`` makes the manager keep the best. Every
+        rank calls it. Returns the checkpoint's folder (on ranks > 0 with files: the checkpoints folder).
         """
         if self.store is not None:
-            return self.store.save(step, _dcp_app(wrapped, optimizer, loader), states)
-        distributed = self.ranks.distributed
+            return self.store.save(step, self._dcp_app(), states)
+        distributed = self.par.distributed
         options = StateDictOptions(full_state_dict=distributed, cpu_offload=distributed)
-        model_state, optimizer_state = get_state_dict(wrapped, optimizer, options=options)
-        data_state = resumable_data.global_state(loader)  # refuses ranks that disagree
+        model_state, optimizer_state = get_state_dict(self.wrapped, self.optimizer, options=options)
+        data_state = resumable_data.global_state(self.loader)  # refuses ranks that disagree
         if self.manager is None:  # not rank 0
             return self.run_dir / CHECKPOINT_FOLDER
         parts = {MODEL: model_state, OPTIMIZER: optimizer_state, DATALOADER: data_state, **states}
         return self.manager.save(step, {key: parts[key] for key in CHECKPOINT_KEYS}, metric=metric)
+
+    def _dcp_app(self) -> dict[str, Any]:
+        """What DCP saves and loads, under fixed keys: sharded model and optimizer, the global data state."""
+        model_state, optimizer_state = get_state_dict(self.wrapped, self.optimizer)
+        return {MODEL: model_state, OPTIMIZER: optimizer_state, DATALOADER: DataLoaderState(self.loader)}
 
 
 def _find_checkpoint(manager: CheckpointManager | DcpCheckpoints, resume: str) -> Path | None:
@@ -233,9 +177,8 @@ def _find_checkpoint(manager: CheckpointManager | DcpCheckpoints, resume: str) -
     if resume == "never":
         if existing:
             raise ResumeError(
-                f"--resume never, but {manager.directory} already holds checkpoints (newest "
-                f"{existing[-1].name}); two runs in one folder would mix their checkpoints: "
-                "use another --run-dir or delete that one"
+                f"--resume never, but {manager.directory} already holds checkpoints (newest {existing[-1].name}); "
+                "two runs in one folder would mix their checkpoints: use another --run-dir or delete that one"
             )
         return None
     path = Path(resume)
@@ -251,7 +194,74 @@ def _find_checkpoint(manager: CheckpointManager | DcpCheckpoints, resume: str) -
     return path
 
 
-def _dcp_app(wrapped: torch.nn.Module, optimizer: torch.optim.Optimizer, loader: ResumableDataLoader) -> dict[str, Any]:
-    """What DCP saves and loads, under fixed keys: sharded model and optimizer, the global data state."""
-    model_state, optimizer_state = get_state_dict(wrapped, optimizer)
-    return {MODEL: model_state, OPTIMIZER: optimizer_state, DATALOADER: DataLoaderState(loader)}
+def next_step_fingerprint(loader: ResumableDataLoader, grad_accum: int, par: parallel.Parallel) -> str:
+    """A short hash of the next optimizer step's batch indices, of all ranks in rank order (a collective)."""
+    indices = par.gather(loader.peek_indices(grad_accum))
+    return hashlib.sha256(json.dumps(indices if par.distributed else indices[0]).encode()).hexdigest()[:16]
+
+
+def audit(
+    recorded: Mapping[str, Any],
+    next_batch: str | None,
+    optimizer: torch.optim.Optimizer,
+    config: TrainConfig,
+    step: int,
+    path: Path,
+) -> None:
+    """Check, on every rank, that the restored run takes the step the interrupted one would have taken.
+
+    Restoring puts the loader and the scheduler back, but flags can still have changed what comes
+    next (batch size, gradient accumulation, seed, schedule): compare this run's ``next_batch``
+    fingerprint (:func:`next_step_fingerprint`) and learning rate with the checkpoint's. ``next_batch``
+    is None after a world-size change, when batches are cut differently: only the learning rate compares.
+    The restored optimizer would silently keep the old weight decay, so a changed one is refused too.
+
+    Raises:
+        ResumeError: something differs; the message says what probably changed.
+    """
+    if next_batch is not None and recorded[NEXT_BATCH] != next_batch:
+        raise ResumeError(
+            f"resume audit failed: after step {step} the checkpoint {path} expects the next batch "
+            f"{recorded[NEXT_BATCH]}, but this run would read {next_batch}. The data order changed: "
+            "most likely --batch-size, --grad-accum or --seed differs from the run that wrote it, or the "
+            "corpus (--data, --block-size) changed. Resume with the original settings or use another --run-dir"
+        )
+    # The schedule as this run's flags define it, not the scheduler's restored value: a changed
+    # --lr, --min-lr, --warmup-steps or --max-steps shows up only here.
+    expected_lr = config.lr * config.lr_factor(step)
+    if recorded[NEXT_LR] != expected_lr:
+        raise ResumeError(
+            f"resume audit failed: at step {step} the checkpoint {path} expects learning rate "
+            f"{format_lr(recorded[NEXT_LR])}, but this run's schedule gives {format_lr(expected_lr)} "
+            f"({recorded[NEXT_LR]!r} != {expected_lr!r}): --lr, --min-lr, --warmup-steps or --max-steps differs "
+            f"from the run that wrote it (its values are in the 'start' events of {METRICS_FILE}). Resume "
+            "with the original settings or use another --run-dir"
+        )
+    if optimizer.param_groups[0]["weight_decay"] != config.weight_decay:
+        raise ResumeError(
+            f"resume audit failed: the checkpoint {path} was trained with weight decay "
+            f"{optimizer.param_groups[0]['weight_decay']!r}, but this run sets --weight-decay {config.weight_decay!r}; "
+            "restoring the optimizer would quietly keep the old value. Resume with the original settings or use "
+            "another --run-dir"
+        )
+
+
+def restore_rng(saved: Any, par: parallel.Parallel, seed: int, step: int) -> str:
+    """Put back this rank's RNG states; a rank the checkpoint's job did not have is seeded from
+    ``(seed, step, rank)``, so an elastic resume is reproducible. Returns what was done, for the log.
+
+    Raises:
+        ResumeError: the checkpoint's ``rng`` is not a list by rank.
+    """
+    if not isinstance(saved, list):
+        raise ResumeError(
+            f"the checkpoint's rng should be a list of RNG states by rank, but it is a {type(saved).__name__}; "
+            "it was written by trainer 0.1.0: resume it with that trainer, or start a new --run-dir"
+        )
+    if par.rank < len(saved):
+        resumable_data.restore_rng_state(saved[par.rank])
+    else:
+        parallel.seed_everything(parallel.rank_seed(seed, par.rank, step))
+    if par.world_size > len(saved):
+        return f"ranks {len(saved)}..{par.world_size - 1} seeded from (seed, step, rank)"
+    return "restored"

@@ -1,9 +1,8 @@
 """Token data: a corpus of bytes in two memmapped files (train, val), and fixed-size windows over it.
 
-The default corpus needs no download: it is the Python standard library's own source, which
-every machine running this trainer has. Files are taken in sorted order and capped, so the corpus
-is the same on every run on a machine. Tokens are bytes, written once to ``train.bin`` and
-``val.bin`` under a cache folder named by a hash of the inputs; later runs only memmap them.
+The default corpus needs no download: the Python standard library's own source, in sorted order and
+capped, so it is the same on every run on a machine. Tokens are bytes, written once to ``train.bin``
+and ``val.bin`` in a cache folder named by a hash of the inputs; later runs only memmap them.
 """
 
 from __future__ import annotations
@@ -13,15 +12,15 @@ import json
 import os
 import shutil
 import sysconfig
+import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
-
-__all__ = ["TokenData", "TokenWindows", "default_cache_dir", "prepare_data"]
 
 # Byte-level tokens: one byte each, so uint8 holds the whole vocabulary (256).
 TOKEN_DTYPE = np.uint8
@@ -44,21 +43,14 @@ class TokenData:
 
     def describe(self) -> str:
         """One line for the log: the source and the split sizes."""
-        return (
-            f"{self.source}: {self.n_files} files, {self.train.stat().st_size:,} train bytes, "
-            f"{self.val.stat().st_size:,} val bytes"
-        )
+        sizes = f"{self.train.stat().st_size:,} train bytes, {self.val.stat().st_size:,} val bytes"
+        return f"{self.source}: {self.n_files} files, {sizes}"
 
 
 def default_cache_dir() -> Path:
     """``$XDG_CACHE_HOME/resumable_data/trainer`` (``~/.cache/...`` when unset)."""
     base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
     return Path(base) / "resumable_data" / "trainer"
-
-
-def _stdlib_files() -> list[Path]:
-    """The standard library's top-level ``*.py`` files, sorted by name."""
-    return sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py"))
 
 
 def _user_files(path: Path) -> list[Path]:
@@ -81,32 +73,30 @@ def _user_files(path: Path) -> list[Path]:
     return files
 
 
-def prepare_data(data: str | os.PathLike[str] | None, cache_dir: Path) -> TokenData:
-    """Build (once) and return the train/val token files for ``data``.
-
-    Args:
-        data: a text file or a folder of them; None for the default standard-library corpus.
-        cache_dir: where prepared corpora are kept, one sub-folder per distinct input.
-
-    Returns:
-        The token files; the last ``VAL_FRACTION`` of the bytes is the validation split.
+def prepare_data(data: str | os.PathLike[str] | None, cache_dir: Path, say: Callable[[str], None] = print) -> TokenData:
+    """The train/val token files of ``data`` (a text file, a folder, or None: the standard library's
+    top-level ``*.py`` files) in ``cache_dir``, built on first use; the last ``VAL_FRACTION`` of the
+    bytes is the validation split. ``say`` gets a line before and after a build.
 
     Raises:
         ValueError: the path is missing or empty, or the corpus is too small to split.
     """
     if data is None:
-        files, cap, source = _stdlib_files(), DEFAULT_CORPUS_BYTES, "Python standard library source"
+        stdlib = sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py"))
+        files, cap, source = stdlib, DEFAULT_CORPUS_BYTES, "Python standard library source"
     else:
         files, cap, source = _user_files(Path(data)), None, str(data)
-    if not files:
-        raise ValueError(f"no files found for the corpus ({source})")
     # The key covers everything the tokens depend on; mtime catches edits that keep the size.
     listing = [(str(f.resolve()), f.stat().st_size, f.stat().st_mtime_ns) for f in files]
     key = hashlib.sha256(json.dumps([CACHE_FORMAT, cap, VAL_FRACTION, listing]).encode()).hexdigest()[:16]
     folder = cache_dir / key
     prepared = TokenData(folder / "train.bin", folder / "val.bin", source, len(files))
     if not (folder / "meta.json").is_file():
+        # The first launch on a machine builds the corpus: say so, rather than stay silent.
+        say(f"tokenizing {len(files)} files of {source} into {folder} (once; later runs reuse it)")
+        started = time.perf_counter()
         _build(files, cap, folder, {"source": source, "files": len(files)})
+        say(f"tokenized: {prepared.describe()} in {time.perf_counter() - started:.1f} s")
     return prepared
 
 
@@ -151,21 +141,13 @@ def _build(files: list[Path], cap: int | None, folder: Path, meta: dict[str, Any
 
 
 class TokenWindows(torch.utils.data.Dataset):
-    """Non-overlapping windows of a token file: item ``i`` is ``(x, y)`` with ``y`` = ``x`` shifted by one.
+    """Non-overlapping windows of ``block_size`` tokens: item ``i`` is ``(x, y)``, ``y`` = ``x`` shifted by one.
 
-    Fixed windows make a map-style dataset whose length and items never change, which is what
-    lets the loader's state be just a position in a keyed permutation of the windows.
-
-    Args:
-        path: a file of ``TOKEN_DTYPE`` tokens.
-        block_size: tokens per window.
+    Fixed windows make a map-style dataset whose length and items never change, which is what lets
+    the loader's state be just a position in a keyed permutation of the windows.
 
     Raises:
         ValueError: the file is shorter than one window plus one token.
-
-    Example:
-        >>> train = TokenWindows(prepare_data(None, default_cache_dir()).train, block_size=128)
-        >>> x, y = train[0]  # two int64 tensors of 128 tokens
     """
 
     def __init__(self, path: Path, block_size: int) -> None:
@@ -183,6 +165,11 @@ class TokenWindows(torch.utils.data.Dataset):
 
     def __len__(self) -> int:
         return self.n_windows
+
+    def spread(self, n: int) -> list[int]:
+        """``n`` window indices (at most all) spread evenly over the file, for a fixed evaluation set."""
+        n = min(n, self.n_windows)
+        return list(range(0, self.n_windows, self.n_windows // n))[:n]
 
     def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         if not 0 <= index < self.n_windows:

@@ -1,8 +1,6 @@
-"""A small GPT: byte-level tokens, pre-LayerNorm transformer blocks, tied input/output embedding.
-
-The architecture is GPT-2's at a toy size. Everything that fixes the shape of the weights lives in
-:class:`ModelConfig`, which the trainer stores in every checkpoint so a resumed run rebuilds the
-same model whatever flags it was launched with.
+"""A small GPT (GPT-2's architecture at a toy size): byte-level tokens, pre-LayerNorm blocks, tied
+embedding. :class:`ModelConfig` fixes the weights' shapes; every checkpoint stores it, so a resumed
+run rebuilds the same model whatever flags it was launched with.
 """
 
 from __future__ import annotations
@@ -14,12 +12,10 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-__all__ = ["GPT", "ModelConfig"]
-
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """The architecture. Plain ints and a float, so it round-trips through a checkpoint as a dict.
+    """The architecture: plain numbers, so it round-trips through a checkpoint as a dict.
 
     Raises:
         ValueError: a field is out of range, or ``n_embd`` is not a multiple of ``n_head``.
@@ -141,10 +137,7 @@ class GPT(nn.Module):
         decay, no_decay = [], []
         for param in self.parameters():
             (decay if param.dim() >= 2 and id(param) not in embeddings else no_decay).append(param)
-        return [
-            {"params": decay, "weight_decay": weight_decay},
-            {"params": no_decay, "weight_decay": 0.0},
-        ]
+        return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
     def forward(
         self, idx: torch.Tensor, targets: torch.Tensor | None = None

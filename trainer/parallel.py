@@ -1,57 +1,101 @@
-"""The trainer under torchrun: the process group, decisions made once on rank 0, and elastic plans.
+"""A single process, DDP or FSDP2: what the loop does differently in each, behind :class:`Parallel`.
 
-``python -m trainer`` started by ``torchrun`` finds ``RANK``/``WORLD_SIZE``/``LOCAL_RANK`` in its
-environment and joins a process group (gloo on CPU, NCCL on CUDA). Without them it is a single
-process and nothing here talks to anyone.
+Under ``torchrun`` (``RANK``/``WORLD_SIZE``/``LOCAL_RANK`` set) the trainer joins a process group,
+gloo on CPU or NCCL on CUDA; the base class is a single process, where nothing talks to anyone. Also
+here: the stop signal, and the seeds of each rank's RNGs.
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import gc
 import hashlib
 import os
+import random
+import signal
+import threading
 from collections.abc import Callable
-from dataclasses import dataclass
+from types import FrameType
 from typing import Any, TypeVar
 
+import numpy as np
 import torch
 import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+from tqdm import tqdm
 
 from resumable_data import ResumeError
 
-__all__ = ["ElasticPlan", "Parallel", "elastic_plan", "rank_seed", "start", "stop"]
-
 T = TypeVar("T")
-ELASTIC_POLICIES = ("per-rank-batch", "global-batch", "refuse")
 # Long enough for a slow checkpoint write on rank 0 while the others wait, short enough that a
 # hung job ends by itself.
 COLLECTIVE_TIMEOUT = datetime.timedelta(minutes=10)
 
 
-@dataclass(frozen=True)
 class Parallel:
-    """Where this process stands: its rank, the world size, and its device."""
+    """This process's place in the job and what depends on it; this base class is a single process."""
 
-    rank: int
-    world_size: int
-    local_rank: int
-    device: torch.device
-    distributed: bool
+    distributed = False
+
+    def __init__(self, device: torch.device, rank: int = 0, world_size: int = 1) -> None:
+        self.device, self.rank, self.world_size = device, rank, world_size
 
     @property
     def is_main(self) -> bool:
         """Rank 0: the one process that writes checkpoints and metrics."""
         return self.rank == 0
 
-    def decide(self, choose: Callable[[], T]) -> T:
-        """Run ``choose`` on rank 0 only and give every rank its result (or its error).
+    def wrap(self, model: nn.Module) -> nn.Module:
+        """The model as the loop calls it (the plain model is what checkpoints save)."""
+        return model
 
-        An error on rank 0 (a ``ResumeError`` or ``ValueError``: a locked run folder, a corrupt
-        checkpoint) is raised on every rank, so no rank waits forever for the others.
-        """
-        if not self.distributed:
-            return choose()
+    def gradient_sync(self, wrapped: nn.Module, sync: bool) -> contextlib.AbstractContextManager[Any]:
+        """Around a micro-batch's forward and backward: all-reduce gradients only if ``sync`` (the last)."""
+        return contextlib.nullcontext()
+
+    def local(self, tensor: torch.Tensor) -> torch.Tensor:
+        """A plain tensor of the whole value (FSDP's gradient norm is a DTensor)."""
+        return tensor
+
+    def mean(self, values: torch.Tensor) -> torch.Tensor:
+        """``values`` averaged over the ranks (one all-reduce)."""
+        return values
+
+    def gather(self, value: T) -> list[T]:
+        """Every rank's ``value``, indexed by rank, on every rank."""
+        return [value]
+
+    def decide(self, choose: Callable[[], T]) -> T:
+        """Run ``choose`` on rank 0 only and give every rank its result, or its error (so none waits forever)."""
+        return choose()
+
+    def all_or_none(self, error: Exception | None, what: str) -> None:
+        """Stop every rank when any rank failed ``what``, naming each failure."""
+        if error is not None:
+            raise error
+
+    def close(self, *, clean: bool) -> None:
+        """Leave the process group, if any (``clean``: every rank got here normally)."""
+
+
+class _ProcessGroup(Parallel):
+    """A rank of a torchrun job: the collectives of :class:`Parallel` over the default process group."""
+
+    distributed = True
+
+    def mean(self, values: torch.Tensor) -> torch.Tensor:
+        values = values.clone()
+        dist.all_reduce(values)
+        return values / self.world_size
+
+    def gather(self, value: T) -> list[T]:
+        out: list[Any] = [None] * self.world_size
+        dist.all_gather_object(out, value)
+        return out
+
+    def decide(self, choose: Callable[[], T]) -> T:
         box: list[Any] = [None]
         failure: Exception | None = None
         if self.is_main:
@@ -67,54 +111,70 @@ class Parallel:
         return box[0][1]
 
     def all_or_none(self, error: Exception | None, what: str) -> None:
-        """Stop every rank when any rank failed ``what`` (a collective), naming each failure.
-
-        In a single process the error is raised as it is.
-        """
-        if not self.distributed:
-            if error is not None:
-                raise error
-            return
-        errors: list[str | None] = [None] * self.world_size
-        dist.all_gather_object(errors, None if error is None else str(error))
-        failed = [f"rank {r}: {e}" for r, e in enumerate(errors) if e is not None]
+        failed = [f"rank {r}: {e}" for r, e in enumerate(self.gather(None if error is None else str(error))) if e]
         if failed:
             raise ResumeError(
                 f"{what} failed on {len(failed)} of {self.world_size} ranks, so the job stops: {'; '.join(failed)}"
             )
 
-    def gather(self, value: T) -> list[T]:
-        """Every rank's ``value``, indexed by rank (on every rank)."""
-        if not self.distributed:
-            return [value]
-        out: list[Any] = [None] * self.world_size
-        dist.all_gather_object(out, value)
-        return out
-
-    def step_sync(self, loss_sum: torch.Tensor, stop: bool) -> tuple[float, bool]:
-        """One all-reduce per step: the mean loss over ranks, and whether any rank was told to stop.
-
-        A SIGTERM that reaches only one rank thus stops all of them after the same step, and the
-        checkpoint written then holds every rank's state of that step.
-        """
-        if not self.distributed:
-            return loss_sum.item(), stop
-        both = torch.stack(
-            [loss_sum.detach().double(), torch.tensor(float(stop), dtype=torch.float64, device=loss_sum.device)]
-        )
-        dist.all_reduce(both)
-        return both[0].item() / self.world_size, both[1].item() > 0
+    def close(self, *, clean: bool) -> None:
+        # A gloo group's C++ threads live as long as anything holds the group, and the DDP model
+        # (in a reference cycle torch's state-dict helpers leave) does. Freed at interpreter exit,
+        # a thread dies in pthread_exit and aborts a finished run ("terminate called without an
+        # active exception"): collect the cycles and destroy the group while Python is alive. The
+        # barrier keeps a rank from leaving while another is in a collective; after an error the
+        # others may be anywhere, and it would wait for the whole collective timeout.
+        if not dist.is_initialized():
+            return
+        gc.collect()
+        if clean:
+            dist.barrier()
+        dist.destroy_process_group()
 
 
-def start(device_name: str) -> Parallel:
+class DataParallel(_ProcessGroup):
+    """DDP: every rank holds the whole model; gradients are averaged in the backward."""
+
+    def wrap(self, model: nn.Module) -> nn.Module:
+        # The model has no buffers, so a DDP forward runs no collective (evaluation uses the bare model).
+        return DistributedDataParallel(model, device_ids=[self.device.index] if self.device.type == "cuda" else None)
+
+    def gradient_sync(self, wrapped: nn.Module, sync: bool) -> contextlib.AbstractContextManager[Any]:
+        return contextlib.nullcontext() if sync else wrapped.no_sync()  # type: ignore[operator]
+
+
+class FullyShardedParallel(_ProcessGroup):
+    """FSDP2 (``fully_shard``): every rank holds a shard of each block's parameters and optimizer state."""
+
+    def wrap(self, model: nn.Module) -> nn.Module:
+        from torch.distributed.fsdp import fully_shard
+
+        for block in model.blocks:  # type: ignore[union-attr]
+            fully_shard(block)
+        fully_shard(model)  # the embedding, tied to the output head, stays in the root group
+        return model
+
+    def gradient_sync(self, wrapped: nn.Module, sync: bool) -> contextlib.AbstractContextManager[Any]:
+        wrapped.set_requires_gradient_sync(sync)  # type: ignore[operator]
+        return contextlib.nullcontext()
+
+    def local(self, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
+
+
+def start(device_name: str, fsdp: bool = False) -> Parallel:
     """Join torchrun's process group if there is one; pick this rank's device.
 
     Raises:
-        ValueError: CUDA was asked for but is missing, or there are fewer GPUs than local ranks.
+        ValueError: CUDA was asked for but is missing, there are fewer GPUs than local ranks, or
+            ``fsdp`` outside torchrun.
     """
     under_torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ
-    rank = int(os.environ.get("RANK", 0))
-    world_size = int(os.environ.get("WORLD_SIZE", 1))
+    if fsdp and not under_torchrun:
+        raise ValueError(
+            "--fsdp shards the model over the ranks of a torchrun job; start it with torchrun --nproc_per_node N"
+        )
+    rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     if device_name == "auto":
         device_name = "cuda" if torch.cuda.is_available() else "cpu"
@@ -127,42 +187,45 @@ def start(device_name: str) -> Parallel:
                 raise ValueError(f"local rank {local_rank} has no GPU: this machine has {torch.cuda.device_count()}")
             device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
-    if under_torchrun and not dist.is_initialized():
-        backend = "nccl" if device.type == "cuda" else "gloo"
+    if not under_torchrun:
+        return Parallel(device)
+    if not dist.is_initialized():
+        cuda = device.type == "cuda"
         dist.init_process_group(
-            backend, timeout=COLLECTIVE_TIMEOUT, device_id=device if device.type == "cuda" else None
+            "nccl" if cuda else "gloo", timeout=COLLECTIVE_TIMEOUT, device_id=device if cuda else None
         )
-    return Parallel(rank, world_size, local_rank, device, under_torchrun)
+    return (FullyShardedParallel if fsdp else DataParallel)(device, rank, world_size)
 
 
-def stop(parallel: Parallel, *, clean: bool) -> None:
-    """Leave the process group so that it is really gone, with its threads, before Python exits.
+class GracefulStop(contextlib.AbstractContextManager["GracefulStop"]):
+    """SIGTERM and SIGINT set :attr:`reason`: the loop finishes its step, saves and exits, so a
+    preempted job or a Ctrl-C leaves a checkpoint. A second Ctrl-C aborts at once (a hung save)."""
 
-    A gloo group owns C++ worker threads, and everything that holds it keeps it (and them) alive:
-    ``destroy_process_group`` only drops the registry's reference. The DDP reducer holds one, and
-    the DDP model outlives the training frame: torch's state-dict helpers (``get_state_dict``,
-    called at every checkpoint) leave it in a reference cycle that only the cyclic garbage
-    collector frees. Freed at interpreter exit instead, the group joins a worker thread that
-    still has to take the GIL to release its last tensors; a finalizing interpreter ends that
-    thread with ``pthread_exit``, whose unwinding through C++ ``noexcept`` code aborts the
-    process (``terminate called without an active exception``, exit -6) after a run that
-    finished. So: collect those cycles first, then destroy every group while the interpreter is
-    fully alive; the destroy joins the worker threads.
+    def __init__(self) -> None:
+        self.reason: str | None = None
+        self._previous: dict[int, Any] = {}
+        # Handlers can only be installed from the main thread (a notebook or test may call
+        # train() from another one; it then simply cannot be stopped by a signal).
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                self._previous[sig] = signal.signal(sig, self._handle)
 
-    Args:
-        parallel: this process's place in the job.
-        clean: every rank got here normally (training ended or stopped on a signal, on all ranks
-            at the same step). Only then do the ranks first wait for each other in a barrier, so
-            no rank closes its connections while another is still in a collective; after an
-            error the other ranks may be anywhere, and a barrier could wait for them for the
-            whole collective timeout.
-    """
-    if not (parallel.distributed and dist.is_initialized()):
-        return
-    gc.collect()
-    if clean:
-        dist.barrier()
-    dist.destroy_process_group()
+    def __exit__(self, *exc: object) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
+        if self.reason is not None and signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        self.reason = signal.Signals(signum).name
+        tqdm.write(f"received {self.reason}: finishing this step, then saving (Ctrl-C again aborts without saving)")
+
+
+def seed_everything(seed: int) -> None:
+    """Seed Python's, numpy's and torch's global RNGs (torch's on every CUDA device too)."""
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
 
 
 def rank_seed(seed: int, rank: int, step: int | None = None) -> int:
@@ -171,69 +234,3 @@ def rank_seed(seed: int, rank: int, step: int | None = None) -> int:
     ``(seed, step, rank)`` so an elastic resume is still reproducible."""
     text = f"{seed}:{rank}" if step is None else f"{seed}:{step}:{rank}"
     return int.from_bytes(hashlib.sha256(text.encode()).digest()[:4], "little")
-
-
-@dataclass(frozen=True)
-class ElasticPlan:
-    """Per-rank batch and gradient accumulation after a resume, and what changed."""
-
-    batch_size: int
-    grad_accum: int
-    changes: dict[str, list[int]]
-
-    def describe(self) -> str:
-        if not self.changes:
-            return "same world size: nothing changed"
-        return ", ".join(f"{name} {old} -> {new}" for name, (old, new) in self.changes.items())
-
-
-def elastic_plan(
-    *,
-    policy: str,
-    saved_world: int,
-    saved_batch: int,
-    saved_accum: int,
-    world: int,
-    batch: int,
-    accum: int,
-) -> ElasticPlan:
-    """Decide the batch layout for a resume on ``world`` ranks of a checkpoint written on ``saved_world``.
-
-    Policies:
-        ``per-rank-batch``: keep ``--batch-size`` and ``--grad-accum``; the global batch scales
-            with the number of ranks (so does the data an optimizer step sees).
-        ``global-batch``: keep the global batch (``world * batch * grad_accum`` sequences per
-            step) by changing gradient accumulation; refused when it does not divide.
-        ``refuse``: a different number of ranks is an error naming both.
-
-    Raises:
-        ResumeError: an unknown policy, or a global batch that the new ranks cannot split.
-    """
-    if policy not in ELASTIC_POLICIES:
-        raise ResumeError(f"--elastic should be one of {ELASTIC_POLICIES}, but got {policy!r}")
-    changes: dict[str, list[int]] = {}
-    if world != saved_world:
-        if policy == "refuse":
-            raise ResumeError(
-                f"world size changed: the checkpoint was written by {saved_world} ranks, this job has {world} "
-                f"(--elastic refuse); start it with torchrun --nproc_per_node {saved_world}, or allow the change with "
-                "--elastic per-rank-batch or --elastic global-batch"
-            )
-        changes["world_size"] = [saved_world, world]
-        if policy == "global-batch":
-            total = saved_world * saved_batch * saved_accum
-            if total % (world * batch):
-                raise ResumeError(
-                    f"--elastic global-batch: the checkpoint's global batch of {total} sequences ({saved_world} ranks x "
-                    f"--batch-size {saved_batch} x --grad-accum {saved_accum}) cannot be split over {world} ranks of "
-                    f"--batch-size {batch}; pick a --batch-size or a number of ranks that divides it, or resume with "
-                    "--elastic per-rank-batch (the global batch then becomes "
-                    f"{world * batch * accum})"
-                )
-            accum = total // (world * batch)
-    for name, old, new in (("batch_size", saved_batch, batch), ("grad_accum", saved_accum, accum)):
-        if old != new:
-            changes[name] = [old, new]
-    if changes:
-        changes["global_batch"] = [saved_world * saved_batch * saved_accum, world * batch * accum]
-    return ElasticPlan(batch, accum, changes)

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from trainer.chaos import PLAN, ChaosReport, chaos
-from trainer.killpoints import KILLPOINTS
+from trainer.harness.chaos import PLAN, ChaosReport, chaos
+from trainer.harness.killpoints import KILLPOINTS
 
 # The session runs in subprocesses with their own timeouts; this bounds the whole test.
 SESSION_TIMEOUT_S = 240

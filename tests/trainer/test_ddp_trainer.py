@@ -23,18 +23,33 @@ from typing import Any
 import pytest
 import torch
 
-from resumable_data import ResumeError
-from trainer import index_log
-from trainer.parallel import elastic_plan
-from trainer.train import DCP_FOLDER, TrainConfig, read_metrics
-from trainer.verify import config_to_argv, verify_resume
+from resumable_data import CheckpointManager, ResumeError
+from resumable_data.testing import assert_same
+from trainer.checkpointing import CHECKPOINT_FOLDER, DCP_FOLDER
+from trainer.config import TrainConfig
+from trainer.harness import index_log
+from trainer.harness.verify import config_to_argv, verify_resume
+from trainer.metrics import read_metrics
+from trainer.train_state import elastic_plan
 
 REPO = Path(__file__).resolve().parents[2]
 JOB_TIMEOUT = 120
 TINY = dict(
-    n_layer=1, n_head=2, n_embd=16, block_size=16, dropout=0.1, batch_size=4, max_steps=20,
-    lr=1e-2, min_lr=1e-3, warmup_steps=3, eval_every=6, eval_batches=1, checkpoint_every=4, progress=False,
-)  # fmt: skip
+    n_layer=1,
+    n_head=2,
+    n_embd=16,
+    block_size=16,
+    dropout=0.1,
+    batch_size=4,
+    max_steps=20,
+    lr=1e-2,
+    min_lr=1e-3,
+    warmup_steps=3,
+    eval_every=6,
+    eval_batches=1,
+    checkpoint_every=4,
+    progress=False,
+)
 KILL_AT = 15
 
 
@@ -51,10 +66,19 @@ def torchrun(
     config: TrainConfig, nproc: int, *, wait: bool = True, log_indices: bool = False
 ) -> subprocess.Popen[bytes] | int:
     """``torchrun -m trainer train``; with ``log_indices`` every rank logs its batch indices to
-    RUN_DIR (``trainer.index_log``, installed from outside the trainer by ``trainer.killpoints``)."""
-    entry = "trainer.killpoints" if log_indices else "trainer"
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-               "-m", entry, "train", *config_to_argv(config)]  # fmt: skip
+    RUN_DIR (``trainer.harness.index_log``, installed from outside the trainer by ``trainer.harness.killpoints``)."""
+    entry = "trainer.harness.killpoints" if log_indices else "trainer"
+    command = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={nproc}",
+        "-m",
+        entry,
+        "train",
+        *config_to_argv(config),
+    ]
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     if log_indices:
         env[index_log.ENV] = config.run_dir
@@ -202,10 +226,10 @@ def _decisions_main(rank: int, world_size: int, tmp: str) -> None:
     import torch.distributed as dist
 
     from dist_harness import finish, init_gloo
-    from trainer.parallel import Parallel
+    from trainer.parallel import DataParallel
 
     init_gloo(rank, world_size, f"{tmp}/init")
-    ranks = Parallel(rank, world_size, 0, torch.device("cpu"), True)
+    ranks = DataParallel(torch.device("cpu"), rank, world_size)
     outcome: dict[str, Any] = {"chosen": ranks.decide(lambda: "step-00000008")}
 
     def locked() -> str:
@@ -304,3 +328,64 @@ def test_dcp_format_in_a_single_process_resumes_bitwise(tmp_path: Path) -> None:
     assert resumed.resumed_from is not None and resumed.resumed_from.name == "step-00000009"
     assert losses(config.run_dir) == straight.losses
     assert end_weights(config.run_dir) == end_weights(straight.run_dir)
+
+
+def _sigterm_main(rank: int, world_size: int, tmp: str, config: TrainConfig) -> None:
+    import torch.distributed as dist
+    from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+    from dist_harness import init_gloo
+    from trainer.train import train
+
+    torch.set_num_threads(1)
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
+    all_reduces: list[int] = []
+    real_all_reduce = dist.all_reduce
+    dist.all_reduce = lambda *args, **kwargs: all_reduces.append(1) or real_all_reduce(*args, **kwargs)
+    steps_begun = [0]
+
+    def sigterm_rank_1_before_its_third_step(optimizer: Any, args: Any, kwargs: Any) -> None:
+        steps_begun[0] += 1
+        if rank == 1 and steps_begun[0] == 3:
+            os.kill(os.getpid(), signal.SIGTERM)  # as a preempted node would get it
+
+    outcome: dict[str, Any] = {}
+    for leg, run_dir in (("reference", "reference"), ("signalled", "run"), ("resumed", "run")):
+        all_reduces.clear()
+        hook = register_optimizer_step_pre_hook(sigterm_rank_1_before_its_third_step) if leg == "signalled" else None
+        init_gloo(rank, world_size, f"{tmp}/init-{leg}")
+        result = train(replace(config, run_dir=f"{tmp}/{run_dir}"))
+        if hook is not None:
+            hook.remove()
+        losses = {str(step): loss for step, loss in result.losses.items()}
+        outcome[leg] = {
+            "step": result.step,
+            "stopped_by": result.stopped_by,
+            "all_reduces": len(all_reduces),
+            "losses": losses,
+        }
+    Path(tmp, f"sigterm.rank{rank}.json").write_text(json.dumps(outcome))
+
+
+@pytest.mark.slow  # 3 runs on 2 spawned ranks (52 s on the shared machine); the default suite has verify --nproc 2
+def test_a_sigterm_to_one_rank_stops_both_at_the_next_sync_and_the_resume_is_exact(tmp_path: Path) -> None:
+    """2 gloo ranks, 12 steps, --sync-every 5, no checkpoint before the end: the ranks all-reduce at
+    steps 5, 10 and 12 only (plus the data state's check at the save), not at every step. Rank 1 is
+    sent SIGTERM during step 3: both ranks finish step 5, save it and stop; resumed, the run ends
+    with every step's loss and the final checkpoint bitwise equal to the uninterrupted run's."""
+    from dist_harness import results, spawn
+
+    config = tiny(tmp_path, "unused", max_steps=12, sync_every=5, eval_every=100, checkpoint_every=100)
+    spawn(_sigterm_main, 2, str(tmp_path), config, timeout=JOB_TIMEOUT)
+    zero, one = results(tmp_path, "sigterm", 2)
+    # Syncs at 5, 10 and 12, and the save's one all-reduce of the data state (global_state).
+    assert zero["reference"]["all_reduces"] == one["reference"]["all_reduces"] == 3 + 1
+    assert (zero["signalled"]["step"], one["signalled"]["step"]) == (5, 5)
+    assert (zero["signalled"]["stopped_by"], one["signalled"]["stopped_by"]) == ("a signal to another rank", "SIGTERM")
+    assert zero["signalled"]["all_reduces"] == 1 + 1  # the sync at 5 and the save
+    assert zero["reference"]["losses"] == {**zero["signalled"]["losses"], **zero["resumed"]["losses"]}
+    with (
+        CheckpointManager(tmp_path / "reference" / CHECKPOINT_FOLDER, lock=False) as reference,
+        CheckpointManager(tmp_path / "run" / CHECKPOINT_FOLDER, lock=False) as resumed,
+    ):
+        assert_same(reference.load(), resumed.load(), "final checkpoint")

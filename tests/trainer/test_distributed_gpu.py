@@ -13,7 +13,7 @@ import pytest
 import torch
 from test_ddp_trainer import end_weights, losses, tiny, torchrun
 
-from trainer.train import DCP_FOLDER
+from trainer.checkpointing import DCP_FOLDER
 
 pytestmark = pytest.mark.gpu
 

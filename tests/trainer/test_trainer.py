@@ -30,20 +30,35 @@ import resumable_data
 from resumable_data import CheckpointLockedError, CheckpointManager, ResumeError
 from resumable_data.testing import assert_same
 from trainer.__main__ import main
+from trainer.checkpointing import CHECKPOINT_FOLDER, CHECKPOINT_KEYS
+from trainer.config import TrainConfig
 from trainer.data import TokenWindows, prepare_data
+from trainer.harness.verify import config_to_argv, verify_resume
+from trainer.metrics import read_metrics
 from trainer.plot import plot_run
-from trainer.train import CHECKPOINT_FOLDER, CHECKPOINT_KEYS, TrainConfig, TrainResult, read_metrics, train
+from trainer.train import TrainResult, train
 from trainer.train_state import TrainState
-from trainer.verify import config_to_argv, verify_resume
 
 REPO = Path(__file__).resolve().parents[2]
 # A tiny corpus of real text: with block 16 and batch 4 an epoch is 14 steps, so runs of 20 steps
 # cross an epoch boundary in well under a second.
 CORPUS_BYTES = 1000
 TINY = dict(
-    n_layer=1, n_head=2, n_embd=16, block_size=16, dropout=0.1, batch_size=4, max_steps=20,
-    lr=1e-2, min_lr=1e-3, warmup_steps=3, eval_every=6, eval_batches=1, checkpoint_every=4, progress=False,
-)  # fmt: skip
+    n_layer=1,
+    n_head=2,
+    n_embd=16,
+    block_size=16,
+    dropout=0.1,
+    batch_size=4,
+    max_steps=20,
+    lr=1e-2,
+    min_lr=1e-3,
+    warmup_steps=3,
+    eval_every=6,
+    eval_batches=1,
+    checkpoint_every=4,
+    progress=False,
+)
 
 
 @pytest.fixture(scope="module")
@@ -182,8 +197,18 @@ def test_resume_path_to_a_corrupt_checkpoint_is_a_clear_error(
     with pytest.raises(ResumeError, match=r"step-00000004.*checksum mismatch"):
         train(config)
     # The command line says the same in one line, with exit code 2.
-    argv = ["train", "--run-dir", config.run_dir, "--data", str(corpus), "--cache-dir", str(config.cache_dir),
-            "--resume", str(target / "state.pt"), "--no-progress"]  # fmt: skip
+    argv = [
+        "train",
+        "--run-dir",
+        config.run_dir,
+        "--data",
+        str(corpus),
+        "--cache-dir",
+        str(config.cache_dir),
+        "--resume",
+        str(target / "state.pt"),
+        "--no-progress",
+    ]
     assert main(argv) == 2
     assert "error: cannot load checkpoint" in capsys.readouterr().err
     garbage = tmp_path / "garbage.pt"
@@ -197,8 +222,11 @@ def test_second_trainer_on_a_run_folder_refuses_and_sigterm_saves(tmp_path: Path
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     first = subprocess.Popen(
         [sys.executable, "-m", "trainer", "train", *config_to_argv(config)],
-        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-    )  # fmt: skip
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     try:
         deadline = time.monotonic() + 60
         while not any(e["event"] == "step" for e in _events(config.run_dir)):
@@ -270,8 +298,14 @@ def test_a_train_state_without_the_batch_layout_is_refused_before_anything_is_bu
 # -- the train state ----------------------------------------------------------------------------
 
 TRAIN_STATE = {
-    "version": 1, "step": 6, "tokens_seen": 384, "best_val_loss": 2.5, "world_size": 2, "batch_size": 4, "grad_accum": 3,
-}  # fmt: skip
+    "version": 1,
+    "step": 6,
+    "tokens_seen": 384,
+    "best_val_loss": 2.5,
+    "world_size": 2,
+    "batch_size": 4,
+    "grad_accum": 3,
+}
 
 
 def test_train_state_round_trips_and_takes_the_checkpoints_batch_layout() -> None:
@@ -353,9 +387,14 @@ def test_checkpoint_layout(tmp_path: Path, corpus: Path) -> None:
     assert tuple(state) == CHECKPOINT_KEYS
     # The step-0 evaluation is a baseline only: "best" is among evaluations that have a checkpoint.
     assert state["train_state"] == {
-        "version": 1, "step": 6, "tokens_seen": 6 * 4 * 16, "best_val_loss": result.val_losses[6],
-        "world_size": 1, "batch_size": 4, "grad_accum": 1,  # the layout an elastic resume starts from
-    }  # fmt: skip
+        "version": 1,
+        "step": 6,
+        "tokens_seen": 6 * 4 * 16,
+        "best_val_loss": result.val_losses[6],
+        "world_size": 1,
+        "batch_size": 4,
+        "grad_accum": 1,  # the layout an elastic resume starts from
+    }
     assert state["model_config"] == {
         "vocab_size": 256,
         "block_size": 16,
@@ -372,9 +411,18 @@ def test_checkpoint_layout(tmp_path: Path, corpus: Path) -> None:
 def test_default_run_loss_falls(tmp_path: Path) -> None:
     """The default corpus (Python's own source) and the default schedule, on a tiny model."""
     config = TrainConfig(
-        run_dir=str(tmp_path / "run"), cache_dir=str(tmp_path / "cache"), progress=False,
-        n_layer=1, n_embd=32, n_head=2, block_size=32, batch_size=8, max_steps=40, warmup_steps=5, eval_every=20,
-    )  # fmt: skip
+        run_dir=str(tmp_path / "run"),
+        cache_dir=str(tmp_path / "cache"),
+        progress=False,
+        n_layer=1,
+        n_embd=32,
+        n_head=2,
+        block_size=32,
+        batch_size=8,
+        max_steps=40,
+        warmup_steps=5,
+        eval_every=20,
+    )
     result = train(config)
     first, last = result.val_losses[0], result.val_losses[40]
     assert last < first - 1.0, f"val loss went from {first:.3f} to {last:.3f}"

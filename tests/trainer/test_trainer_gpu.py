@@ -15,15 +15,28 @@ import pytest
 import torch
 
 from resumable_data import CheckpointManager
-from trainer.train import CHECKPOINT_FOLDER, TrainConfig, train
-from trainer.verify import verify_resume
+from trainer.checkpointing import CHECKPOINT_FOLDER
+from trainer.config import TrainConfig
+from trainer.harness.verify import verify_resume
+from trainer.train import train
 
 pytestmark = pytest.mark.gpu
 
 SMALL = dict(
-    n_layer=2, n_head=2, n_embd=64, block_size=64, dropout=0.1, batch_size=8, max_steps=30,
-    warmup_steps=5, eval_every=10, eval_batches=2, checkpoint_every=10, progress=False, device="cuda",
-)  # fmt: skip
+    n_layer=2,
+    n_head=2,
+    n_embd=64,
+    block_size=64,
+    dropout=0.1,
+    batch_size=8,
+    max_steps=30,
+    warmup_steps=5,
+    eval_every=10,
+    eval_batches=2,
+    checkpoint_every=10,
+    progress=False,
+    device="cuda",
+)
 
 
 @pytest.fixture(scope="module")

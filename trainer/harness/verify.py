@@ -2,7 +2,7 @@
 
 Three jobs train the same configuration: one straight through; one that kills itself with
 SIGKILL (no handler runs, nothing is flushed or saved) during step k, armed from outside the
-trainer by the ``step`` kill point of :mod:`trainer.killpoints`; and one that resumes the killed
+trainer by the ``step`` kill point of :mod:`trainer.harness.killpoints`; and one that resumes the killed
 run from its newest checkpoint. The per-step losses of every attempt and the final weights
 and optimizer state must be bitwise equal.
 
@@ -10,7 +10,7 @@ With ``--nproc N`` each job is a ``torchrun`` job of N ranks (rank 0 is the one 
 then stops the others), every rank must end with the same weights, and two elastic resumes of the
 killed run follow: on one rank (``--elastic global-batch``: gradient accumulation doubles) and on
 N + 1 ranks (``--elastic per-rank-batch``). Their batch indices, logged by every rank
-(:mod:`trainer.index_log`), must read the rest of the interrupted epoch exactly once.
+(:mod:`trainer.harness.index_log`), must read the rest of the interrupted epoch exactly once.
 """
 
 from __future__ import annotations
@@ -29,14 +29,32 @@ from typing import Any
 from resumable_data import CheckpointManager
 from resumable_data.testing import first_difference
 
+from ..checkpointing import CHECKPOINT_FOLDER, MODEL, OPTIMIZER
+from ..config import TrainConfig, flag
+from ..data import TokenWindows, default_cache_dir, prepare_data
+from ..metrics import read_metrics
+from ..model import ModelConfig
 from . import index_log
-from .checkpointing import CHECKPOINT_FOLDER, MODEL, OPTIMIZER
-from .config import TrainConfig, flag
-from .data import TokenWindows, default_cache_dir, prepare_data
-from .metrics import read_metrics
-from .model import ModelConfig
 
-__all__ = ["child_env", "config_to_argv", "verify_resume"]
+__all__ = ["VERIFY_DEFAULTS", "VERIFY_KILL_AT", "child_env", "config_to_argv", "verify_resume"]
+
+# verify-resume's defaults: small enough for a few minutes on 2 CPU cores, with dropout on so the
+# RNG restore matters, and checkpoints that do not fall on the kill step so steps get replayed.
+VERIFY_DEFAULTS = {
+    "run_dir": "runs/verify-resume",
+    "max_steps": 60,
+    "block_size": 64,
+    "n_layer": 2,
+    "n_head": 2,
+    "n_embd": 64,
+    "dropout": 0.1,
+    "batch_size": 8,
+    "warmup_steps": 10,
+    "eval_every": 20,
+    "eval_batches": 4,
+    "checkpoint_every": 10,
+}
+VERIFY_KILL_AT = 37
 
 
 def config_to_argv(config: TrainConfig) -> list[str]:
@@ -59,7 +77,7 @@ JOB_TIMEOUT_S = 900
 def child_env() -> dict[str, str]:
     """The environment for a trainer subprocess: it must import this very trainer and library,
     installed or not."""
-    source_root = str(Path(__file__).resolve().parents[1])
+    source_root = str(Path(__file__).resolve().parents[2])
     return {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [source_root, os.environ.get("PYTHONPATH")]))}
 
 
@@ -67,8 +85,8 @@ def _run(config: TrainConfig, label: str, nproc: int | None = None, *, kill_at: 
     """Train ``config`` in fresh processes (``torchrun`` with ``nproc`` ranks when given); the
     output goes to ``RUN_DIR/LABEL.log``.
 
-    Under torchrun every rank logs its batch indices (:mod:`trainer.index_log`) for the elastic
-    checks; ``kill_at`` SIGKILLs (rank 0) during that step (:mod:`trainer.killpoints`).
+    Under torchrun every rank logs its batch indices (:mod:`trainer.harness.index_log`) for the elastic
+    checks; ``kill_at`` SIGKILLs (rank 0) during that step (:mod:`trainer.harness.killpoints`).
     """
     launcher = (
         [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
@@ -77,7 +95,7 @@ def _run(config: TrainConfig, label: str, nproc: int | None = None, *, kill_at: 
     )
     instrumented = nproc is not None or kill_at is not None
     kill = ["step", str(kill_at)] if kill_at is not None else []
-    entry = ["-m", "trainer.killpoints", *kill] if instrumented else ["-m", "trainer"]
+    entry = ["-m", "trainer.harness.killpoints", *kill] if instrumented else ["-m", "trainer"]
     command = [*launcher, *entry, "train", *config_to_argv(config)]
     env = child_env()
     if nproc is not None:
@@ -125,24 +143,38 @@ def verify_resume(config: TrainConfig, kill_at_step: int, nproc: int | None = No
     }
     for folder in (straight.run_dir, killed.run_dir, *(e.run_dir for e in elastic.values())):
         shutil.rmtree(folder, ignore_errors=True)  # every run must start from nothing
-
     ranks = f" on {nproc} ranks (torchrun)" if nproc else ""
     print(f"verify-resume: {config.max_steps} steps{ranks}, killed with SIGKILL during step {kill_at_step}", flush=True)
+    # The elastic resumes start from copies of the killed run's folder, as it was left.
+    if not _run_jobs(straight, killed, kill_at_step, nproc, [e.run_dir for e in elastic.values()] if nproc else []):
+        return False
+    all_same = _compare_losses(straight, killed, kill_at_step) & _compare_final(straight, killed)
+    print("PASS: the resumed run is identical to the uninterrupted one" if all_same else "FAIL: the runs differ")
+    if nproc:
+        for world, target in elastic.items():
+            all_same &= _verify_elastic(target, nproc, world)
+    return all_same
+
+
+def _run_jobs(straight: TrainConfig, killed: TrainConfig, kill_at: int, nproc: int | None, copies: list[str]) -> bool:
+    """Train uninterrupted; train killed during step ``kill_at``, copy its folder to each of
+    ``copies``, and resume it. True when each exited as it should."""
     codes = {
         "uninterrupted": _run(straight, "uninterrupted", nproc),
-        "killed": _run(killed, "killed", nproc, kill_at=kill_at_step),
+        "killed": _run(killed, "killed", nproc, kill_at=kill_at),
     }
-    if nproc:
-        # The elastic resumes start from copies of the killed run's folder, as it was left.
-        for target in elastic.values():
-            shutil.copytree(killed.run_dir, target.run_dir)
+    for copy in copies:
+        shutil.copytree(killed.run_dir, copy)
     codes["resumed"] = _run(replace(killed, resume="auto"), "resumed", nproc)
     # torchrun reports a rank killed by a signal as its own exit code 1.
     expected = {"uninterrupted": 0, "killed": 1 if nproc else -signal.SIGKILL, "resumed": 0}
     if codes != expected:
-        print(f"FAIL: exit codes {codes}, expected {expected}; see the *.log files under {base}")
-        return False
+        print(f"FAIL: exit codes {codes}, expected {expected}; see the *.log files under {Path(killed.run_dir).parent}")
+    return codes == expected
 
+
+def _compare_losses(straight: TrainConfig, killed: TrainConfig, kill_at: int) -> bool:
+    """Print every step's loss of both runs (each attempt of a step run twice); True when all are equal."""
     reference = {e["step"]: e["loss"] for e in read_metrics(straight.run_dir) if e["event"] == "step"}
     attempts: dict[int, list[float]] = {}
     resumed_at = []
@@ -154,35 +186,35 @@ def verify_resume(config: TrainConfig, kill_at_step: int, nproc: int | None = No
     # Without a checkpoint before the kill, the second launch simply started again from scratch.
     restart = resumed_at[0] if resumed_at else 0
     origin = f"step {restart}" if resumed_at else "scratch (no checkpoint yet)"
-    print(f"resumed from {origin}; steps {restart + 1}..{kill_at_step - 1} ran twice")
+    print(f"resumed from {origin}; steps {restart + 1}..{kill_at - 1} ran twice")
     print(f"{'step':>6}  {'uninterrupted':>14}  {'killed / resumed':>34}  same")
     all_same = True
-    for step in range(1, config.max_steps + 1):
+    for step in range(1, straight.max_steps + 1):
         got = attempts.get(step, [])
         same = bool(got) and all(loss == reference.get(step) for loss in got)
         all_same &= same
         shown = " / ".join(f"{loss:.10f}" for loss in got) or "missing"
         print(f"{step:>6}  {reference.get(step, float('nan')):>14.10f}  {shown:>34}  {'yes' if same else 'NO'}")
+    return all_same
 
-    if config.checkpoint_format == "file":
-        final_a, final_b = _final_state(Path(straight.run_dir)), _final_state(Path(killed.run_dir))
+
+def _compare_final(straight: TrainConfig, resumed: TrainConfig) -> bool:
+    """The final model and optimizer states (file format) and every rank's final weights, compared."""
+    all_same = True
+    if straight.checkpoint_format == "file":
+        final_a, final_b = _final_state(Path(straight.run_dir)), _final_state(Path(resumed.run_dir))
         for key in (MODEL, OPTIMIZER):
             diff = first_difference(final_a[key], final_b[key], key)
             print(f"final {key} state: {'bitwise identical' if diff is None else 'DIFFERS at ' + diff}")
             all_same &= diff is None
     digests = {
-        name: _end_event(run)["rank_weights"] for name, run in (("uninterrupted", straight), ("resumed", killed))
+        name: _end_event(run)["rank_weights"] for name, run in (("uninterrupted", straight), ("resumed", resumed))
     }
     same_weights = len({d for ds in digests.values() for d in ds}) == 1
     print(
         f"final weights of every rank of both runs: {'identical' if same_weights else 'DIFFER: ' + json.dumps(digests)}"
     )
-    all_same &= same_weights
-    print("PASS: the resumed run is identical to the uninterrupted one" if all_same else "FAIL: the runs differ")
-    if nproc:
-        for world, target in elastic.items():
-            all_same &= _verify_elastic(target, nproc, world)
-    return all_same
+    return all_same and same_weights
 
 
 def _end_event(config: TrainConfig) -> dict[str, Any]:

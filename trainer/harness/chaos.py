@@ -3,7 +3,7 @@
 The way storage engines are tested. A tiny model trains once straight through (the reference, every
 checkpoint kept). Then runs of the same configuration are killed with SIGKILL again and again and
 relaunched *at once* with ``--resume auto`` until each finishes. Kills land at random moments and at
-aimed ones (:mod:`trainer.killpoints`): mid payload write, between payload and manifest, just before
+aimed ones (:mod:`trainer.harness.killpoints`): mid payload write, between payload and manifest, just before
 and after the publishing rename, mid prune; launches alternate ``--num-workers`` 0 and 2 (forked
 workers outlive a killed trainer for a few seconds) and sync and async saves. Checked:
 
@@ -26,6 +26,7 @@ import subprocess
 import sys
 import time
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -33,10 +34,10 @@ from typing import Any
 from resumable_data import CheckpointManager, ResumeError
 from resumable_data.testing import first_difference
 
-from .checkpointing import CHECKPOINT_FOLDER
-from .config import TrainConfig
+from ..checkpointing import CHECKPOINT_FOLDER
+from ..config import TrainConfig
+from ..metrics import read_metrics
 from .killpoints import KILLPOINTS
-from .metrics import read_metrics
 from .verify import child_env, config_to_argv
 
 __all__ = ["CHAOS_DEFAULTS", "ChaosReport", "chaos"]
@@ -44,17 +45,39 @@ __all__ = ["CHAOS_DEFAULTS", "ChaosReport", "chaos"]
 # Small enough that a launch is mostly Python start-up: many kills per minute on 2 cores. Dropout on
 # (so RNG restore matters), a checkpoint every 2 steps (so kills often land in writes and prunes).
 CHAOS_DEFAULTS: dict[str, Any] = dict(
-    n_layer=1, n_head=2, n_embd=16, block_size=16, dropout=0.1, batch_size=4, max_steps=24, lr=1e-2,
-    min_lr=1e-3, warmup_steps=3, eval_every=8, eval_batches=1, checkpoint_every=2, keep_last=2, progress=False,
-)  # fmt: skip
+    n_layer=1,
+    n_head=2,
+    n_embd=16,
+    block_size=16,
+    dropout=0.1,
+    batch_size=4,
+    max_steps=24,
+    lr=1e-2,
+    min_lr=1e-3,
+    warmup_steps=3,
+    eval_every=8,
+    eval_batches=1,
+    checkpoint_every=2,
+    keep_last=2,
+    progress=False,
+)
 CORPUS_BYTES = 4000
 # Kill points in turn: any 3 kills in a row include a checkpoint write, a random moment and a prune;
 # with workers and async alternating on periods 2 and 4, every point meets every combination
 # within 44 kills.
 PLAN = (
-    "payload-half", "after-seconds", "prune-half", "manifest-synced", "after-seconds", "prune-aside",
-    "before-publish", "after-seconds", "payload-synced", "after-publish", "after-seconds",
-)  # fmt: skip
+    "payload-half",
+    "after-seconds",
+    "prune-half",
+    "manifest-synced",
+    "after-seconds",
+    "prune-aside",
+    "before-publish",
+    "after-seconds",
+    "payload-synced",
+    "after-publish",
+    "after-seconds",
+)
 LAUNCH_TIMEOUT_S = 300
 NO_KILL = "none"
 
@@ -143,6 +166,30 @@ def chaos(kills: int, run_dir: str | Path = "runs/chaos", *, seed: int = 0, log:
         raise ValueError(f"--kills should be >= 1, but got {kills}")
     started = time.perf_counter()
     base = Path(run_dir)
+    config, expected_losses, train_s = _reference_run(base)
+    log(f"chaos: reference run of {config.max_steps} steps trained in {train_s:.2f} s; now {kills} kills")
+    report = ChaosReport()
+    rng = random.Random(seed)
+    for run_number in itertools.count(1):
+        if report.total_kills >= kills or report.failures:
+            break
+        run = replace(config, run_dir=str(base / f"run-{run_number:03d}"), resume="auto")
+        launches = _kill_until_finished(run, kills, rng, train_s, report, base / "snapshots")
+        if not report.failures:
+            report.runs_completed += 1
+            _check_run(run, launches, expected_losses, Path(config.run_dir), report)
+        log(
+            f"  {Path(run.run_dir).name}: {len(launches)} launches, kills so far {report.total_kills}/{kills}"
+            f"{'' if report.ok else ' FAILED: ' + report.failures[-1]}"
+        )
+    report.wall_s = time.perf_counter() - started
+    return report
+
+
+def _reference_run(base: Path) -> tuple[TrainConfig, dict[int, float], float]:
+    """Empty ``base``, write the corpus and train the reference straight through, keeping every
+    checkpoint (so each one a chaos run writes can be compared). Returns its configuration, its
+    loss at every step and how long its training took (the range of the random kill moments)."""
     shutil.rmtree(base, ignore_errors=True)
     base.mkdir(parents=True)
     corpus = base / "corpus.txt"
@@ -150,68 +197,58 @@ def chaos(kills: int, run_dir: str | Path = "runs/chaos", *, seed: int = 0, log:
     config = TrainConfig(
         run_dir=str(base / "reference"), data=str(corpus), cache_dir=str(base / "cache"), **CHAOS_DEFAULTS
     )
-
-    # The reference keeps every checkpoint, so each one a chaos run writes can be compared.
     reference = replace(config, resume="never", keep_last=10**6)
     code = _launch(reference, Launch(NO_KILL, "0", 0, False)).wait(timeout=LAUNCH_TIMEOUT_S)
     if code != 0:
         raise RuntimeError(f"the reference run failed with exit code {code}; see {base / 'reference' / 'launches.log'}")
     events = read_metrics(reference.run_dir)
-    expected_losses = {e["step"]: e["loss"] for e in events if e["event"] == "step"}
     times = [e["time"] for e in events if e["event"] in ("start", "end")]
-    train_s = times[-1] - times[0]
-    log(f"chaos: reference run of {config.max_steps} steps trained in {train_s:.2f} s; now {kills} kills")
+    return config, {e["step"]: e["loss"] for e in events if e["event"] == "step"}, times[-1] - times[0]
 
-    report = ChaosReport()
-    rng = random.Random(seed)
-    for run_number in itertools.count(1):
-        if report.total_kills >= kills or report.failures:
+
+def _next_launch(attempt: int, kills: int, rng: random.Random, train_s: float) -> Launch:
+    """The launch after ``attempt`` kills: the plan's next kill point (none once ``kills`` landed),
+    with 2 workers every other kill and async saves every other pair. The plan moves on only when a
+    kill lands (a launch may finish first), so the first K kills are exactly the plan's first K."""
+    if attempt >= kills:
+        return Launch(NO_KILL, "0", num_workers=0, async_save=False)
+    point = PLAN[attempt % len(PLAN)]
+    count = f"{rng.uniform(0.0, train_s):.3f}" if point == "after-seconds" else str(rng.randint(1, 2))
+    return Launch(point, count, num_workers=2 * (attempt % 2), async_save=(attempt // 2) % 2 == 1)
+
+
+def _kill_until_finished(
+    run: TrainConfig, kills: int, rng: random.Random, train_s: float, report: ChaosReport, snapshots: Path
+) -> list[Launch]:
+    """Launch ``run`` again and again, at once after each SIGKILL, until a launch exits by itself."""
+    launches: list[Launch] = []
+    while True:
+        launch = _next_launch(report.total_kills, kills, rng, train_s)
+        report.launches += 1
+        launch.first_event = len(_events(run.run_dir))
+        process = _launch(replace(run, num_workers=launch.num_workers, async_save=launch.async_save), launch)
+        try:
+            launch.exit_code = process.wait(timeout=LAUNCH_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            launch.exit_code = process.wait()
+            report.failures.append(f"{run.run_dir}: a launch ran over {LAUNCH_TIMEOUT_S} s and was stopped")
+        launches.append(launch)
+        if launch.exit_code != -signal.SIGKILL:
             break
-        run = replace(config, run_dir=str(base / f"run-{run_number:03d}"), resume="auto")
-        launches: list[Launch] = []
-        while True:
-            # The plan moves on only when a kill lands (a launch may finish first), so the first K kills
-            # are exactly the plan's first K, each with its own workers/async combination.
-            attempt = report.total_kills
-            if attempt < kills:
-                point = PLAN[attempt % len(PLAN)]
-                count = f"{rng.uniform(0.0, train_s):.3f}" if point == "after-seconds" else str(rng.randint(1, 2))
-            else:
-                point, count = NO_KILL, "0"
-            launch = Launch(point, count, num_workers=2 * (attempt % 2), async_save=(attempt // 2) % 2 == 1)
-            report.launches += 1
-            launch.first_event = len(_events(run.run_dir))
-            process = _launch(replace(run, num_workers=launch.num_workers, async_save=launch.async_save), launch)
-            try:
-                launch.exit_code = process.wait(timeout=LAUNCH_TIMEOUT_S)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                launch.exit_code = process.wait()
-                report.failures.append(f"{run.run_dir}: a launch ran over {LAUNCH_TIMEOUT_S} s and was stopped")
-            launches.append(launch)
-            if launch.exit_code == -signal.SIGKILL:
-                report.kills[point] += 1
-                report.kills_with_workers += launch.num_workers > 0
-                report.kills_with_async += launch.async_save
-                # The folder exactly as the kill left it (a few ms); the relaunch follows at once.
-                launch.snapshot = base / "snapshots" / f"{Path(run.run_dir).name}-{len(launches):02d}"
-                shutil.copytree(Path(run.run_dir) / CHECKPOINT_FOLDER, launch.snapshot, symlinks=True)
-                continue
-            if launch.exit_code != 0:
-                output = (Path(run.run_dir) / "launches.log").read_text(errors="replace")
-                if "locked by pid" in output:
-                    report.relaunches_refused += 1
-                report.failures.append(
-                    f"{run.run_dir}: launch {len(launches)} exited with {launch.exit_code}; see launches.log"
-                )
-            break
-        if not report.failures:
-            report.runs_completed += 1
-            _check_run(run, launches, expected_losses, Path(reference.run_dir), report)
-        log(f"  {Path(run.run_dir).name}: {len(launches)} launches, kills so far {report.total_kills}/{kills}"
-            f"{'' if report.ok else ' FAILED: ' + report.failures[-1]}")  # fmt: skip
-    report.wall_s = time.perf_counter() - started
-    return report
+        report.kills[launch.killpoint] += 1
+        report.kills_with_workers += launch.num_workers > 0
+        report.kills_with_async += launch.async_save
+        # The folder exactly as the kill left it (a few ms); the relaunch follows at once.
+        launch.snapshot = snapshots / f"{Path(run.run_dir).name}-{len(launches):02d}"
+        shutil.copytree(Path(run.run_dir) / CHECKPOINT_FOLDER, launch.snapshot, symlinks=True)
+    if launch.exit_code != 0:
+        output = (Path(run.run_dir) / "launches.log").read_text(errors="replace")
+        report.relaunches_refused += "locked by pid" in output
+        report.failures.append(
+            f"{run.run_dir}: launch {len(launches)} exited with {launch.exit_code}; see launches.log"
+        )
+    return launches
 
 
 def _launch(config: TrainConfig, launch: Launch) -> subprocess.Popen[bytes]:
@@ -220,7 +257,7 @@ def _launch(config: TrainConfig, launch: Launch) -> subprocess.Popen[bytes]:
     if launch.killpoint == NO_KILL:
         command = [sys.executable, "-m", "trainer", *train_argv]
     else:
-        command = [sys.executable, "-m", "trainer.killpoints", launch.killpoint, launch.count, *train_argv]
+        command = [sys.executable, "-m", "trainer.harness.killpoints", launch.killpoint, launch.count, *train_argv]
     log_path = Path(config.run_dir) / "launches.log"
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with open(log_path, "a") as out:
@@ -256,40 +293,9 @@ def _check_run(
     for i, launch in enumerate(launches):
         own = events[launch.first_event : launches[i + 1].first_event if i + 1 < len(launches) else len(events)]
         if i > 0:
-            resumed = [e for e in own if e["event"] == "resume"]
-            started = [e for e in own if e["event"] == "start"]
-            expected = launches[i - 1].snapshot and _newest_valid(launches[i - 1].snapshot)
-            if started and (resumed[0]["step"] if resumed else 0) != (expected or 0):
-                report.wrong_resume_point += 1
-                report.failures.append(
-                    f"{name}: launch {i + 1} resumed from {resumed[0]['step'] if resumed else 0}, newest valid was {expected}"
-                )
-        if launch.snapshot is None:
-            continue
-        saved = [e["step"] for e in own if e["event"] == "checkpoint"]
-        durable = saved[:-1] if launch.async_save else saved  # an async save is durable once the next one starts
-        floor = max([floor, *durable])
-        newest = _newest_valid(launch.snapshot) or 0
-        if newest < floor:
-            report.checkpoints_lost += 1
-            report.failures.append(
-                f"{name}: after kill {i + 1} ({launch.killpoint}) the newest valid checkpoint is {newest}, but {floor} had been saved"
-            )
-        floor = newest
-        for folder in sorted(launch.snapshot.glob("step-*")):
-            state = _verified_state(folder)
-            if state is None:  # incomplete or corrupt: never selected (the resume check above proves it)
-                continue
-            report.checkpoints_checked += 1
-            step = CheckpointManager.step_of(folder)
-            difference = first_difference(reference_state(step), state)
-            if difference is not None:
-                report.corrupt_valid += 1
-                report.corrupt_selected += step == newest
-                report.failures.append(
-                    f"{name}: checkpoint {folder} verifies but differs from the reference at {difference}"
-                )
-
+            _check_resume_point(name, i, own, launches[i - 1].snapshot, report)
+        if launch.snapshot is not None:
+            floor = _check_kill(name, i, launch, launch.snapshot, own, floor, reference_state, report)
     for event in events:
         if event["event"] == "step":
             report.losses_compared += 1
@@ -301,12 +307,59 @@ def _check_run(
     missing = set(expected_losses) - {e["step"] for e in events if e["event"] == "step"}
     if missing:
         report.failures.append(f"{name}: steps {sorted(missing)} were never logged")
-    final = first_difference(
-        reference_state(run.max_steps), _load(Path(run.run_dir) / CHECKPOINT_FOLDER / f"step-{run.max_steps:08d}")
-    )
-    if final is not None:
+    final = _load(Path(run.run_dir) / CHECKPOINT_FOLDER / f"step-{run.max_steps:08d}")
+    difference = first_difference(reference_state(run.max_steps), final)
+    if difference is not None:
         report.final_mismatches += 1
-        report.failures.append(f"{name}: final state differs from the uninterrupted run at {final}")
+        report.failures.append(f"{name}: final state differs from the uninterrupted run at {difference}")
+
+
+def _check_resume_point(name: str, i: int, own: list[dict[str, Any]], killed: Path | None, report: ChaosReport) -> None:
+    """Launch ``i`` (after a kill that left the folder ``killed``) resumed from its newest valid checkpoint."""
+    resumed = [e["step"] for e in own if e["event"] == "resume"]
+    expected = (killed and _newest_valid(killed)) or 0
+    if any(e["event"] == "start" for e in own) and (resumed[0] if resumed else 0) != expected:
+        report.wrong_resume_point += 1
+        report.failures.append(
+            f"{name}: launch {i + 1} resumed from {resumed[0] if resumed else 0}, newest valid was {expected}"
+        )
+
+
+def _check_kill(
+    name: str,
+    i: int,
+    launch: Launch,
+    snapshot: Path,
+    own: list[dict[str, Any]],
+    floor: int,
+    reference_state: Callable[[int], dict[str, Any]],
+    report: ChaosReport,
+) -> int:
+    """After kill ``i`` (its checkpoint folder copied to ``snapshot``): no checkpoint saved before it
+    is lost, and every one that verifies holds the reference's state. Returns the newest valid step."""
+    saved = [e["step"] for e in own if e["event"] == "checkpoint"]
+    durable = saved[:-1] if launch.async_save else saved  # an async save is durable once the next one starts
+    floor = max([floor, *durable])
+    newest = _newest_valid(snapshot) or 0
+    if newest < floor:
+        report.checkpoints_lost += 1
+        report.failures.append(
+            f"{name}: after kill {i + 1} ({launch.killpoint}) the newest valid checkpoint is {newest}, but {floor} had been saved"
+        )
+    for folder in sorted(snapshot.glob("step-*")):
+        state = _verified_state(folder)
+        if state is None:  # incomplete or corrupt: never selected (the resume check proves it)
+            continue
+        report.checkpoints_checked += 1
+        step = CheckpointManager.step_of(folder)
+        difference = first_difference(reference_state(step), state)
+        if difference is not None:
+            report.corrupt_valid += 1
+            report.corrupt_selected += step == newest
+            report.failures.append(
+                f"{name}: checkpoint {folder} verifies but differs from the reference at {difference}"
+            )
+    return newest
 
 
 def _newest_valid(folder: Path) -> int | None:
