@@ -139,7 +139,7 @@ class Checkpoints:
 
     def _read(self, path: Path) -> dict[str, Any]:
         if self.store is not None:
-            checkpoint, expected = DcpCheckpoints.read_extras(path), EXTRA_KEYS
+            checkpoint, expected = self.store.read_extras(path), EXTRA_KEYS
         else:
             # Only rank 0 holds the run folder's lock; the others just read.
             with CheckpointManager(self.run_dir / CHECKPOINT_FOLDER, keep_last=self.keep_last, lock=False) as reader:

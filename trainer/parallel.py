@@ -3,6 +3,21 @@
 ``python -m trainer`` started by ``torchrun`` finds ``RANK``/``WORLD_SIZE``/``LOCAL_RANK`` in its
 environment and joins a process group (gloo on CPU, NCCL on CUDA). Without them it is a single
 process and nothing here talks to anyone.
+
+Restarts (``torchrun --max-restarts``). With the c10d rendezvous, torchrun (2.13) hands every
+round of workers the *same* TCPStore, hosted by the agent, without a per-round prefix (its comment
+says a new store is made for every retry; it is not). A restarted rank then finds the previous
+round's keys, among them the dead ranks' gloo addresses: when it reads a peer's key before that
+peer has rewritten it, ``init_process_group`` connects to a process that is gone ("Gloo
+connectFullMesh failed ... Connection refused" or "Connect timeout", after the whole timeout).
+:func:`start` therefore first agrees with the other ranks on a namespace no earlier round used
+(:func:`_fresh_namespace`, a handshake with a short timeout: a missing peer is an error in
+seconds), and builds the process group in it.
+
+Orphans. A rank whose parent (the torchrun agent) dies is not told: it would train on, holding the
+run folder's lock. :func:`start` runs a watchdog thread that polls ``os.getppid()`` and exits the
+process when the parent is gone; its DataLoader workers follow within seconds (they watch their
+own parent the same way).
 """
 
 from __future__ import annotations
@@ -11,6 +26,10 @@ import datetime
 import gc
 import hashlib
 import os
+import sys
+import threading
+import time
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -20,13 +39,22 @@ import torch.distributed as dist
 
 from resumable_data import ResumeError
 
-__all__ = ["ElasticPlan", "Parallel", "elastic_plan", "rank_seed", "start", "stop"]
+__all__ = ["ElasticPlan", "Parallel", "elastic_plan", "rank_seed", "start", "stop", "watch_parent"]
 
 T = TypeVar("T")
 ELASTIC_POLICIES = ("per-rank-batch", "global-batch", "refuse")
 # Long enough for a slow checkpoint write on rank 0 while the others wait, short enough that a
 # hung job ends by itself.
 COLLECTIVE_TIMEOUT = datetime.timedelta(minutes=10)
+# How long the ranks of a new round wait for each other before the process group is built: start-up
+# skew (importing torch on a busy machine), not a checkpoint write.
+STARTUP_TIMEOUT = datetime.timedelta(seconds=60)
+# How often the watchdog looks for its parent, and the exit code of a rank whose parent died.
+PARENT_POLL_S = 0.5
+EXIT_PARENT_GONE = 3
+# Keys of the start-up handshake in torchrun's store (the namespace's own keys live under its token).
+_LEADER_KEY = "trainer/round/leader"
+_RETRY = datetime.timedelta(milliseconds=500)
 
 
 @dataclass(frozen=True)
@@ -127,12 +155,93 @@ def start(device_name: str) -> Parallel:
                 raise ValueError(f"local rank {local_rank} has no GPU: this machine has {torch.cuda.device_count()}")
             device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
+    if under_torchrun and "TORCHELASTIC_RUN_ID" in os.environ:
+        watch_parent()
     if under_torchrun and not dist.is_initialized():
         backend = "nccl" if device.type == "cuda" else "gloo"
         dist.init_process_group(
-            backend, timeout=COLLECTIVE_TIMEOUT, device_id=device if device.type == "cuda" else None
+            backend,
+            store=_fresh_namespace(rank, world_size),
+            rank=rank,
+            world_size=world_size,
+            timeout=COLLECTIVE_TIMEOUT,
+            device_id=device if device.type == "cuda" else None,
         )
     return Parallel(rank, world_size, local_rank, device, under_torchrun)
+
+
+def _fresh_namespace(rank: int, world_size: int) -> dist.Store:
+    """The store of ``MASTER_ADDR:MASTER_PORT`` under a prefix that only this round's ranks know.
+
+    Rank 0 publishes a new random token under a fixed key; every other rank reads it, checks in
+    under it with a nonce of its own, and waits for rank 0's answer under that nonce. A token left
+    by an earlier round gets no answer (its rank 0 is dead), so the rank reads the key again until
+    the new rank 0 has written it. Rank 0 answers only check-ins under its own token, so nobody
+    joins a dead round.
+
+    Raises:
+        RuntimeError: A rank did not show up within ``STARTUP_TIMEOUT`` (names the ranks).
+    """
+    # With torchrun's agent store every worker is a client; otherwise rank 0 hosts it, as env:// does.
+    agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == str(True)
+    store = dist.TCPStore(
+        os.environ["MASTER_ADDR"],
+        int(os.environ["MASTER_PORT"]),
+        world_size,
+        is_master=rank == 0 and not agent_store,
+        timeout=STARTUP_TIMEOUT,
+    )
+    deadline = time.monotonic() + STARTUP_TIMEOUT.total_seconds()
+    if rank == 0:
+        token = uuid.uuid4().hex
+        store.set(_LEADER_KEY, token)
+        for peer in range(1, world_size):
+            left = datetime.timedelta(seconds=max(deadline - time.monotonic(), 0.001))
+            try:
+                store.wait([f"{token}/joined/{peer}"], left)
+            except RuntimeError as e:  # the store's timeout error (DistStoreError is a RuntimeError)
+                raise RuntimeError(
+                    f"rank {peer} did not join within {STARTUP_TIMEOUT.total_seconds():.0f} s of start-up; "
+                    "it died or never started (see its log)"
+                ) from e
+            store.set(f"answer/{store.get(f'{token}/joined/{peer}').decode()}", token)
+        return dist.PrefixStore(f"trainer/{token}/", store)
+    nonce = uuid.uuid4().hex
+    while True:
+        store.wait([_LEADER_KEY], STARTUP_TIMEOUT)
+        store.set(f"{store.get(_LEADER_KEY).decode()}/joined/{rank}", nonce)
+        try:
+            store.wait([f"answer/{nonce}"], _RETRY)
+            break
+        except RuntimeError:
+            if time.monotonic() > deadline:
+                raise RuntimeError(
+                    f"rank 0 did not answer rank {rank} within {STARTUP_TIMEOUT.total_seconds():.0f} s of start-up; "
+                    "it died or never started (see its log)"
+                ) from None
+    return dist.PrefixStore(f"trainer/{store.get(f'answer/{nonce}').decode()}/", store)
+
+
+def watch_parent(poll_s: float = PARENT_POLL_S) -> threading.Thread:
+    """Exit this process (code ``EXIT_PARENT_GONE``) within ``poll_s`` of its parent's death.
+
+    The portable route to a parent-death signal: a daemon thread compares ``os.getppid()`` with
+    the parent at the call (an orphan is re-parented to init or a subreaper). The exit skips
+    clean-up on purpose: the peers are being torn down too, and every checkpoint on disk is either
+    complete or a ``.tmp-*`` leftover that the next start removes; the kernel drops the run
+    folder's lock with the process.
+    """
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(poll_s)
+        print(f"error: the parent process {parent} (the torchrun agent) is gone; exiting", file=sys.stderr, flush=True)
+        os._exit(EXIT_PARENT_GONE)
+
+    thread = threading.Thread(target=watch, name="parent-watchdog", daemon=True)
+    thread.start()
+    return thread
 
 
 def stop(parallel: Parallel, *, clean: bool) -> None:
