@@ -206,3 +206,30 @@ def test_a_new_run_folder_is_made_durable_by_syncing_its_parent(
         str(tmp_path.resolve() / "runs"),
         str(tmp_path.resolve() / "runs" / "exp"),
     ]
+
+
+@pytest.mark.slow  # two trainer runs; the default suite has the store's fallback above
+def test_the_trainer_resumes_from_the_previous_dcp_step_when_the_newest_trainer_pt_is_empty(tmp_path: Path) -> None:
+    """What a power loss can leave: the newest step's ``trainer.pt`` with zero bytes. ``--resume
+    auto`` warns, resumes from the step before and replays the lost step bitwise (on main it stopped
+    with ``error: cannot load .../trainer.pt:`` although the step before was intact)."""
+    import random as stdlib_random
+
+    from trainer.train import DCP_FOLDER, TrainConfig, read_metrics, train
+
+    corpus = tmp_path / "text.txt"
+    corpus.write_bytes(Path(stdlib_random.__file__).read_bytes()[:2000])
+    config = TrainConfig(
+        run_dir=str(tmp_path / "run"), data=str(corpus), cache_dir=str(tmp_path / "cache"), n_layer=1, n_head=2,
+        n_embd=16, block_size=16, dropout=0.1, batch_size=4, max_steps=9, lr=1e-2, min_lr=1e-3, warmup_steps=3,
+        eval_every=100, eval_batches=1, checkpoint_every=4, progress=False, checkpoint_format="dcp",
+    )  # fmt: skip
+    train(config)  # checkpoints at steps 4, 8 and 9 (the last step)
+    steps = Path(config.run_dir) / DCP_FOLDER
+    (steps / "step-00000009" / EXTRAS).write_bytes(b"")
+    with pytest.warns(UserWarning, match=r"skipping checkpoint .*step-00000009: trainer\.pt has 0 bytes"):
+        resumed = train(config)
+    assert resumed.resumed_from == steps / "step-00000008"
+    step_9 = [e["loss"] for e in read_metrics(config.run_dir) if e["event"] == "step" and e["step"] == 9]
+    assert len(step_9) == 2 and step_9[0] == step_9[1]
+    assert DcpStore(steps).latest() == steps / "step-00000009"  # replaced by a valid one

@@ -182,28 +182,39 @@ def test_the_start_up_handshake_ignores_a_dead_rounds_leader_and_agrees_on_a_fre
 
 
 def test_a_rank_exits_within_a_second_once_its_parent_is_gone() -> None:
-    """The watchdog of ``trainer.parallel.watch_parent``: a forked grandchild watches its parent,
-    the parent exits, the grandchild follows (exit code 3)."""
+    """The watchdog of ``trainer.parallel.watch_parent``: a forked grandchild (the "rank") watches
+    its parent (the "agent"); it lives while the parent lives and follows it when the parent exits."""
     from trainer import parallel
 
-    read, write = os.pipe()
-    child = os.fork()
-    if child == 0:  # the "agent"
-        grandchild = os.fork()
-        if grandchild == 0:  # the "rank"
-            parallel.watch_parent(poll_s=0.05)
-            time.sleep(30)
+    from_rank, to_test = os.pipe()
+    from_test, to_agent = os.pipe()
+    agent = os.fork()
+    if agent == 0:  # never returns into pytest, whatever happens
+        try:
+            rank = os.fork()
+            if rank == 0:
+                try:
+                    parallel.watch_parent(poll_s=0.05)
+                    os.write(to_test, str(os.getpid()).encode())
+                    time.sleep(30)
+                finally:
+                    os._exit(0)
+            os.read(from_test, 1)  # exit when the test says so
+        finally:
             os._exit(0)
-        os.write(write, str(grandchild).encode())
-        os._exit(0)
-    os.close(write)
-    grandchild = int(os.read(read, 32))
-    os.close(read)
-    os.waitpid(child, 0)
+    os.close(to_test)
+    rank = int(os.read(from_rank, 32) or b"-1")
+    assert rank > 0, "the rank could not start its watchdog"
+    time.sleep(0.3)
+    assert alive(rank)  # its parent lives: it is left alone
+    os.write(to_agent, b"x")
+    os.waitpid(agent, 0)
     deadline = time.monotonic() + 5
-    while alive(grandchild) and time.monotonic() < deadline:
+    while alive(rank) and time.monotonic() < deadline:
         time.sleep(0.02)
-    assert not alive(grandchild)
+    assert not alive(rank)
+    for fd in (from_rank, from_test, to_agent):
+        os.close(fd)
 
 
 @pytest.mark.slow
