@@ -164,7 +164,10 @@ def chaos_distributed(
                 report.kills[point] += 1
                 report.kills_with_workers += launch.num_workers > 0
                 launch.snapshot = base / "snapshots" / f"{Path(run.run_dir).name}-{len(launches):02d}"
-                shutil.copytree(Path(run.run_dir) / DCP_FOLDER, launch.snapshot, symlinks=True)
+                if (Path(run.run_dir) / DCP_FOLDER).is_dir():
+                    shutil.copytree(Path(run.run_dir) / DCP_FOLDER, launch.snapshot, symlinks=True)
+                else:  # killed before its first save
+                    launch.snapshot.mkdir(parents=True)
                 continue
             if launch.exit_code != 0:
                 output = (Path(run.run_dir) / "launches.log").read_text(errors="replace")
