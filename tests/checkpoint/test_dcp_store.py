@@ -233,3 +233,17 @@ def test_the_trainer_resumes_from_the_previous_dcp_step_when_the_newest_trainer_
     step_9 = [e["loss"] for e in read_metrics(config.run_dir) if e["event"] == "step" and e["step"] == 9]
     assert len(step_9) == 2 and step_9[0] == step_9[1]
     assert DcpStore(steps).latest() == steps / "step-00000009"  # replaced by a valid one
+
+
+def test_an_async_save_is_published_once_its_future_is_done(tmp_path: Path) -> None:
+    """``dcp.async_save`` (the trainer's ``dcp-async``): the staging folder is published only after
+    the future returned, with the same manifest; until then ``latest()`` keeps the previous step."""
+    store = DcpStore(tmp_path / "dcp")
+    save(store, 1)
+    future = dcp.async_save(app_state(2), checkpoint_id=store.staging(2))
+    assert store.latest() == store.directory / "step-00000001"  # nothing of step 2 counts yet
+    future.result()
+    store.publish(2, payloads={EXTRAS: {"step": 2}})
+    newest = store.latest()
+    assert newest == store.directory / "step-00000002"
+    assert torch.equal(loaded(newest)["model"]["w"], torch.full((4, 4), 2.0))
