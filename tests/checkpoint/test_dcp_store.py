@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -17,9 +18,12 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from resumable_data import CheckpointManager, DcpStore, ResumeError
 from resumable_data.__main__ import main as cli
+from resumable_data.checkpoint.dcp import dcp_checkpoint_problem
 
 EXTRAS = "trainer.pt"
 
@@ -247,3 +251,46 @@ def test_an_async_save_is_published_once_its_future_is_done(tmp_path: Path) -> N
     newest = store.latest()
     assert newest == store.directory / "step-00000002"
     assert torch.equal(loaded(newest)["model"]["w"], torch.full((4, 4), 2.0))
+
+
+JSON = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=8),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=8), inner, max_size=3),
+    max_leaves=8,
+)
+
+
+@pytest.fixture(scope="module")
+def two_steps(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A store with steps 1 and 2, written once for every fuzzed example (each gets a copy)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+        store = DcpStore(tmp_path_factory.mktemp("two-steps") / "dcp")
+        for step in (1, 2):
+            save(store, step)
+    return store.directory
+
+
+@settings(max_examples=30, deadline=None, derandomize=True)
+@given(field=st.sampled_from(["version", "kind", "step", "files", "payloads", "created", "library_version", "extra"]),
+       value=JSON, drop=st.booleans())  # fmt: skip
+def test_a_fuzzed_dcp_manifest_field_is_either_valid_or_skipped_with_a_warning(
+    field: str, value: Any, drop: bool, two_steps: Path, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    store = DcpStore(tmp_path_factory.mktemp("fuzz") / "dcp")
+    shutil.copytree(two_steps, store.directory)
+    path = store.directory / "step-00000002" / "manifest.json"
+    record = json.loads(path.read_text())
+    if drop:
+        record.pop(field, None)
+    else:
+        record[field] = value
+    path.write_text(json.dumps(record))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        chosen = store.latest()
+    assert chosen is not None
+    if chosen.name == "step-00000001":
+        assert any("skipping checkpoint" in str(w.message) for w in caught)
+    else:  # the change left a manifest that still vouches for every file exactly
+        assert dcp_checkpoint_problem(chosen, verify=True) is None
