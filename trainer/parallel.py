@@ -46,9 +46,10 @@ ELASTIC_POLICIES = ("per-rank-batch", "global-batch", "refuse")
 # Long enough for a slow checkpoint write on rank 0 while the others wait, short enough that a
 # hung job ends by itself.
 COLLECTIVE_TIMEOUT = datetime.timedelta(minutes=10)
-# How long the ranks of a new round wait for each other before the process group is built: start-up
-# skew (importing torch on a busy machine), not a checkpoint write.
-STARTUP_TIMEOUT = datetime.timedelta(seconds=60)
+# How long the ranks of a new round wait for each other before the process group is built. A peer
+# that dies is noticed by torchrun within seconds (it stops the round); this bounds one that hangs,
+# and must exceed start-up skew: importing torch took over 60 s on our loaded 2-core machine.
+STARTUP_TIMEOUT = datetime.timedelta(seconds=180)
 # How often the watchdog looks for its parent, and the exit code of a rank whose parent died.
 PARENT_POLL_S = 0.5
 EXIT_PARENT_GONE = 3
@@ -208,12 +209,12 @@ def _fresh_namespace(rank: int, world_size: int) -> dist.Store:
         return dist.PrefixStore(f"trainer/{token}/", store)
     nonce = uuid.uuid4().hex
     while True:
-        store.wait([_LEADER_KEY], STARTUP_TIMEOUT)
-        store.set(f"{store.get(_LEADER_KEY).decode()}/joined/{rank}", nonce)
         try:
+            store.wait([_LEADER_KEY], datetime.timedelta(seconds=max(deadline - time.monotonic(), 0.001)))
+            store.set(f"{store.get(_LEADER_KEY).decode()}/joined/{rank}", nonce)
             store.wait([f"answer/{nonce}"], _RETRY)
             break
-        except RuntimeError:
+        except RuntimeError:  # the store's timeout error (DistStoreError is a RuntimeError)
             if time.monotonic() > deadline:
                 raise RuntimeError(
                     f"rank 0 did not answer rank {rank} within {STARTUP_TIMEOUT.total_seconds():.0f} s of start-up; "
