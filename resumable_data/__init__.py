@@ -5,7 +5,7 @@ the keyed permutation), ``map`` (sampler and loader), ``rng``, ``checkpoint``, `
 ``distributed``, ``testing`` and ``errors`` beside them.
 """
 
-from .checkpoint import CheckpointLockedError, CheckpointManager
+from .checkpoint import CheckpointLockedError, CheckpointManager, DcpStore
 from .core.permutation import Permutation
 from .core.version import __version__
 from .distributed import DataLoaderState, check_world_size, dcp_errors, global_state, require_agreement
@@ -36,6 +36,7 @@ __all__ = [
     "CheckpointLockedError",
     "CheckpointManager",
     "DataLoaderState",
+    "DcpStore",
     "IterableSource",
     "ParquetReader",
     "Permutation",

@@ -77,7 +77,9 @@ def main(argv: list[str] | None = None) -> int:
         "world size and sizes. PATH is a step-N folder or a state file; a bad one gives one error line "
         "and exit code 1. Loading uses weights_only, so nothing in the file is executed.",
     )
-    inspect_parser.add_argument("path", metavar="PATH", help="a step-N checkpoint folder or a state.pt file")
+    inspect_parser.add_argument(
+        "path", metavar="PATH", help="a step-N checkpoint folder (CheckpointManager or DcpStore) or a state.pt file"
+    )
     inspect_parser.add_argument("--json", action="store_true", help="print the report as JSON")
     commands.add_parser("demo", help="stop a loader mid-epoch and resume it exactly")
     args = parser.parse_args(argv)

@@ -6,6 +6,7 @@ python -m trainer verify-resume                # killed + resumed == uninterrupt
 python -m trainer verify-resume --nproc 2      # the same under torchrun, plus elastic 2->1 and 2->3
 torchrun --nproc_per_node 2 -m trainer train   # data-parallel training (DDP; gloo on CPU, NCCL on CUDA)
 python -m trainer chaos --kills 100            # 100 SIGKILLs (mid-write, mid-prune, with workers...) + relaunches
+python -m trainer chaos --nproc 2 --checkpoint-format dcp --kills 30   # ranks and the torchrun agent too
 python -m trainer plot runs/default            # runs/default/metrics.png
 python -m trainer gpu-smoke                    # on a CUDA machine: default run, step time, verify-resume
 """
@@ -26,6 +27,7 @@ from resumable_data import ResumeError
 
 from .config import TrainConfig, flag
 from .harness.chaos import chaos
+from .harness.chaos_distributed import chaos_distributed
 from .harness.gpu_smoke import gpu_smoke
 from .harness.verify import VERIFY_DEFAULTS, VERIFY_KILL_AT, verify_resume
 from .model import ModelConfig
@@ -132,6 +134,15 @@ def _add_harness_commands(commands: Any) -> None:
     chaos_cmd.add_argument(
         "--seed", type=int, default=0, help="fixes the kill moments, to replay a session (default: %(default)s)"
     )
+    chaos_cmd.add_argument(
+        "--nproc",
+        type=int,
+        default=None,
+        help="run each job under torchrun with this many ranks and kill ranks and the agent too (needs --checkpoint-format dcp or dcp-async)",
+    )
+    chaos_cmd.add_argument(
+        "--checkpoint-format", default="dcp", choices=("dcp", "dcp-async"), help="with --nproc (default: %(default)s)"
+    )
 
     plot = commands.add_parser("plot", help="write a PNG of loss and lr over steps, marking resume points")
     plot.add_argument("run_dir", help="a run folder (holds metrics.jsonl)")
@@ -164,7 +175,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "verify-resume":
             return 0 if verify_resume(_config(args), args.kill_at_step, args.nproc) else 1
         if args.command == "chaos":
-            report = chaos(args.kills, args.run_dir, seed=args.seed)
+            report = (
+                chaos(args.kills, args.run_dir, seed=args.seed)
+                if args.nproc is None
+                else chaos_distributed(
+                    args.kills, args.run_dir, nproc=args.nproc, checkpoint_format=args.checkpoint_format, seed=args.seed
+                )
+            )
             print(report.table())
             for failure in report.failures:
                 print(f"FAIL: {failure}")

@@ -99,7 +99,7 @@ class Checkpoints(contextlib.AbstractContextManager["Checkpoints"]):
 
     def _read(self, path: Path) -> dict[str, Any]:
         if self.store is not None:
-            checkpoint, expected = DcpCheckpoints.read_extras(path), EXTRA_KEYS
+            checkpoint, expected = self.store.read_extras(path), EXTRA_KEYS
         else:
             # Only rank 0 holds the run folder's lock; the others just read. map_location="cpu":
             # nothing lands on the GPU until the model is built and moved there.

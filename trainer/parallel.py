@@ -26,7 +26,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from tqdm import tqdm
 
-from resumable_data import ResumeError
+from resumable_data import ResumeError, torchrun
 
 T = TypeVar("T")
 # Long enough for a slow checkpoint write on rank 0 while the others wait, short enough that a
@@ -189,10 +189,19 @@ def start(device_name: str, fsdp: bool = False) -> Parallel:
         torch.cuda.set_device(device)
     if not under_torchrun:
         return Parallel(device)
+    if "TORCHELASTIC_RUN_ID" in os.environ:
+        torchrun.watch_parent()  # a rank must not train on, holding the run's lock, after its agent died
     if not dist.is_initialized():
         cuda = device.type == "cuda"
+        # A fresh namespace of torchrun's store: a restarted round must not read the dead round's keys.
+        store = torchrun.fresh_store(rank, world_size)
         dist.init_process_group(
-            "nccl" if cuda else "gloo", timeout=COLLECTIVE_TIMEOUT, device_id=device if cuda else None
+            "nccl" if cuda else "gloo",
+            store=store,
+            rank=rank,
+            world_size=world_size,
+            timeout=COLLECTIVE_TIMEOUT,
+            device_id=device if cuda else None,
         )
     return (FullyShardedParallel if fsdp else DataParallel)(device, rank, world_size)
 

@@ -1,7 +1,8 @@
 """Checkpoints on disk: the manager, its manifest, durable writes, the run lock, weights-only loads,
-and ``inspect``. Imports neither loader."""
+``DcpStore`` (durable folders for DCP's files) and ``inspect``. Imports neither loader."""
 
+from .dcp import DcpStore
 from .lock import CheckpointLockedError
 from .manager import CheckpointManager
 
-__all__ = ["CheckpointLockedError", "CheckpointManager"]
+__all__ = ["CheckpointLockedError", "CheckpointManager", "DcpStore"]

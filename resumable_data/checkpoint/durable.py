@@ -19,7 +19,7 @@ from typing import IO, Any, BinaryIO, cast
 
 import torch
 
-__all__ = ["durable_file", "fsync_dir", "remove_tree", "write_payload"]
+__all__ = ["durable_file", "fsync_dir", "fsync_file", "make_dirs", "remove_tree", "write_payload"]
 
 
 @contextlib.contextmanager
@@ -74,6 +74,38 @@ def fsync_dir(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def fsync_file(path: Path) -> None:
+    """Flush a file that another process (or library) wrote to disk: fsync makes the inode's data
+    durable whichever descriptor wrote it."""
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def make_dirs(path: Path) -> None:
+    """Create ``path`` and any missing parents durably: each new folder's entry in its parent is
+    fsynced, so a power loss cannot take the folder, and the checkpoints in it, away.
+
+    Raises:
+        OSError: A folder could not be created or synced.
+    """
+    missing = []
+    while not path.is_dir():
+        missing.append(path)
+        if path.parent == path:
+            break
+        path = path.parent
+    for folder in reversed(missing):
+        try:
+            os.mkdir(folder)
+        except FileExistsError:  # another process created it meanwhile; still make its entry durable
+            if not folder.is_dir():
+                raise
+        fsync_dir(folder.parent)
 
 
 def remove_tree(path: Path) -> None:

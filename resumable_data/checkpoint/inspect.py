@@ -19,10 +19,13 @@ import torch
 
 from ..core.state import EPOCH, POSITION, VERSION, WORLD_SIZE
 from ..errors import ResumeError
+from .dcp import DCP_METADATA, DcpManifest, dcp_checkpoint_problem, read_dcp_manifest
 from .manifest import MANIFEST_NAME, PAYLOAD_NAME, STEP_RE, Manifest, checkpoint_problem, read_manifest, step_of
 from .weights_only import load_weights_only
 
-__all__ = ["Report", "inspect_checkpoint"]
+__all__ = ["DcpReport", "Report", "inspect_checkpoint"]
+# A DCP folder holds a file per rank: the report names the first few.
+_FILES_SHOWN = 8
 
 
 @dataclass
@@ -99,11 +102,80 @@ class Report:
         }
 
 
-def inspect_checkpoint(path: str | os.PathLike[str]) -> Report:
-    """Verify and summarize a checkpoint: a ``step-N`` folder, or a state file (in one or alone).
+@dataclass
+class DcpReport:
+    """A verified DCP step folder's summary (:class:`~resumable_data.DcpStore`).
 
-    A folder must be a complete checkpoint (manifest and payload). A file is verified against the
-    ``manifest.json`` beside it when there is one, and reported as not verified otherwise.
+    Attributes:
+        folder: The step folder.
+        manifest: Its manifest; every file it lists matched its size and sha256.
+        payload_states: Per weights-only payload (e.g. ``trainer.pt``), the data states found in it.
+        payload_sizes: Per payload, tensors and their bytes by top-level key.
+    """
+
+    folder: Path
+    manifest: DcpManifest
+    payload_states: dict[str, dict[str, Mapping[str, Any]]] = field(default_factory=dict)
+    payload_sizes: dict[str, dict[str, TensorBytes]] = field(default_factory=dict)
+
+    def lines(self) -> list[str]:
+        """The human-readable report."""
+        files = self.manifest.files
+        out = [f"DCP checkpoint {self.folder}", f"  step          {self.manifest.step}"]
+        out.append(
+            f"  integrity     ok: {MANIFEST_NAME} matches all {len(files)} files (size and sha256), "
+            f"{self.manifest.total_bytes:,} bytes"
+        )
+        if self.manifest.created is not None:
+            created = datetime.datetime.fromtimestamp(self.manifest.created, datetime.timezone.utc)
+            out.append(f"  created       {created.isoformat(timespec='seconds')}")
+        out.append(f"  written by    resumable_data {self.manifest.library_version or '?'}")
+        names = sorted(files)
+        for name in names[:_FILES_SHOWN]:
+            kind = "payload, weights_only" if name in self.manifest.payloads else "DCP"
+            out.append(f"    {name:<20} {files[name][0]:>14,} bytes ({kind})")
+        if len(names) > _FILES_SHOWN:
+            out.append(f"    ... and {len(names) - _FILES_SHOWN} more files")
+        for payload in self.manifest.payloads:
+            for where, state in self.payload_states.get(payload, {}).items():
+                world = state.get(WORLD_SIZE, "?")
+                out.append(
+                    f"  data position {payload}{where}: epoch {state[EPOCH]}, position {state[POSITION]}, world size {world}"
+                )
+        out.append("  trust         DCP loads its files with pickle: load them only from a source you trust")
+        return out
+
+    def as_json(self) -> dict[str, Any]:
+        """The same report as plain data (for scripts)."""
+        return {
+            "folder": str(self.folder),
+            "format": "dcp",
+            "verified": True,
+            "step": self.manifest.step,
+            "created": self.manifest.created,
+            "library_version": self.manifest.library_version,
+            "files": {name: {"bytes": size, "sha256": sha} for name, (size, sha) in self.manifest.files.items()},
+            "payloads": list(self.manifest.payloads),
+            "data_states": {
+                payload + where: _plain(state)
+                for payload, states in self.payload_states.items()
+                for where, state in states.items()
+            },
+            "tensor_bytes": {
+                payload: {key: {"count": s.count, "bytes": s.nbytes} for key, s in sizes.items()}
+                for payload, sizes in self.payload_sizes.items()
+            },
+        }
+
+
+def inspect_checkpoint(path: str | os.PathLike[str]) -> Report | DcpReport:
+    """Verify and summarize a checkpoint: a ``step-N`` folder (of ``CheckpointManager`` or
+    ``DcpStore``), or a state file (in one or alone).
+
+    A folder must be a complete checkpoint (manifest and payload; for DCP, every file the manifest
+    lists, with its size and sha256). A file is verified against the ``manifest.json`` beside it
+    when there is one, and reported as not verified otherwise. DCP's own files are never loaded
+    (they unpickle); its weights-only payloads are.
 
     Raises:
         ResumeError: one line naming the path and what is wrong with it.
@@ -111,6 +183,8 @@ def inspect_checkpoint(path: str | os.PathLike[str]) -> Report:
     path = Path(path)
     if not path.exists():
         raise ResumeError(f"{path}: no such file or folder")
+    if path.is_dir() and (path / DCP_METADATA).exists():
+        return _inspect_dcp(path)
     if path.is_dir():
         if not (path / MANIFEST_NAME).exists() and not (path / PAYLOAD_NAME).exists():
             runs = sorted(p.name for p in path.iterdir() if STEP_RE.match(p.name))
@@ -151,6 +225,23 @@ def inspect_checkpoint(path: str | os.PathLike[str]) -> Report:
         data_states=dict(_data_states(state)),
         sizes=_tensor_bytes(state),
     )
+
+
+def _inspect_dcp(folder: Path) -> DcpReport:
+    problem = dcp_checkpoint_problem(folder, verify=True, check_name=STEP_RE.match(folder.name) is not None)
+    if problem is not None:
+        raise ResumeError(f"{folder}: {problem}")
+    report = DcpReport(folder=folder, manifest=read_dcp_manifest(folder))
+    for name in report.manifest.payloads:
+        try:
+            state = load_weights_only(folder / name)
+        except ResumeError as e:
+            raise ResumeError(str(e).replace("cannot load checkpoint ", "", 1)) from e
+        if not isinstance(state, Mapping):
+            raise ResumeError(f"{folder / name}: holds a {type(state).__name__}, expected a dict")
+        report.payload_states[name] = {where.removeprefix("<root>"): s for where, s in _data_states(state)}
+        report.payload_sizes[name] = _tensor_bytes(state)
+    return report
 
 
 def _step_from_name(payload: Path) -> int | None:

@@ -69,7 +69,7 @@ class CheckpointManager:
     An odd manifest or a damaged payload makes a checkpoint invalid: it is skipped with a warning.
 
     Args:
-        directory: The run folder; created if missing.
+        directory: The run folder; created if missing (durably: each new folder's parent is fsynced).
         keep_last: How many of the newest *valid* checkpoints to keep (at least 2, so a checkpoint
             found corrupt still leaves one to fall back to). Invalid ones never count.
         keep_best: Also keep the valid checkpoint with the lowest ``metric`` passed to :meth:`save`.
@@ -115,7 +115,8 @@ class CheckpointManager:
         self.keep_last = keep_last
         self.keep_best = keep_best
         self.async_save = async_save
-        self.directory.mkdir(parents=True, exist_ok=True)
+        # Durably: a run folder that a power loss can take away takes its first checkpoints with it.
+        durable.make_dirs(self.directory)
         self._lock: RunLock | None = RunLock(self.directory) if lock else None
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
         self._pending: concurrent.futures.Future[Path] | None = None

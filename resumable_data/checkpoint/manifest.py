@@ -26,7 +26,15 @@ from ..core.state import VERSION, brief, is_int
 from ..core.version import __version__
 from ..errors import ResumeError
 
-__all__ = ["MANIFEST_NAME", "PAYLOAD_NAME", "Manifest", "checkpoint_problem", "file_digest", "read_manifest"]
+__all__ = [
+    "MANIFEST_NAME",
+    "PAYLOAD_NAME",
+    "Manifest",
+    "checkpoint_problem",
+    "file_digest",
+    "read_json_object",
+    "read_manifest",
+]
 
 MANIFEST_VERSION = 1
 PAYLOAD_NAME = "state.pt"
@@ -116,7 +124,17 @@ def read_manifest(folder: Path) -> Manifest:
             JSON, or has a missing or mistyped field; the message names the file and the field.
     """
     path = folder / MANIFEST_NAME
-    raw = _read_bounded(path)
+    return _typed(read_json_object(path, max_bytes=MAX_MANIFEST_BYTES), path)
+
+
+def read_json_object(path: Path, *, max_bytes: int) -> dict[str, Any]:
+    """Read a manifest-like JSON object with bounded effort: a regular file of at most ``max_bytes``,
+    nested at most :data:`MAX_DEPTH` deep (checked before the parser runs).
+
+    Raises:
+        ResumeError: Missing, not a regular file, too large, too deep, not JSON, or not an object.
+    """
+    raw = _read_bounded(path, max_bytes)
     depth = _nesting_depth(raw)
     if depth > MAX_DEPTH:
         raise ResumeError(f"manifest {path} is nested {depth} levels deep (at most {MAX_DEPTH} allowed)")
@@ -126,10 +144,10 @@ def read_manifest(folder: Path) -> Manifest:
         raise ResumeError(f"manifest {path} is not valid JSON: {e}") from None
     if not isinstance(record, dict):
         raise ResumeError(f"manifest {path} is not a JSON object but {type(record).__name__}")
-    return _typed(record, path)
+    return record
 
 
-def _read_bounded(path: Path) -> bytes:
+def _read_bounded(path: Path, max_bytes: int) -> bytes:
     # O_NONBLOCK: a FIFO planted under the name must not hang the reader; it is refused below anyway.
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
@@ -141,16 +159,16 @@ def _read_bounded(path: Path) -> bytes:
         info = os.fstat(fd)
         if not stat.S_ISREG(info.st_mode):
             raise ResumeError(f"manifest {path} is not a regular file")
-        if info.st_size > MAX_MANIFEST_BYTES:
-            raise ResumeError(f"manifest {path} has {info.st_size} bytes (at most {MAX_MANIFEST_BYTES} allowed)")
+        if info.st_size > max_bytes:
+            raise ResumeError(f"manifest {path} has {info.st_size} bytes (at most {max_bytes} allowed)")
         with os.fdopen(fd, "rb", closefd=False) as f:
-            raw = f.read(MAX_MANIFEST_BYTES + 1)
+            raw = f.read(max_bytes + 1)
     except OSError as e:
         raise ResumeError(f"unreadable manifest {path}: {e.strerror}") from None
     finally:
         os.close(fd)
-    if len(raw) > MAX_MANIFEST_BYTES:  # grew while being read
-        raise ResumeError(f"manifest {path} has more than {MAX_MANIFEST_BYTES} bytes")
+    if len(raw) > max_bytes:  # grew while being read
+        raise ResumeError(f"manifest {path} has more than {max_bytes} bytes")
     return raw
 
 

@@ -146,7 +146,8 @@ class ChaosReport:
         ]
         lines = ["| check | result |", "|---|---|", *(f"| {name} | {value} |" for name, value in rows)]
         lines += ["", "| kill point | kills |", "|---|---|"]
-        lines += [f"| {point} | {self.kills[point]} |" for point in KILLPOINTS if self.kills[point]]
+        points = [*KILLPOINTS, *sorted(set(self.kills) - set(KILLPOINTS))]  # the distributed harness adds its own
+        lines += [f"| {point} | {self.kills[point]} |" for point in points if self.kills[point]]
         return "\n".join(lines)
 
 

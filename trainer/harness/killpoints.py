@@ -18,8 +18,9 @@ Kill points (in the order a step and a save reach them):
     step              optimizer step N of this process, after its backward, before the update
                       (step N of a run started from scratch)
 
-    payload-half      half of state.pt written into the temp folder
-    payload-synced    state.pt complete and fsynced, no manifest yet
+    payload-half      half of state.pt written into the temp folder (DCP: of the first torch.save,
+                      DCP's own or trainer.pt)
+    payload-synced    state.pt (DCP: trainer.pt) complete and fsynced, no manifest yet
     manifest-synced   manifest.json fsynced, temp folder not yet renamed
     before-publish    about to rename .tmp-step-N to step-N
     after-publish     step-N in place, run folder not yet fsynced, nothing pruned
@@ -108,7 +109,7 @@ def _install(counter: _Counter) -> None:
         path = _fd_path(fd if isinstance(fd, int) else fd.fileno())
         if ".tmp-step-" in path:
             name = Path(path).name
-            if (name == "state.pt" and counter.reached("payload-synced")) or (
+            if (name in ("state.pt", "trainer.pt") and counter.reached("payload-synced")) or (
                 name == "manifest.json" and counter.reached("manifest-synced")
             ):
                 _die()

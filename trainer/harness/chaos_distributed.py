@@ -1,0 +1,359 @@
+"""chaos --nproc N: SIGKILL ranks and the torchrun agent of a DCP run again and again, relaunch, compare.
+
+The distributed counterpart of :mod:`trainer.chaos`. A tiny model trains once under ``torchrun``
+straight through (the reference, every checkpoint kept). Then runs of the same configuration are
+killed again and again and relaunched *at once* with ``--resume auto``, as a cluster requeues a
+job, until each finishes. A kill is one of, in turn:
+
+- a rank (by start order: any of them) or the torchrun agent SIGKILLed at a random moment of the
+  run; an agent's ranks must exit by themselves (:func:`resumable_data.torchrun.watch_parent`);
+- rank 0 SIGKILLed at an aimed moment of a checkpoint write (:mod:`trainer.killpoints`): mid
+  ``trainer.pt``, just after it is synced, manifest synced, just before and after the publishing
+  rename, a step folder moved aside or half deleted by pruning.
+
+Launches alternate ``--num-workers`` 0 and 2. Checked, as in the single-process harness: every
+relaunch starts (none refused by a lock); no checkpoint lost (after each kill the newest valid
+checkpoint is at least the newest one the killed job had finished); every checkpoint that verifies
+holds exactly the reference's state for its step (its DCP shards, converted with DCP's public
+``dcp_to_torch_save``, and its ``trainer.pt``), and the relaunch resumes from the newest of them;
+every logged loss and the final state equal the uninterrupted run's, bitwise.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import warnings
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+from resumable_data import DcpStore, ResumeError
+from resumable_data.checkpoint.dcp import dcp_checkpoint_problem
+from resumable_data.testing import first_difference
+
+from ..checkpointing import DCP_FOLDER
+from ..config import TrainConfig
+from ..dcp_store import EXTRAS_NAME
+from ..metrics import read_metrics
+from .chaos import CHAOS_DEFAULTS, CORPUS_BYTES, ChaosReport
+from .verify import child_env, config_to_argv
+
+__all__ = ["DISTRIBUTED_PLAN", "chaos_distributed"]
+
+# Kill points in turn: random moments (any rank, the agent) between aimed moments of a DCP write.
+DISTRIBUTED_PLAN = (
+    "rank-at-seconds", "payload-half", "agent-at-seconds", "prune-half", "rank-at-seconds", "manifest-synced",
+    "before-publish", "agent-at-seconds", "after-publish", "rank-at-seconds", "prune-aside", "payload-synced",
+)  # fmt: skip
+LAUNCH_TIMEOUT_S = 400
+# How long the ranks of a killed agent may outlive it.
+ORPHAN_GRACE_S = 15
+NO_KILL = "none"
+
+
+@dataclass
+class _Launch:
+    killpoint: str
+    count: str
+    num_workers: int
+    exit_code: int | None = None
+    first_event: int = 0
+    snapshot: Path | None = None
+    killed: str = ""
+    orphans: list[int] = field(default_factory=list)
+
+
+def chaos_distributed(
+    kills: int,
+    run_dir: str | Path = "runs/chaos-dcp",
+    *,
+    nproc: int = 2,
+    checkpoint_format: str = "dcp",
+    seed: int = 0,
+    log: Any = print,
+) -> ChaosReport:
+    """Kill, relaunch and compare until ``kills`` SIGKILLs have landed; see the module docstring.
+
+    Args:
+        kills: how many SIGKILLs to inject.
+        run_dir: parent folder of the reference and the chaos runs (emptied first).
+        nproc: ranks per job.
+        checkpoint_format: ``dcp`` or ``dcp-async``.
+        seed: fixes the kill moments and targets, so a failing session can be replayed.
+        log: where progress lines go.
+
+    Returns:
+        The report; ``report.ok`` is False if any check failed.
+
+    Raises:
+        ValueError: ``kills`` < 1, ``nproc`` < 2 or a format other than DCP's.
+    """
+    if kills < 1 or nproc < 2 or checkpoint_format not in ("dcp", "dcp-async"):
+        raise ValueError(
+            f"chaos --nproc needs --kills >= 1, --nproc >= 2 and --checkpoint-format dcp or dcp-async, "
+            f"but got --kills {kills} --nproc {nproc} --checkpoint-format {checkpoint_format}"
+        )
+    started = time.perf_counter()
+    base = Path(run_dir)
+    shutil.rmtree(base, ignore_errors=True)
+    base.mkdir(parents=True)
+    corpus = base / "corpus.txt"
+    corpus.write_bytes(Path(random.__file__).read_bytes()[:CORPUS_BYTES])
+    config = TrainConfig(
+        run_dir=str(base / "reference"), data=str(corpus), cache_dir=str(base / "cache"),
+        checkpoint_format=checkpoint_format, **CHAOS_DEFAULTS,
+    )  # fmt: skip
+    reference = replace(config, resume="never", keep_last=10**6)
+    code = _torchrun(reference, _Launch(NO_KILL, "0", 0), nproc).wait(timeout=LAUNCH_TIMEOUT_S)
+    if code != 0:
+        raise RuntimeError(f"the reference run failed with exit code {code}; see {base / 'reference' / 'launches.log'}")
+    events = read_metrics(reference.run_dir)
+    expected_losses = {e["step"]: e["loss"] for e in events if e["event"] == "step"}
+    times = [e["time"] for e in events if e["event"] in ("start", "end")]
+    train_s = times[-1] - times[0]
+    log(f"chaos: {nproc}-rank {checkpoint_format} reference of {config.max_steps} steps trained in {train_s:.2f} s")
+
+    report = ChaosReport()
+    rng = random.Random(seed)
+    references: dict[int, dict[str, Any]] = {}
+    for run_number in itertools.count(1):
+        if report.total_kills >= kills or report.failures:
+            break
+        run = replace(config, run_dir=str(base / f"run-{run_number:03d}"), resume="auto")
+        launches: list[_Launch] = []
+        while True:
+            attempt = report.total_kills
+            if attempt < kills:
+                point = DISTRIBUTED_PLAN[attempt % len(DISTRIBUTED_PLAN)]
+                count = f"{rng.uniform(0.0, train_s):.3f}" if point.endswith("at-seconds") else str(rng.randint(1, 2))
+            else:
+                point, count = NO_KILL, "0"
+            launch = _Launch(point, count, num_workers=2 * (attempt % 2))
+            report.launches += 1
+            launch.first_event = len(_events(run.run_dir))
+            process = _torchrun(replace(run, num_workers=launch.num_workers), launch, nproc)
+            if point.endswith("at-seconds"):
+                launch.killed = _kill_later(process, run.run_dir, launch, rng, nproc)
+            try:
+                launch.exit_code = process.wait(timeout=LAUNCH_TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                launch.exit_code = process.wait()
+                report.failures.append(f"{run.run_dir}: a launch ran over {LAUNCH_TIMEOUT_S} s and was stopped")
+            launches.append(launch)
+            aimed = point != NO_KILL and not point.endswith("at-seconds")
+            landed = launch.killed != "" or (aimed and _rank_sigkilled(run.run_dir))
+            if launch.orphans:
+                report.failures.append(
+                    f"{run.run_dir}: ranks {launch.orphans} outlived their killed agent by {ORPHAN_GRACE_S} s"
+                )
+                break
+            if landed and launch.exit_code != 0:
+                report.kills[point] += 1
+                report.kills_with_workers += launch.num_workers > 0
+                launch.snapshot = base / "snapshots" / f"{Path(run.run_dir).name}-{len(launches):02d}"
+                if (Path(run.run_dir) / DCP_FOLDER).is_dir():
+                    shutil.copytree(Path(run.run_dir) / DCP_FOLDER, launch.snapshot, symlinks=True)
+                else:  # killed before its first save
+                    launch.snapshot.mkdir(parents=True)
+                continue
+            if launch.exit_code != 0:
+                output = (Path(run.run_dir) / "launches.log").read_text(errors="replace")
+                if "locked by pid" in output:
+                    report.relaunches_refused += 1
+                report.failures.append(
+                    f"{run.run_dir}: launch {len(launches)} exited with {launch.exit_code}; see launches.log"
+                )
+            break
+        if not report.failures:
+            report.runs_completed += 1
+            _check_run(run, launches, expected_losses, Path(reference.run_dir), references, report)
+        log(f"  {Path(run.run_dir).name}: {len(launches)} launches, kills so far {report.total_kills}/{kills}"
+            f"{'' if report.ok else ' FAILED: ' + report.failures[-1]}")  # fmt: skip
+    report.wall_s = time.perf_counter() - started
+    return report
+
+
+def _torchrun(config: TrainConfig, launch: _Launch, nproc: int) -> subprocess.Popen[bytes]:
+    """``torchrun`` (c10d rendezvous, no restarts: the harness relaunches) of the trainer, armed
+    on rank 0 with a kill point unless it is a random-moment kill or none."""
+    train_argv = ["train", *config_to_argv(config)]
+    aimed = launch.killpoint != NO_KILL and not launch.killpoint.endswith("at-seconds")
+    entry = ["-m", "trainer.killpoints", launch.killpoint, launch.count] if aimed else ["-m", "trainer"]
+    command = [
+        sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--max-restarts=0",
+        "--rdzv-backend=c10d", "--rdzv-endpoint=localhost:0", *entry, *train_argv,
+    ]  # fmt: skip
+    log_path = Path(config.run_dir) / "launches.log"
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(log_path, "a") as out:
+        out.write(f"\n$ {launch.killpoint} {launch.count} workers={launch.num_workers}\n")
+        out.flush()
+        env = {**child_env(), "OMP_NUM_THREADS": "1"}
+        return subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env)
+
+
+def _kill_later(process: subprocess.Popen[bytes], run_dir: str, launch: _Launch, rng: random.Random, nproc: int) -> str:
+    """Once the launch has started training, wait ``launch.count`` seconds and SIGKILL a rank or the
+    agent. Returns what was killed, or "" if the launch ended first."""
+    starts = sum(e["event"] == "start" for e in _events(run_dir)[: launch.first_event])
+    deadline = time.monotonic() + LAUNCH_TIMEOUT_S
+    while process.poll() is None and time.monotonic() < deadline:
+        if sum(e["event"] == "start" for e in _events(run_dir)) > starts:
+            break
+        time.sleep(0.02)
+    time.sleep(float(launch.count))
+    if process.poll() is not None:
+        return ""
+    if launch.killpoint == "agent-at-seconds":
+        ranks = _children(process.pid)
+        process.send_signal(signal.SIGKILL)
+        # Its ranks exit by themselves (their watchdog); the folder is judged once they are gone.
+        deadline = time.monotonic() + ORPHAN_GRACE_S
+        while time.monotonic() < deadline and any(_alive(pid) for pid in ranks):
+            time.sleep(0.05)
+        launch.orphans = [pid for pid in ranks if _alive(pid)]
+        return "agent"
+    ranks = sorted(_children(process.pid))
+    if not ranks:
+        return ""
+    target = rng.randrange(min(nproc, len(ranks)))
+    try:
+        os.kill(ranks[target], signal.SIGKILL)
+    except ProcessLookupError:
+        return ""
+    return f"rank {target}"
+
+
+def _rank_sigkilled(run_dir: str) -> bool:
+    """Whether torchrun reported a rank killed by SIGKILL in the last launch's log."""
+    text = (Path(run_dir) / "launches.log").read_text(errors="replace")
+    return "(exitcode: -9)" in text.rsplit("\n$ ", 1)[-1]
+
+
+def _alive(pid: int) -> bool:
+    """Whether ``pid`` still runs (a zombie does not)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def _children(pid: int) -> list[int]:
+    found = []
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        with contextlib.suppress(OSError):
+            found += [int(c) for c in (task / "children").read_text().split()]
+    return found
+
+
+def _events(run_dir: str) -> list[dict[str, Any]]:
+    return read_metrics(run_dir) if (Path(run_dir) / "metrics.jsonl").is_file() else []
+
+
+def _check_run(
+    run: TrainConfig,
+    launches: list[_Launch],
+    expected_losses: dict[int, float],
+    reference_dir: Path,
+    references: dict[int, dict[str, Any]],
+    report: ChaosReport,
+) -> None:
+    """Compare one finished chaos run with the reference; count and describe every difference."""
+    name = Path(run.run_dir).name
+
+    def reference_state(step: int) -> dict[str, Any]:
+        if step not in references:
+            references[step] = _state(reference_dir / DCP_FOLDER / f"step-{step:08d}")
+        return references[step]
+
+    events = _events(run.run_dir)
+    floor = 0
+    for i, launch in enumerate(launches):
+        own = events[launch.first_event : launches[i + 1].first_event if i + 1 < len(launches) else len(events)]
+        if i > 0:
+            resumed = [e for e in own if e["event"] == "resume"]
+            started = [e for e in own if e["event"] == "start"]
+            expected = launches[i - 1].snapshot and _newest_valid(launches[i - 1].snapshot)
+            if started and (resumed[0]["step"] if resumed else 0) != (expected or 0):
+                report.wrong_resume_point += 1
+                report.failures.append(
+                    f"{name}: launch {i + 1} resumed from {resumed[0]['step'] if resumed else 0}, newest valid was {expected}"
+                )
+        if launch.snapshot is None:
+            continue
+        saved = [e["step"] for e in own if e["event"] == "checkpoint"]
+        durable = saved[:-1] if run.checkpoint_format == "dcp-async" else saved
+        floor = max([floor, *durable])
+        newest = _newest_valid(launch.snapshot) or 0
+        if newest < floor:
+            report.checkpoints_lost += 1
+            report.failures.append(
+                f"{name}: after kill {i + 1} ({launch.killpoint} {launch.killed}) the newest valid checkpoint "
+                f"is {newest}, but {floor} had been saved"
+            )
+        floor = newest
+        store = DcpStore(launch.snapshot)
+        for folder in store.checkpoints():
+            if dcp_checkpoint_problem(folder, verify=True) is not None:
+                continue
+            report.checkpoints_checked += 1
+            step = int(folder.name.split("-")[1])
+            difference = first_difference(reference_state(step), _state(folder))
+            if difference is not None:
+                report.corrupt_valid += 1
+                report.corrupt_selected += step == newest
+                report.failures.append(
+                    f"{name}: checkpoint {folder} verifies but differs from the reference at {difference}"
+                )
+    for event in events:
+        if event["event"] == "step":
+            report.losses_compared += 1
+            if event["loss"] != expected_losses.get(event["step"]):
+                report.loss_mismatches += 1
+                report.failures.append(
+                    f"{name}: step {event['step']} loss {event['loss']!r}, uninterrupted {expected_losses.get(event['step'])!r}"
+                )
+    missing = set(expected_losses) - {e["step"] for e in events if e["event"] == "step"}
+    if missing:
+        report.failures.append(f"{name}: steps {sorted(missing)} were never logged")
+    final = first_difference(
+        reference_state(run.max_steps), _state(Path(run.run_dir) / DCP_FOLDER / f"step-{run.max_steps:08d}")
+    )
+    if final is not None:
+        report.final_mismatches += 1
+        report.failures.append(f"{name}: final state differs from the uninterrupted run at {final}")
+
+
+def _newest_valid(folder: Path) -> int | None:
+    """The step of the newest checkpoint in ``folder`` that verifies, as ``--resume auto`` picks it."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        newest = DcpStore(folder).latest()
+    return None if newest is None else int(newest.name.split("-")[1])
+
+
+def _state(folder: Path) -> dict[str, Any]:
+    """A verified checkpoint's whole state: its DCP shards (through DCP's own converter) and
+    ``trainer.pt``. The shards unpickle: only the harness's own files are read here."""
+    try:
+        extras = DcpStore(folder.parent).load_payload(folder, EXTRAS_NAME)
+    except ResumeError as e:
+        return {"unreadable": str(e)}
+    with tempfile.TemporaryDirectory() as tmp, warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp_to_torch_save(folder, Path(tmp) / "full.pt")
+        shards = torch.load(Path(tmp) / "full.pt", weights_only=False)
+    return {"shards": shards, "extras": extras}
