@@ -6,22 +6,23 @@ batch and has to be small next to the batch itself. Only public APIs are used:
 - torch: ``torch.default_generator.manual_seed`` / ``get_state`` / ``set_state``;
 - python: ``random.seed`` / ``getstate`` / ``setstate`` (the hidden ``random.Random`` behind the
   module functions, its Gaussian cache included);
-- numpy: the global ``RandomState`` is never seeded or written in place. For the fetch it is handed
+- numpy: in the main process the global ``RandomState`` is never seeded or written in place (a
+  worker's is seeded in place, like its torch and python RNGs). For the fetch it is handed
   a scratch bit generator of the same type as the user's (``numpy.random.set_bit_generator``),
   seeded from the key, and the user's own bit generator is handed back afterwards, untouched. Reading
   and writing numpy's Mersenne Twister state through ``get_state``/``set_state`` would cost more than
-  the whole budget (its 624 words are copied one by one); swapping the generator object costs about
-  a microsecond whatever its type. The one thing a swap does not keep is the legacy RandomState's
-  cached second Gaussian (``set_bit_generator`` clears it, and no cheap public call reads it): a
-  main process that draws an odd number of ``numpy.random`` normals between two batches of a
-  0-worker loader gets a fresh pair instead of the cached one. That is deterministic (a resume
-  reproduces it) but differs from a run with workers.
+  the whole per-batch budget (its 624 words are copied one by one); swapping the generator
+  object is a single call whatever its type. The one thing a swap does not keep is the legacy
+  RandomState's cached second Gaussian (``set_bit_generator`` clears it, and only ``get_state``
+  reads it): a main process that draws an odd number of ``numpy.random`` normals between two batches
+  of a 0-worker loader gets a fresh pair instead of the cached one. That is deterministic (a resume
+  reproduces it) but differs from a run with workers; ``tests/rng/test_global_rngs.py`` pins it.
 
 What a key seeds (the streams are part of the product, pinned by tests):
 
 - torch: ``torch.default_generator.manual_seed(key >> 1)``;
 - numpy, MT19937 (the default): the stream of ``numpy.random.seed(key % 2**32)``;
-  PCG64/PCG64DXSM, Philox, SFC64: a state built from SplitMix64 hashes of the key (``_numpy_state``);
+  PCG64/PCG64DXSM, Philox, SFC64: a state built from SplitMix64 hashes of the key (``_NUMPY_STATES``);
   any other bit generator type: ``type(bg)(numpy.random.SeedSequence(key))``;
 - python: ``random.seed(key)``.
 
@@ -115,16 +116,19 @@ class GlobalRngs:
 
         Args:
             key: a 64-bit int; the same key gives the same draws in every process.
-            restore: put torch's and python's states back afterwards (the main process, where the
-                training loop draws from the same RNGs). numpy's own bit generator is always
-                handed back; in a worker the other two are left seeded, as they would be anyway.
+            restore: put the three back afterwards (the main process, where the training loop
+                draws from the same RNGs): numpy's global RandomState draws from a scratch bit
+                generator for the block and gets the user's back, untouched. Without it (a worker,
+                whose RNGs are re-seeded per iterator anyway) all three are seeded in place and
+                left so; the draws are the same either way.
         """
         if not self._at_fork_registered:
             self._register_at_fork()
         return _Seeded(self, key, restore)
 
     def seed(self, key: int) -> None:
-        """Seed the three RNGs from ``key``; inside :meth:`seeded` only (numpy's is then the scratch one)."""
+        """Seed the three RNGs from ``key`` (numpy's current global bit generator: inside a restoring
+        :meth:`seeded`, the scratch one)."""
         torch.default_generator.manual_seed(key >> 1)
         random.seed(key)
         bit_generator = get_bit_generator()
@@ -157,8 +161,8 @@ class GlobalRngs:
 
 
 class _Seeded:
-    """The ``with`` block of :meth:`GlobalRngs.seeded` (a class: a generator-based context manager
-    costs a few microseconds more, once per batch)."""
+    """The ``with`` block of :meth:`GlobalRngs.seeded`: a plain class rather than a generator-based
+    context manager, which would add its own overhead to every batch."""
 
     __slots__ = ("_key", "_numpy", "_python", "_restore", "_rngs", "_torch")
 
@@ -169,12 +173,12 @@ class _Seeded:
         rngs = self._rngs
         rngs._lock.acquire()
         try:
-            self._numpy = saved = get_bit_generator()
             if self._restore:
+                self._numpy = saved = get_bit_generator()
                 self._torch = torch.default_generator.get_state()
                 self._python = random.getstate()
-            set_bit_generator(rngs._scratch_for(type(saved), rngs._depth))
-            rngs._depth += 1
+                set_bit_generator(rngs._scratch_for(type(saved), rngs._depth))
+                rngs._depth += 1
         except BaseException:
             rngs._lock.release()
             raise
@@ -188,9 +192,9 @@ class _Seeded:
     def __exit__(self, *exc: object) -> None:
         rngs = self._rngs
         try:
-            rngs._depth -= 1
-            set_bit_generator(self._numpy)
             if self._restore:
+                rngs._depth -= 1
+                set_bit_generator(self._numpy)
                 torch.default_generator.set_state(self._torch)
                 random.setstate(self._python)
         finally:
