@@ -11,8 +11,8 @@ the collective timeout) and returns the store under it, for ``init_process_group
 
 Orphans. A rank whose parent (the torchrun agent) dies is not told: it would train on, holding the
 run folder's lock. :func:`watch_parent` runs a watchdog thread that polls ``os.getppid()`` and exits
-the process when the parent is gone (the portable route: a parent-death signal needs ``prctl``
-through ``ctypes``). DataLoader workers already watch their own parent the same way.
+the process when the parent is gone (the portable route: a parent-death signal needs ``prctl``,
+which the standard library does not expose). DataLoader workers already watch their own parent the same way.
 """
 
 from __future__ import annotations

@@ -8,8 +8,9 @@ seconds later) then held the lock of a dead trainer, so a relaunch at once was r
 make sure no child keeps it:
 
 - the descriptor is opened ``O_CLOEXEC``: a child that execs (subprocess, spawn, forkserver) drops it;
-- an ``os.register_at_fork(after_in_child=...)`` hook closes it in every child forked from Python
-  (multiprocessing's fork start method, DataLoader workers). Closing a duplicate never unlocks: the
+- an ``os.register_at_fork(after_in_child=...)`` hook (registered when the first lock is taken)
+  closes it in every child forked from Python (multiprocessing's fork start method, DataLoader
+  workers). Closing a duplicate never unlocks: the
   flock stays with the parent's descriptor, and dies with it.
 
 A child forked by C code that bypasses Python's fork hooks would still inherit it; nothing in PyTorch
@@ -28,6 +29,7 @@ import fcntl
 import json
 import os
 import socket
+import threading
 import time
 import weakref
 from pathlib import Path
@@ -84,7 +86,7 @@ class RunLock:
                 ) from e
             raise
         self._fd: int | None = fd
-        _HELD.add(self)
+        _hold(self)
         record = {PID: os.getpid(), HOST: socket.gethostname(), SINCE: time.time()}
         try:
             os.ftruncate(fd, 0)
@@ -123,9 +125,17 @@ class RunLock:
 
 
 _HELD: weakref.WeakSet[RunLock] = weakref.WeakSet()
+_FORK_HOOK = threading.Lock()
+_fork_hook_registered = False  # registered when the first lock is taken, never at import
 
 
-os.register_at_fork(after_in_child=RunLock._forget_all_in_child)
+def _hold(lock: RunLock) -> None:
+    global _fork_hook_registered
+    with _FORK_HOOK:
+        if not _fork_hook_registered:
+            os.register_at_fork(after_in_child=RunLock._forget_all_in_child)
+            _fork_hook_registered = True
+    _HELD.add(lock)
 
 
 def _read_holder(fd: int) -> dict[str, Any]:

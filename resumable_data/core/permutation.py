@@ -1,33 +1,26 @@
-"""A keyed bijective permutation of ``[0, length)`` evaluated per position, never materialized.
+"""A keyed permutation of ``[0, length)`` evaluated per position: uniform at every size, O(1) to restore.
 
 ``Permutation(length, seed, epoch)(positions)`` answers "which index sits at these positions of the
-epoch's shuffled order" in time proportional to ``len(positions)``, whatever ``length`` is. That is
-what makes a restore O(1): the loader computes the indices from the saved position onwards and
-nothing before it.
+epoch's shuffled order", whatever ``length`` is. That is what makes a restore O(1) in the position:
+the loader computes the indices from the saved position onwards and nothing before it.
 
-Construction: an alternating Feistel network on ``b`` bits (``2**b >= length``, ``b >= 4``) with
-:data:`ROUNDS` rounds whose round function is a multiply-shift hash: the top bits of
-``(part XOR round key) * round multiplier`` (64-bit, wrapping), which depend on every bit of the
-part; keys and odd multipliers are SplitMix64 hashes of ``(seed, epoch, round)``. The
-``b`` bits are split into two parts of ``ceil(b/2)`` and ``floor(b/2)`` bits whose roles swap every
-round, so odd ``b`` needs no padding to an even width. A Feistel network is a bijection for any
-round function, and *cycle walking* (re-applying it until the value falls inside ``[0, length)``)
-restricts a bijection of the larger domain to a bijection of ``[0, length)``. So this is a true
-permutation for every length, by construction, not by luck of the constants (a peer's index
-shuffle loses one index at ``2**16 + 1``; the tests check such sizes).
+Two constructions, by size:
 
-Rounds: 4 rounds (the Luby-Rackoff minimum) are visibly biased on small domains — an element's
-position is far from uniform across seeds (tests/core/test_permutation.py shows it). With 12 rounds the
-position histograms over thousands of seeds are indistinguishable from uniform.
+- ``length <= EXACT_MAX`` (2**14): an exact shuffle. Every index gets a 64-bit key, a SplitMix64
+  hash of ``(seed, epoch, index)``; the order is the indices sorted by key. The keys of one epoch are
+  distinct (the hash is a bijection of the index for a fixed prefix), so every one of the
+  ``length!`` orders is reachable and, the hash being random, equally likely: the tests cannot tell
+  it from ``torch.randperm`` (all orders for n <= 7, position pairs and cycle structure up to
+  n = 64). The table (``length`` hashes and a sort) is built once per ``(length, seed, epoch)`` on
+  first use and kept by the object; each position is then a lookup.
+- larger lengths: :class:`FeistelPermutation`, a keyed Feistel network with cycle walking,
+  evaluated per position without any table (10**9 samples cost nothing to set up).
 
-Cost: the domain is less than twice ``length`` (for ``length > 8``), so cycle walking takes under
-two network evaluations per position on average; each round is eight in-place numpy operations on
-the whole chunk (about 30 ns per index on our 2-core machines, as fast as ``torch.randperm``).
-The last few stragglers of a cycle walk (at most :data:`SCALAR_TAIL`) finish in plain Python
-ints: a numpy pass costs ~100 numpy calls whatever the array size, which would otherwise make the
-tail of a short chunk cost several full passes; and a chunk of at most :data:`SCALAR_MAX` positions
-(a restore's first batch) is done in Python ints from the start, without building the numpy
-constants at all.
+The threshold: a Feistel network is not uniform on small domains. It reaches only even
+permutations of its ``2**b`` values, and with few bits per half its round functions have few
+inputs; ``tests/core/test_permutation.py`` shows the bias over all orders of 5 elements. With at
+least 15 bits (7 or more per half) the statistical tests see nothing, while the exact shuffle's
+table would make a restore sort ever more keys before its first batch.
 """
 
 from __future__ import annotations
@@ -36,11 +29,17 @@ from typing import Any
 
 import numpy as np
 
-from .hash import hash_ints, hash_more
+from .hash import hash_ints, hash_more, hash_more_array
 from .state import check_int_arg
 
-__all__ = ["ROUNDS", "Permutation"]
+__all__ = ["EXACT_MAX", "ORDER_VERSION", "ROUNDS", "FeistelPermutation", "Permutation"]
 
+ORDER_VERSION = 2
+"""Which orders ``Permutation`` gives. 1: the Feistel network at every length (resumable_data
+0.1.0); 2: the exact shuffle up to :data:`EXACT_MAX`, the same Feistel network above it (so orders
+of more than ``EXACT_MAX`` elements are those of version 1)."""
+EXACT_MAX = 2**14
+_EXACT_SALT = 0x6578616374  # "exact": the sort keys' last hash input
 ROUNDS = 12
 # Below 4 bits (2 per part) a round function has too few inputs to mix tiny domains evenly.
 _MIN_BITS = 4
@@ -56,12 +55,70 @@ class Permutation:
         length: size of the permuted range ``[0, length)``; at least 1.
         seed: any int; the same seed and epoch give the same order on every machine.
         epoch: epoch number (>= 0).
-        rounds: Feistel rounds; keep the default except to demonstrate why it is needed.
 
     Example:
         >>> perm = Permutation(10**9, seed=0, epoch=3)
         >>> perm(np.arange(900_000_000, 900_000_004))  # four indices, no 10**9 array
         array([177632482, 443678275, 318942362, 407191865])
+    """
+
+    def __init__(self, length: int, seed: int, epoch: int) -> None:
+        self.length = check_int_arg("length", length, minimum=1)
+        self.seed = seed
+        self.epoch = check_int_arg("epoch", epoch, minimum=0)
+        self._feistel = FeistelPermutation(length, seed, epoch) if length > EXACT_MAX else None
+        self._table: np.ndarray | None = None  # the exact shuffle, built on first use
+
+    def __call__(self, positions: np.ndarray) -> np.ndarray:
+        """Map positions (int array, each in ``[0, length)``) to indices, elementwise."""
+        if self._feistel is not None:
+            return self._feistel(positions)
+        positions = _checked(positions, self.length)
+        if self._table is None:
+            keys = hash_more_array(hash_ints(self.seed, self.epoch), np.arange(self.length), _EXACT_SALT)
+            self._table = np.argsort(keys).astype(np.int64)
+        return self._table[positions]
+
+    def __getitem__(self, position: int) -> int:
+        """The index at one position."""
+        return int(self(np.array([position], dtype=np.int64))[0])
+
+    def __len__(self) -> int:
+        return self.length
+
+
+def _checked(positions: Any, length: int) -> np.ndarray:
+    positions = np.asarray(positions)
+    if positions.size and (positions.min() < 0 or positions.max() >= length):
+        raise IndexError(f"positions must lie in [0, {length}), got range [{positions.min()}, {positions.max()}]")
+    return positions
+
+
+class FeistelPermutation:
+    """A keyed Feistel network with cycle walking: a bijection of ``[0, length)`` per ``(seed, epoch)``.
+
+    What :class:`Permutation` uses above :data:`EXACT_MAX`; any position costs the same, with no
+    table. An alternating Feistel network on ``b`` bits (``2**b >= length``, ``b >= 4``) with
+    ``rounds`` rounds whose round function is a multiply-shift hash: the top bits of
+    ``(part XOR round key) * round multiplier`` (64-bit, wrapping), which depend on every bit of
+    the part; keys and odd multipliers are SplitMix64 hashes of ``(seed, epoch, round)``. The ``b``
+    bits are split into two parts of ``ceil(b/2)`` and ``floor(b/2)`` bits whose roles swap every
+    round, so odd ``b`` needs no padding. A Feistel network is a bijection for any round function,
+    and cycle walking (re-applying it until the value falls inside ``[0, length)``) restricts it to
+    a bijection of ``[0, length)``: a true permutation for every length by construction (a peer's
+    index shuffle loses one index at ``2**16 + 1``; the tests check such sizes).
+
+    Cost: the domain is less than twice ``length``, so cycle walking takes under two network
+    evaluations per position on average; each round is eight in-place numpy operations on the
+    whole chunk. The last few stragglers of a cycle walk (at most :data:`SCALAR_TAIL`) finish in
+    plain Python ints, and a chunk of at most :data:`SCALAR_MAX` positions (a restore's first
+    batch) is done in Python ints from the start, without building the numpy constants at all.
+
+    Args:
+        length: size of the permuted range; at least 1.
+        seed: any int.
+        epoch: epoch number (>= 0).
+        rounds: Feistel rounds (4 is the Luby-Rackoff minimum and visibly biased on small domains).
     """
 
     def __init__(self, length: int, seed: int, epoch: int, *, rounds: int = ROUNDS) -> None:
@@ -109,11 +166,7 @@ class Permutation:
 
     def __call__(self, positions: np.ndarray) -> np.ndarray:
         """Map positions (int array, each in ``[0, length)``) to indices, elementwise."""
-        positions = np.asarray(positions)
-        if positions.size and (positions.min() < 0 or positions.max() >= self.length):
-            raise IndexError(
-                f"positions must lie in [0, {self.length}), got range [{positions.min()}, {positions.max()}]"
-            )
+        positions = _checked(positions, self.length)
         if positions.size <= SCALAR_MAX:
             return np.array([self._walk_scalar(self._network_scalar(p)) for p in positions.tolist()], dtype=np.int64)
         out = self._feistel(positions.astype(np.uint64))

@@ -14,7 +14,7 @@ With ``num_workers=0`` the fetch runs in the main process, where the model draws
 RNGs (dropout, ``random.random()`` in the training loop). There all three are saved before the fetch
 and restored after it, so the main process's streams are exactly what they would be with workers:
 model randomness never depends on the data, and ``num_workers`` can change across a resume.
-Seeding, saving and restoring run once per batch, so they are done the fast way (``rng.global_rngs``).
+How the RNGs are seeded and put back, through public APIs only, is ``rng.global_rngs``.
 """
 
 from __future__ import annotations
@@ -111,31 +111,21 @@ class BatchFetcher(torch.utils.data.Dataset):
             return self._fetch(ticket)
         if self.global_rng == "sample":
             return self._fetch_seeding_each_sample(ticket)
-        if get_worker_info() is not None:
-            GLOBAL_RNGS.seed(ticket.key)
+        # In the main process the three RNGs are the training loop's too: they are put back after the fetch.
+        with GLOBAL_RNGS.seeded(ticket.key, restore=get_worker_info() is None):
             return self._fetch(ticket)
-        # In the main process the three RNGs are the training loop's too: fork them around the fetch.
-        forked = GLOBAL_RNGS.fork(ticket.key)
-        try:
-            return self._fetch(ticket)
-        finally:
-            GLOBAL_RNGS.restore(forked)
 
     def _fetch_seeding_each_sample(self, ticket: Ticket) -> list[Any]:
         # A sample's key: hash_ints(seed, epoch, index, salt), all of the batch's at once.
         prefix = hash_ints(ticket.seed, ticket.epoch)
         keys = hash_more_array(prefix, np.asarray(ticket.indices), _SAMPLE_SALT).tolist()
-        forked = GLOBAL_RNGS.fork(keys[0]) if get_worker_info() is None else None
-        try:
+        with GLOBAL_RNGS.seeded(keys[0], restore=get_worker_info() is None) as rngs:
             samples = []
             for n, (index, key) in enumerate(zip(ticket.indices, keys, strict=True)):
-                if n or forked is None:
-                    GLOBAL_RNGS.seed(key)
+                if n:
+                    rngs.seed(key)
                 samples.append(self._one(ticket, index))
             return samples
-        finally:
-            if forked is not None:
-                GLOBAL_RNGS.restore(forked)
 
     def _one(self, ticket: Ticket, index: int) -> Any:
         return self.dataset[SampleKey(index, ticket.epoch, ticket.seed) if self.sample_keys else index]

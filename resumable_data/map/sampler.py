@@ -30,13 +30,16 @@ import torch.utils.data
 
 from ..core import state as keys
 from ..core.cursor import EpochCursor, Segment
-from ..core.permutation import Permutation
+from ..core.permutation import EXACT_MAX, Permutation
 from ..core.state import check_int_arg, check_version, require_bool, require_int, require_mapping
 from ..errors import ResumeError, ResumeWarning
 
 __all__ = ["ResumableSampler"]
 
-SAMPLER_STATE_VERSION = 1
+SAMPLER_STATE_VERSION = 2
+# Version 1 (resumable_data 0.1.0) differs only in the shuffled order of at most EXACT_MAX samples
+# (core.permutation.ORDER_VERSION); its other states describe the same order and still load.
+_ORDER_CHANGED_BEFORE = 2
 _WHAT = "sampler"
 # Indices are computed in chunks that start small (a restore needs only the first batch) and grow
 # so that steady-state iteration amortizes numpy's per-call overhead.
@@ -257,7 +260,9 @@ class ResumableSampler(torch.utils.data.Sampler[int]):
         before anything moves.
         """
         state = require_mapping(state, what)
-        check_version(state, SAMPLER_STATE_VERSION, what)
+        old_order = require_int(state, keys.VERSION, what) < _ORDER_CHANGED_BEFORE
+        if not old_order:
+            check_version(state, SAMPLER_STATE_VERSION, what)
         epoch = require_int(state, keys.EPOCH, what, minimum=0)
         position = require_int(state, keys.POSITION, what, minimum=0)
         length = require_int(state, keys.DATASET_LENGTH, what, minimum=1)
@@ -269,6 +274,15 @@ class ResumableSampler(torch.utils.data.Sampler[int]):
         if keys.BATCH_SIZE in state:
             require_int(state, keys.BATCH_SIZE, what, minimum=1)
         adopt = seed != self._seed and self._adopt_seed
+        if old_order:
+            check_version(state, 1, what)
+            if strict and shuffle and length <= EXACT_MAX:
+                raise ResumeError(
+                    f"{what} state has version 1: its shuffled order of {length} samples (at most "
+                    f"{EXACT_MAX}) was not uniformly random and has changed in this resumable_data "
+                    f"(version {SAMPLER_STATE_VERSION}); resume with resumable_data 0.1.0, which wrote "
+                    "it, or pass strict=False to load_state_dict to keep the position in the new order"
+                )
         if strict:
             if length != self._length:
                 raise ResumeError(

@@ -46,7 +46,7 @@ class WarmPass:
         self.queue: queue.Queue[Any] = queue.Queue(maxsize=4)
         self.stop = threading.Event()
         self.thread: threading.Thread | None = None
-        _LIVE.add(self)
+        _track(self)
 
     def first_batch(self) -> int:
         self.base = self.served
@@ -86,7 +86,19 @@ class WarmPass:
 _LIVE: weakref.WeakSet[WarmPass] = weakref.WeakSet()
 
 
-@atexit.register
+_EXIT_HOOK = threading.Lock()
+_exit_hook_registered = False  # registered with the first pass, never at import
+
+
+def _track(warm_pass: WarmPass) -> None:
+    global _exit_hook_registered
+    with _EXIT_HOOK:
+        if not _exit_hook_registered:
+            atexit.register(_close_live_passes)
+            _exit_hook_registered = True
+    _LIVE.add(warm_pass)
+
+
 def _close_live_passes() -> None:
     for warm_pass in list(_LIVE):
         warm_pass.close(timeout=_EXIT_JOIN_S)

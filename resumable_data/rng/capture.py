@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import math
 import random
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
 import torch
+from numpy.random.mtrand import get_bit_generator, set_bit_generator  # numpy.random's, as numpy's stubs export them
 
 from ..core.state import VERSION, brief, check_version, is_int, keys_of, require_mapping
 from ..errors import ResumeError
@@ -32,35 +33,37 @@ _PY_VERSION = VERSION
 _PY_INTERNAL = "internal"
 _PY_GAUSS_NEXT = "gauss_next"
 _PY_KEYS = (_PY_VERSION, _PY_INTERNAL, _PY_GAUSS_NEXT)
-# The numpy part: np.random.get_state(legacy=True)'s (name, keys, pos, has_gauss, cached_gaussian).
+# The numpy part: np.random.get_state(legacy=True)'s (name, keys, pos, has_gauss, cached_gaussian)
+# for MT19937; for any other bit generator its name, its ``state`` dict (arrays as lists of ints)
+# and the RandomState's Gaussian cache.
 _NP_NAME = "name"
 _NP_KEYS = "keys"
 _NP_POS = "pos"
 _NP_HAS_GAUSS = "has_gauss"
 _NP_CACHED_GAUSSIAN = "cached_gaussian"
 _NP_FIELDS = (_NP_NAME, _NP_KEYS, _NP_POS, _NP_HAS_GAUSS, _NP_CACHED_GAUSSIAN)
+_NP_BIT_GENERATOR_STATE = "bit_generator_state"
+_NP_OTHER_FIELDS = (_NP_NAME, _NP_BIT_GENERATOR_STATE, _NP_HAS_GAUSS, _NP_CACHED_GAUSSIAN)
+_MT19937 = "MT19937"
 _WHAT = "RNG"
 
 
 def capture_rng_state() -> dict[str, Any]:
     """Capture python ``random``, numpy's global RNG, torch CPU and every CUDA device's RNG.
 
+    numpy's global RNG may run on any of numpy's bit generators (``numpy.random.set_bit_generator``):
+    MT19937 (the default) is stored as ``numpy.random.get_state()``'s words, any other as its
+    ``state`` dict with arrays turned into lists of ints.
+
     Returns:
-        A dict of ints, floats, lists and uint8 tensors that ``torch.save`` writes and
-        ``torch.load(weights_only=True)`` reads back.
+        A dict of ints, floats, strings, lists and uint8/int32 tensors that ``torch.save`` writes
+        and ``torch.load(weights_only=True)`` reads back.
     """
     py_version, py_internal, py_gauss = random.getstate()
-    np_name, np_keys, np_pos, np_has_gauss, np_gauss = np.random.get_state(legacy=True)
     state: dict[str, Any] = {
         VERSION: RNG_STATE_VERSION,
         _PYTHON: {_PY_VERSION: py_version, _PY_INTERNAL: list(py_internal), _PY_GAUSS_NEXT: py_gauss},
-        _NUMPY: {
-            _NP_NAME: np_name,
-            _NP_KEYS: torch.from_numpy(np.asarray(np_keys, dtype=np.uint32).view(np.int32).copy()),
-            _NP_POS: int(np_pos),
-            _NP_HAS_GAUSS: int(np_has_gauss),
-            _NP_CACHED_GAUSSIAN: float(np_gauss),
-        },
+        _NUMPY: _capture_numpy(),
         _TORCH: torch.get_rng_state(),
         _CUDA: [torch.cuda.get_rng_state(i) for i in range(torch.cuda.device_count())]
         if torch.cuda.is_available()
@@ -89,13 +92,13 @@ def restore_rng_state(state: Mapping[str, Any], *, strict: bool = True) -> None:
         if key not in state:
             raise ResumeError(f"RNG state is missing the key {key!r}; got keys {keys_of(state)}")
     py_state = _python_state(state[_PYTHON])
-    np_state = _numpy_state(state[_NUMPY])
+    set_numpy = _numpy_setter(state[_NUMPY])
     torch_state = _torch_state(state[_TORCH])
     have = torch.cuda.device_count() if torch.cuda.is_available() else 0
     cuda_states = _cuda_states(state[_CUDA], have, strict)
 
     random.setstate(py_state)
-    np.random.set_state(np_state)
+    set_numpy()
     torch.set_rng_state(torch_state)
     for i, cuda_state in enumerate(cuda_states):
         torch.cuda.set_rng_state(cuda_state, i)
@@ -156,15 +159,104 @@ def _python_state(part: Any) -> tuple[int, tuple[int, ...], float | None]:
     return py_state
 
 
-def _numpy_state(part: Any) -> tuple[str, np.ndarray, int, int, float]:
-    """``np.random.set_state``'s legacy tuple, checked and loaded into a scratch RandomState."""
+def _capture_numpy() -> dict[str, Any]:
+    """numpy's part of the state: see :func:`capture_rng_state`."""
+    if type(get_bit_generator()) is np.random.MT19937:
+        np_name, np_keys, np_pos, np_has_gauss, np_gauss = np.random.get_state(legacy=True)
+        return {
+            _NP_NAME: np_name,
+            _NP_KEYS: torch.from_numpy(np.asarray(np_keys, dtype=np.uint32).view(np.int32).copy()),
+            _NP_POS: int(np_pos),
+            _NP_HAS_GAUSS: int(np_has_gauss),
+            _NP_CACHED_GAUSSIAN: float(np_gauss),
+        }
+    full: Any = np.random.get_state(legacy=False)
+    bit_generator_state = {k: v for k, v in full.items() if k not in ("has_gauss", "gauss")}
+    return {
+        _NP_NAME: full["bit_generator"],
+        _NP_BIT_GENERATOR_STATE: _plain(bit_generator_state),
+        _NP_HAS_GAUSS: int(full["has_gauss"]),
+        _NP_CACHED_GAUSSIAN: float(full["gauss"]),
+    }
+
+
+def _plain(value: Any) -> Any:
+    """A bit generator's ``state`` as plain data: arrays and numpy ints become (lists of) python ints."""
+    if isinstance(value, Mapping):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, np.ndarray):
+        return [int(v) for v in value.tolist()]
+    if isinstance(value, np.integer):
+        return int(value)
+    return value
+
+
+def _numpy_setter(part: Any) -> Callable[[], None]:
+    """Validate numpy's part; return what puts it in place (nothing changes before it is called)."""
     part = require_mapping(part, f"RNG {_NUMPY!r}")
+    name = part.get(_NP_NAME)
+    if name == _MT19937 and _NP_BIT_GENERATOR_STATE not in part:
+        return _installer(np.random.MT19937, _mt19937_state(part))
+    return _other_bit_generator_setter(part)
+
+
+def _installer(kind: type, state: Any) -> Callable[[], None]:
+    """What puts ``state`` into numpy's global RNG, first giving it a ``kind`` bit generator if it
+    runs on another type (the checkpointed run's global generator was a ``kind``)."""
+
+    def install() -> None:
+        if type(get_bit_generator()) is not kind:
+            set_bit_generator(kind(np.random.SeedSequence(0)))
+        np.random.set_state(state)
+
+    return install
+
+
+def _other_bit_generator_setter(part: Mapping[str, Any]) -> Callable[[], None]:
+    """The setter for a non-MT19937 bit generator's state, checked on a scratch generator of its type."""
+    for key in _NP_OTHER_FIELDS:
+        if key not in part:
+            raise ResumeError(f"RNG {_NUMPY!r} state is missing the key {key!r}; got keys {keys_of(part)}")
+    name, saved, has_gauss, cached = (part[k] for k in _NP_OTHER_FIELDS)
+    current = get_bit_generator()
+    kind: Any = type(current) if type(current).__name__ == name else getattr(np.random, str(name), None)
+    if not (isinstance(name, str) and isinstance(kind, type) and issubclass(kind, np.random.BitGenerator)):
+        raise ResumeError(
+            f"RNG state field '{_NUMPY}.{_NP_NAME}' names the numpy bit generator {brief(name)}, which is "
+            f"neither numpy's global one ({type(current).__name__}) nor one of numpy.random's; call "
+            f"numpy.random.set_bit_generator() with a {brief(name)} instance before restore_rng_state()"
+        )
+    if not isinstance(saved, Mapping):
+        raise _malformed(f"{_NUMPY}.{_NP_BIT_GENERATOR_STATE}", f"a dict (a {name}'s state)", saved)
+    if saved.get("bit_generator") != name:
+        raise _malformed(f"{_NUMPY}.{_NP_BIT_GENERATOR_STATE}.bit_generator", repr(name), saved.get("bit_generator"))
+    if not (is_int(has_gauss) and has_gauss in (0, 1)):
+        raise _malformed(f"{_NUMPY}.{_NP_HAS_GAUSS}", "0 or 1", has_gauss)
+    if not _is_finite_number(cached):
+        raise _malformed(f"{_NUMPY}.{_NP_CACHED_GAUSSIAN}", "a finite float", cached)
+    full = {**saved, "has_gauss": has_gauss, "gauss": float(cached)}
+    # Loaded into a scratch generator and read back: a value numpy would truncate or reject
+    # (a negative word, one past 64 bits, a missing field) shows up as an error or a difference.
+    scratch = np.random.RandomState(kind(np.random.SeedSequence(0)))
+    try:
+        scratch.set_state(full)
+        read_back: Any = scratch.get_state(legacy=False)
+    except (TypeError, ValueError, OverflowError, KeyError, IndexError) as exc:
+        raise ResumeError(
+            f"RNG state field '{_NUMPY}.{_NP_BIT_GENERATOR_STATE}' is not a {name} state numpy accepts "
+            f"({exc!r}), but got {brief(saved)}; {_REMEDY}"
+        ) from exc
+    if _plain(read_back) != _plain(full):
+        raise _malformed(f"{_NUMPY}.{_NP_BIT_GENERATOR_STATE}", f"a {name} state numpy reads back unchanged", saved)
+    return _installer(kind, full)
+
+
+def _mt19937_state(part: Mapping[str, Any]) -> tuple[str, np.ndarray, int, int, float]:
+    """``np.random.set_state``'s legacy tuple, checked and loaded into a scratch RandomState."""
     for key in _NP_FIELDS:
         if key not in part:
             raise ResumeError(f"RNG {_NUMPY!r} state is missing the key {key!r}; got keys {keys_of(part)}")
     name, keys, pos, has_gauss, cached = (part[k] for k in _NP_FIELDS)
-    if not isinstance(name, str) or name != "MT19937":
-        raise _malformed(f"{_NUMPY}.{_NP_NAME}", "'MT19937'", name)
     if not (_is_cpu_tensor(keys, torch.int32) and keys.shape == (_MT_WORDS,)):
         raise _malformed(f"{_NUMPY}.{_NP_KEYS}", f"a CPU int32 tensor of shape ({_MT_WORDS},)", keys)
     if not bool(keys.any()):

@@ -1,338 +1,204 @@
-"""Seed, save and restore the three global RNGs (torch's CPU, numpy's legacy, python's ``random``), fast.
+"""Seed the three global RNGs (torch's CPU, numpy's legacy, python's ``random``) for a fetch, and put them back.
 
-A ResumableDataLoader does this around every batch it fetches (see ``map.fetch``), so the cost is per
-batch and has to be small next to the batch itself: at 50 µs per sample a 32-sample batch takes
-1.6 ms, and 2 % of that is 32 µs for everything. The public APIs are too slow for that budget once
-the surrounding work has pushed them out of the CPU caches (measured 50–100 µs per batch for the
-three; ``random.getstate()`` alone builds a 625-int tuple, numpy's ``get_state()`` copies its words
-in a Python loop, torch's allocates a 5 KB tensor). So the three Mersenne Twister states are copied
-as raw bytes, through memoryviews of their memory:
+A ResumableDataLoader (and a StreamLoader) does this around every batch it fetches, so the cost is per
+batch and has to be small next to the batch itself. Only public APIs are used:
 
-- python: the ``_random.Random`` object behind ``random.random`` holds ``int index`` and
-  ``uint32 state[624]`` right after the object header; ``gauss_next`` is a plain attribute.
-- numpy: the global ``RandomState``'s bit generator exposes its ``mt19937_state`` (``uint32
-  key[624]; int pos``) through ``ctypes.state_address``; the Gaussian cache (``int has_gauss;
-  double gauss``) lives in the ``RandomState`` object, found by searching for a planted value.
-- torch: ``torch.default_generator`` points to a C++ ``CPUGeneratorImpl`` holding its
-  ``mt19937`` (``uint64 seed; int left; bool seeded; uint32 next; uint32 state[624]``) and two
-  normal-sample caches (``optional<float>``, ``optional<double>``); the engine is found by its
-  header and words as ``get_state()`` reports them, the caches by planted values.
+- torch: ``torch.default_generator.manual_seed`` / ``get_state`` / ``set_state``;
+- python: ``random.seed`` / ``getstate`` / ``setstate`` (the hidden ``random.Random`` behind the
+  module functions, its Gaussian cache included);
+- numpy: in the main process the global ``RandomState`` is never seeded or written in place (a
+  worker's is seeded in place, like its torch and python RNGs). For the fetch it is handed
+  a scratch bit generator of the same type as the user's (``numpy.random.set_bit_generator``),
+  seeded from the key, and the user's own bit generator is handed back afterwards, untouched. Reading
+  and writing numpy's Mersenne Twister state through ``get_state``/``set_state`` would cost more than
+  the whole per-batch budget (its 624 words are copied one by one); swapping the generator
+  object is a single call whatever its type. The one thing a swap does not keep is the legacy
+  RandomState's cached second Gaussian (``set_bit_generator`` clears it, and only ``get_state``
+  reads it): a main process that draws an odd number of ``numpy.random`` normals between two batches
+  of a 0-worker loader gets a fresh pair instead of the cached one. That is deterministic (a resume
+  reproduces it) but differs from a run with workers; ``tests/rng/test_global_rngs.py`` pins it.
 
-Seeding is the other half of the cost. A key seeds torch with ``torch.manual_seed(key >> 1)``,
-numpy with ``numpy.random.seed(key % 2**32)``, and python's Twister the way numpy seeds its own,
-from ``key >> 32`` (``random.seed`` would run its slower ``init_by_array``). numpy's and torch's
-seedings fill the words by the same recurrence (``init_genrand``), so the fast path seeds a private
-torch generator and copies its words into numpy's and python's states.
+What a key seeds (the streams are part of the product, pinned by tests):
 
-Each layout is checked once per process against the public ``getstate``/``get_state``, and the
-fast seeding against the public one; if anything reads differently (another interpreter, another
-numpy or torch build, a non-MT19937 global bit generator) the public, slow path is taken.
+- torch: ``torch.default_generator.manual_seed(key >> 1)``;
+- numpy, MT19937 (the default): the stream of ``numpy.random.seed(key % 2**32)``;
+  PCG64/PCG64DXSM, Philox, SFC64: a state built from SplitMix64 hashes of the key (``_NUMPY_STATES``);
+  any other bit generator type: ``type(bg)(numpy.random.SeedSequence(key))``;
+- python: ``random.seed(key)``.
+
+Threads: a fork holds a process-wide ``threading.RLock`` until its restore, so two 0-worker loaders
+in two threads fetch one at a time, each from its own seeded state, and each restore puts back what
+its own fork saved (nothing is kept on the instance between the two). The lock is re-entrant (a
+dataset that itself iterates a 0-worker loader forks inside a fork) and is replaced in a forked
+child (``os.register_at_fork``, registered at first use, never at import), so a DataLoader worker
+forked while another thread held it does not inherit it held.
 """
 
 from __future__ import annotations
 
-import ctypes
+import os
 import random
-import struct
-import sys
-from typing import Any, NamedTuple
+import threading
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import torch
+from numpy.random.mtrand import get_bit_generator, set_bit_generator  # numpy.random's, as numpy's stubs export them
 
-__all__ = ["GLOBAL_RNGS", "Forked", "GlobalRngs"]
+from ..core.hash import hash_more
 
-_MT_WORDS = 624
-_WORDS_BYTES = 4 * _MT_WORDS
-_SEEDED_POSITION = struct.pack("i", _MT_WORDS)  # a freshly seeded Twister's index: regenerate first
-_PY_HEADER = object.__basicsize__  # the object header before a C object's own fields
-_PY_STATE_BYTES = 4 + _WORDS_BYTES  # int index; uint32 state[624]
-_NP_STATE_BYTES = _WORDS_BYTES + 4  # uint32 key[624]; int pos
-_NP_GAUSS_BYTES = 16  # int has_gauss (padded to 8); double gauss
-_NO_GAUSS = bytes(_NP_GAUSS_BYTES)  # numpy's cache after seeding: has_gauss = 0, gauss = 0.0
-_TORCH_HEADER = struct.Struct("<QiiQ")  # get_state()'s: initial seed, left, seeded, next; then uint64 state[624]
-_TORCH_WORDS_AT = 20  # uint64 seed; int left; bool seeded (+3 padding); uint32 next; then uint32 state[624]
-_TORCH_ENGINE_BYTES = 2520  # the engine, padded to 8
-_TORCH_BYTES = _TORCH_ENGINE_BYTES + 8 + 16  # then optional<float>, optional<double>
-_TORCH_SCAN_BYTES = 512  # how far into the C++ object its engine is looked for
-_PROBE_SEED = 20240611
-_PROBE_GAUSS = 0.8097132618302045  # planted to find the Gaussian caches; any distinctive double
-_PROBE_FLOAT = 0.6180339887498949  # planted in torch's float normal cache (as a float32)
+__all__ = ["GLOBAL_RNGS", "GlobalRngs"]
+
+_MASK32 = 0xFFFFFFFF
+# Salts of the words of a non-MT19937 numpy state: hash_more(key, salt + i) is its i-th 64-bit word.
+_NUMPY_SALT = 0x6E756D7079  # "numpy"
 
 
-def _python_address(instance: Any) -> int:
-    """Address of python's ``(index, words)``, right after the object header; 0 if they read differently."""
-    if sys.implementation.name != "cpython" or type(instance) is not random.Random:
-        return 0
-    saved = instance.getstate()
-    try:
-        instance.seed(_PROBE_SEED)
-        instance.random()
-        _, internal, _ = instance.getstate()
-        address = id(instance) + _PY_HEADER
-        raw = struct.unpack(f"{1 + _MT_WORDS}I", ctypes.string_at(address, _PY_STATE_BYTES))
-        return address if raw[0] == internal[-1] and list(raw[1:]) == list(internal[:-1]) else 0
-    finally:
-        instance.setstate(saved)
+def _words(key: int, count: int) -> list[int]:
+    """``count`` 64-bit words derived from ``key`` (SplitMix64 hashes)."""
+    return [hash_more(key, _NUMPY_SALT + i) for i in range(count)]
 
 
-def _numpy_gauss_offset(state: np.random.RandomState) -> int | None:
-    """Offset of ``(has_gauss, gauss)`` in numpy's global RandomState object, or None if not found."""
-    saved = state.get_state()
-    try:
-        if not isinstance(saved, tuple) or saved[0] != "MT19937":
-            return None
-        size = type(state).__basicsize__
-        state.set_state(("MT19937", saved[1], saved[2], 1, _PROBE_GAUSS))
-        gauss_at = ctypes.string_at(id(state), size).find(struct.pack("d", _PROBE_GAUSS))
-        if gauss_at < 8:
-            return None
-        offset = gauss_at - 8
-        if struct.unpack("i", ctypes.string_at(id(state) + offset, 4))[0] != 1:
-            return None
-        state.set_state(("MT19937", saved[1], saved[2], 0, 0.0))
-        if struct.unpack("i", ctypes.string_at(id(state) + offset, 4))[0] != 0:
-            return None
-        return offset
-    finally:
-        state.set_state(saved)
+def _pcg64_state(key: int) -> dict[str, Any]:
+    a, b, c, d = _words(key, 4)
+    # PCG's increment must be odd; any 128-bit state is valid.
+    return {"state": {"state": (a << 64) | b, "inc": (c << 64) | d | 1}, "has_uint32": 0, "uinteger": 0}
 
 
-def _numpy_words_readable(address: int, state: np.random.RandomState) -> bool:
-    """Whether the bytes at ``address`` read as ``get_state``'s words and position."""
-    saved = state.get_state()
-    try:
-        state.seed(_PROBE_SEED)
-        state.random_sample(7)
-        probed: Any = state.get_state()
-        _, key, pos, *_ = probed
-        words = np.frombuffer(ctypes.string_at(address, _NP_STATE_BYTES), dtype=np.uint32)
-        return bool(np.array_equal(words[:_MT_WORDS], key)) and int(words[_MT_WORDS]) == pos
-    finally:
-        state.set_state(saved)
+def _philox_state(key: int) -> dict[str, Any]:
+    k0, k1 = _words(key, 2)
+    return {
+        "state": {"counter": np.zeros(4, dtype=np.uint64), "key": np.array([k0, k1], dtype=np.uint64)},
+        "buffer": np.zeros(4, dtype=np.uint64),
+        "buffer_pos": 4,  # empty: the first draw computes a block
+        "has_uint32": 0,
+        "uinteger": 0,
+    }
 
 
-def _torch_address(generator: torch.Generator) -> int:
-    """Address of the CPU generator's engine and normal caches (:data:`_TORCH_BYTES`), or 0.
-
-    Found and checked against ``get_state()``: the engine by its header and words, the caches by
-    planted values; then a raw save, draws and a raw restore must give back ``get_state()`` exactly.
-    Reads stay inside the object: the header is looked for in its first bytes only.
-    """
-    if sys.implementation.name != "cpython" or generator.device.type != "cpu":
-        return 0
-    saved = generator.get_state()
-    try:
-        generator.manual_seed(_PROBE_SEED)
-        torch.rand(7, generator=generator)
-        legacy = generator.get_state().numpy().tobytes()
-        seed, left, seeded, next_ = _TORCH_HEADER.unpack_from(legacy)
-        words = np.frombuffer(legacy, np.uint64, _MT_WORDS, _TORCH_HEADER.size).astype(np.uint32).tobytes()
-        impl = ctypes.c_void_p.from_address(id(generator) + _PY_HEADER).value or 0
-        start = ctypes.string_at(impl, _TORCH_SCAN_BYTES).find(struct.pack("<Qi", seed, left)) if impl else -1
-        if start < 0 or start % 8:
-            return 0
-        address = impl + start
-        engine = ctypes.string_at(address, _TORCH_WORDS_AT + _WORDS_BYTES)  # the 3 bytes after "seeded": padding
-        if (
-            engine[12] != seeded
-            or struct.unpack_from("<I", engine, 16)[0] != next_
-            or engine[_TORCH_WORDS_AT:] != words
-        ):
-            return 0
-        # Plant both normal caches through the public API and find them where the layout says.
-        planted = bytearray(legacy)
-        tail = len(legacy) - 40  # double normal_x, normal_y, normal_rho; int valid; float next; bool valid
-        struct.pack_into("<dddi4xf?", planted, tail, 0.0, _PROBE_GAUSS, 1.0, 1, _PROBE_FLOAT, True)
-        generator.set_state(torch.frombuffer(planted, dtype=torch.uint8))
-        caches = ctypes.string_at(address + _TORCH_ENGINE_BYTES, _TORCH_BYTES - _TORCH_ENGINE_BYTES)
-        if caches[:5] != struct.pack("<f?", _PROBE_FLOAT, True) or caches[8:17] != struct.pack(
-            "<d?", _PROBE_GAUSS, True
-        ):
-            return 0
-        # A raw save and restore around draws that move the engine and fill and empty the caches.
-        before = generator.get_state()
-        raw = ctypes.string_at(address, _TORCH_BYTES)
-        torch.randn(1, generator=generator), torch.rand(1000, generator=generator)
-        ctypes.memmove(address, raw, _TORCH_BYTES)
-        return address if torch.equal(generator.get_state(), before) else 0
-    finally:
-        generator.set_state(saved)
+def _sfc64_state(key: int) -> dict[str, Any]:
+    # SFC64's own seeding puts three words in a, b, c and starts its counter at 1.
+    return {"state": {"state": np.array([*_words(key, 3), 1], dtype=np.uint64)}, "has_uint32": 0, "uinteger": 0}
 
 
-def _raw_view(address: int, size: int) -> memoryview:
-    """A writable view of ``size`` bytes at ``address`` (empty for address 0)."""
-    if not address:
-        return memoryview(b"")
-    return memoryview((ctypes.c_char * size).from_address(address)).cast("B")
-
-
-class Forked(NamedTuple):
-    """What :meth:`GlobalRngs.fork` saved. On the fast path the states are in the instance's
-    buffers (``torch``/``python``/``numpy`` None); otherwise their public states."""
-
-    torch: torch.Tensor | None  # None (in the buffers) or torch.get_rng_state()
-    python_gauss: float | None
-    python: Any  # None (in the buffers) or random.getstate()
-    numpy: Any  # None (in the buffers) or numpy.random.get_state()
+# Bit generators whose state is built from the key directly (a few microseconds) rather than
+# through a SeedSequence (20-30 microseconds): the public ``state`` dict layout of each.
+_NUMPY_STATES: dict[type, Callable[[int], dict[str, Any]]] = {
+    np.random.PCG64: _pcg64_state,
+    np.random.PCG64DXSM: _pcg64_state,
+    np.random.Philox: _philox_state,
+    np.random.SFC64: _sfc64_state,
+}
 
 
 class GlobalRngs:
-    """The process's three global RNGs: :meth:`seed` them from one key, or :meth:`fork` and :meth:`restore` them.
+    """The process's three global RNGs: seeded from one key for a fetch, then put back.
 
-    One instance per process (``GLOBAL_RNGS``), built at import: the layouts are checked then (each
-    check puts the RNG it probes back exactly), so a restore's first batch does not pay for them, and
-    a spawned DataLoader worker checks for itself. Everything here runs once per batch, so it is
-    written for few calls (bound methods and memoryview slices made once) rather than for elegance.
+    One instance per process (``GLOBAL_RNGS``); it does nothing until first used. Use
+    :meth:`seeded` around a fetch::
 
-    Args:
-        fast: ``False`` takes the public APIs only (the reference the fast paths are tested against).
+        with GLOBAL_RNGS.seeded(key, restore=get_worker_info() is None) as rngs:
+            samples = fetch()  # draws from the seeded global RNGs
+            rngs.seed(other_key)  # re-seed inside the same fetch (one key per sample)
     """
 
-    def __init__(self, *, fast: bool = True) -> None:
-        self._python: Any = random.random.__self__  # type: ignore[attr-defined]  # the hidden random.Random
-        self._numpy: np.random.RandomState = np.random.random_sample.__self__  # type: ignore[attr-defined]
-        self._fast = fast
-        self._torch_seed = torch.default_generator.manual_seed
-        self._torch_get_state = torch.default_generator.get_state
-        self._torch_set_state = torch.default_generator.set_state
-        self._public_words = np.random.RandomState(0)  # python's words, on the public path
-        # The live states as memoryviews (empty where unknown), and buffers a fork saves them in:
-        # a memoryview slice assignment is a plain memcpy, several times cheaper than ctypes.memmove.
-        self._python_state = _raw_view(_python_address(self._python) if fast else 0, _PY_STATE_BYTES)
-        self._python_index, self._python_words = self._python_state[:4], self._python_state[4:]
-        self._torch_state = _raw_view(_torch_address(torch.default_generator) if fast else 0, _TORCH_BYTES)
-        words = torch.Generator()  # seeded to fill numpy's and python's words (init_genrand)
-        self._words_seed = words.manual_seed
-        self._words = _raw_view(_torch_address(words) if fast else 0, _TORCH_BYTES)[
-            _TORCH_WORDS_AT : _TORCH_WORDS_AT + _WORDS_BYTES
-        ]
-        self._numpy_bit_generator: Any = None  # the bit generator the numpy views were checked for
-        self._numpy_state = self._numpy_words = self._numpy_position = self._numpy_gauss = memoryview(b"")
-        self._python_buffer = memoryview(bytearray(_PY_STATE_BYTES))
-        self._numpy_buffer = memoryview(bytearray(_NP_STATE_BYTES))
-        self._gauss_buffer = memoryview(bytearray(_NP_GAUSS_BYTES))
-        self._torch_buffer = memoryview(bytearray(_TORCH_BYTES))
-        self._buffers_in_use = False
-        # The fast path needs every layout (numpy's is checked again per bit generator, in
-        # _numpy_is_fast) and a fast seeding that gives the public one's states.
-        layouts = bool(self._python_state and self._torch_state and self._words) and self._numpy_is_fast()
-        self._raw = layouts and self._raw_seeding_matches()
+    def __init__(self) -> None:
+        self._lock = threading.RLock()
+        self._at_fork_registered = False
+        # Scratch numpy bit generators, one per type and nesting depth: a fork inside a fork must
+        # not re-seed the one the outer fetch is drawing from.
+        self._scratch: dict[tuple[type, int], np.random.BitGenerator] = {}
+        self._depth = 0  # forks open in this process (only changed under the lock)
 
-    @property
-    def raw(self) -> bool:
-        """Whether :meth:`seed` and :meth:`fork` take the fast path (raw copies) in this process now."""
-        return self._raw and self._numpy_is_fast()
+    def seeded(self, key: int, *, restore: bool) -> _Seeded:
+        """Seed all three RNGs from ``key`` for a ``with`` block (which yields this object).
+
+        Args:
+            key: a 64-bit int; the same key gives the same draws in every process.
+            restore: put the three back afterwards (the main process, where the training loop
+                draws from the same RNGs): numpy's global RandomState draws from a scratch bit
+                generator for the block and gets the user's back, untouched. Without it (a worker,
+                whose RNGs are re-seeded per iterator anyway) all three are seeded in place and
+                left so; the draws are the same either way.
+        """
+        if not self._at_fork_registered:
+            self._register_at_fork()
+        return _Seeded(self, key, restore)
 
     def seed(self, key: int) -> None:
-        """Seed torch's CPU RNG, numpy's global RNG and python's ``random`` from a 64-bit ``key``.
+        """Seed the three RNGs from ``key`` (numpy's current global bit generator: inside a restoring
+        :meth:`seeded`, the scratch one)."""
+        torch.default_generator.manual_seed(key >> 1)
+        random.seed(key)
+        bit_generator = get_bit_generator()
+        kind = type(bit_generator)
+        if kind is np.random.MT19937:
+            np.random.seed(key & _MASK32)  # also clears the legacy Gaussian cache
+            return
+        make = _NUMPY_STATES.get(kind)
+        state = make(key) if make is not None else kind(np.random.SeedSequence(key)).state
+        # Through the RandomState, so that its Gaussian cache is cleared as a seeding clears it.
+        np.random.set_state({"bit_generator": kind.__name__, **state, "has_gauss": 0, "gauss": 0.0})
 
-        The streams are those of ``torch.manual_seed(key >> 1)``, ``numpy.random.seed(key % 2**32)``
-        and ``random.setstate`` with the words ``numpy.random.seed(key >> 32)`` would give numpy.
-        """
-        if self._raw and self._numpy_is_fast():
-            self._seed_raw(key)
-        else:
-            self._seed_public(key)
+    def _scratch_for(self, kind: type, depth: int) -> np.random.BitGenerator:
+        scratch = self._scratch.get((kind, depth))
+        if scratch is None:
+            # Built once per type, depth and process; seed() sets its whole state before every use.
+            scratch = self._scratch[kind, depth] = kind(np.random.SeedSequence(0))
+        return scratch
 
-    def _seed_public(self, key: int) -> None:
-        self._torch_seed(key >> 1)
-        self._numpy.seed(key & 0xFFFFFFFF)
-        self._public_words.seed(key >> 32)
-        words: Any = self._public_words.get_state()
-        self._python.setstate((3, (*words[1].tolist(), _MT_WORDS), None))
+    def _register_at_fork(self) -> None:
+        with self._lock:
+            if not self._at_fork_registered:
+                self._at_fork_registered = True
+                os.register_at_fork(after_in_child=self._reset_lock)
 
-    def _seed_raw(self, key: int) -> None:
-        self._torch_seed(key >> 1)
-        self._words_seed(key & 0xFFFFFFFF)
-        self._numpy_words[:] = self._words
-        self._numpy_position[:] = _SEEDED_POSITION
-        self._numpy_gauss[:] = _NO_GAUSS
-        self._words_seed(key >> 32)
-        self._python_words[:] = self._words
-        self._python_index[:] = _SEEDED_POSITION
-        self._python.gauss_next = None
+    def _reset_lock(self) -> None:
+        # The child has one thread: a lock another thread of the parent held is not held here.
+        self._lock = threading.RLock()
+        self._depth = 0
 
-    def fork(self, key: int) -> Forked:
-        """Save all three states, then :meth:`seed` them from ``key``; :meth:`restore` puts them back.
 
-        The fast path copies into buffers kept by this instance (no allocation per batch); a fork
-        inside a fork (a dataset that itself iterates a loader in the main process) takes the
-        public path, so the outer fork's buffers are never overwritten.
-        """
-        python = self._python
-        if (
-            self._raw
-            and not self._buffers_in_use
-            and np.random.mtrand.get_bit_generator() is self._numpy_bit_generator
-            and self._numpy_state
-        ):
-            self._buffers_in_use = True
-            self._torch_buffer[:] = self._torch_state
-            self._python_buffer[:] = self._python_state
-            self._numpy_buffer[:] = self._numpy_state
-            self._gauss_buffer[:] = self._numpy_gauss
-            forked = Forked(None, python.gauss_next, None, None)
-            self._seed_raw(key)
-            return forked
-        # The public path: not CPython, a fork inside a fork, or a new numpy bit generator
-        # (numpy.random.set_bit_generator), which seed() checks for the next fork.
-        forked = Forked(self._torch_get_state(), python.gauss_next, python.getstate(), self._numpy.get_state())
-        self.seed(key)
-        return forked
+class _Seeded:
+    """The ``with`` block of :meth:`GlobalRngs.seeded`: a plain class rather than a generator-based
+    context manager, which would add its own overhead to every batch."""
 
-    def restore(self, forked: Forked) -> None:
-        """Put back what :meth:`fork` saved."""
-        if forked.torch is None:
-            self._torch_state[:] = self._torch_buffer
-            self._python_state[:] = self._python_buffer
-            self._numpy_state[:] = self._numpy_buffer
-            self._numpy_gauss[:] = self._gauss_buffer
-            self._buffers_in_use = False
-        else:
-            self._torch_set_state(forked.torch)
-            self._python.setstate(forked.python)
-            self._numpy.set_state(forked.numpy)
-        self._python.gauss_next = forked.python_gauss
+    __slots__ = ("_key", "_numpy", "_python", "_restore", "_rngs", "_torch")
 
-    def _numpy_is_fast(self) -> bool:
-        """Whether numpy's global bit generator is copied raw; checks it when it is new."""
-        if not self._fast:
-            return False
-        bit_generator = np.random.mtrand.get_bit_generator()
-        if bit_generator is not self._numpy_bit_generator:  # first use, or numpy.random.set_bit_generator
-            self._numpy_bit_generator = bit_generator
-            self._numpy_state = self._numpy_words = self._numpy_position = self._numpy_gauss = memoryview(b"")
-            offset = _numpy_gauss_offset(self._numpy)
-            if offset is not None:
-                address = int(bit_generator.ctypes.state_address)
-                if _numpy_words_readable(address, self._numpy):
-                    self._numpy_state = _raw_view(address, _NP_STATE_BYTES)
-                    self._numpy_words, self._numpy_position = self._numpy_state[:-4], self._numpy_state[-4:]
-                    self._numpy_gauss = _raw_view(id(self._numpy) + offset, _NP_GAUSS_BYTES)
-        return bool(self._numpy_state)
+    def __init__(self, rngs: GlobalRngs, key: int, restore: bool) -> None:
+        self._rngs, self._key, self._restore = rngs, key, restore
 
-    def _raw_seeding_matches(self) -> bool:
-        """Whether the fast seeding gives the public seeding's states (with caches to clear)."""
-        saved = self._torch_get_state(), self._python.getstate(), self._numpy.get_state()
+    def __enter__(self) -> GlobalRngs:
+        rngs = self._rngs
+        rngs._lock.acquire()
         try:
-            states = []
-            for seed in (self._seed_raw, self._seed_public):
-                torch.randn(1), self._python.gauss(0.0, 1.0), self._numpy.standard_normal()
-                seed(_PROBE_SEED * 2**32 + _PROBE_SEED + 1)
-                numpy: Any = self._numpy.get_state()
-                states.append((self._torch_get_state(), self._python.getstate(), numpy[1], numpy[2:]))
-            (torch_a, python_a, *numpy_a), (torch_b, python_b, *numpy_b) = states
-            return bool(
-                torch.equal(torch_a, torch_b)
-                and python_a == python_b
-                and np.array_equal(numpy_a[0], numpy_b[0])
-                and numpy_a[1] == numpy_b[1]
-            )
+            if self._restore:
+                self._numpy = saved = get_bit_generator()
+                self._torch = torch.default_generator.get_state()
+                self._python = random.getstate()
+                set_bit_generator(rngs._scratch_for(type(saved), rngs._depth))
+                rngs._depth += 1
+        except BaseException:
+            rngs._lock.release()
+            raise
+        try:
+            rngs.seed(self._key)
+        except BaseException:
+            self.__exit__(None, None, None)
+            raise
+        return rngs
+
+    def __exit__(self, *exc: object) -> None:
+        rngs = self._rngs
+        try:
+            if self._restore:
+                rngs._depth -= 1
+                set_bit_generator(self._numpy)
+                torch.default_generator.set_state(self._torch)
+                random.setstate(self._python)
         finally:
-            self._torch_set_state(saved[0])
-            self._python.setstate(saved[1])
-            self._numpy.set_state(saved[2])
+            rngs._lock.release()
 
 
 GLOBAL_RNGS = GlobalRngs()

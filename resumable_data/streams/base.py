@@ -72,7 +72,7 @@ Key = tuple[int, ...]
 Slot = tuple[int, int]
 """``(slot, num_slots)``: which of the global (rank, worker) slots a pipeline copy serves."""
 
-STREAM_STATE_VERSION = 1
+STREAM_STATE_VERSION = 2  # 2: ShardedIterable's shuffled shard order changed (core.permutation.ORDER_VERSION 2)
 # Keys of stream stage states, declared once (EPOCH, SEED, SHUFFLE, WORLD_SIZE come from _state).
 SOURCE = "source"
 SOURCES = "sources"

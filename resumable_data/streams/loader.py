@@ -11,7 +11,12 @@ per slot, so its state describes exactly the batches handed to the caller; batch
 in a prefetch queue are not counted. The state::
 
     {"version": 1, "epoch": 2, "epoch_done": False, "world_size": 2, "num_workers": 2,
-     "next_worker": {"0": 1}, "slots": {"0": {...pipeline state...}, "1": {...}}}
+     "next_worker": {"0": 1}, "slots": {"0": {...pipeline state...}, "1": {...}},
+     "batches": {"0": 7, "1": 6}}
+
+``batches`` counts what each slot has yielded in the epoch: with ``global_rng="batch"`` (the
+default) slot ``g``'s ``n``-th batch is pulled through the pipeline with the global RNGs seeded from
+``(epoch, g, number of slots, n)``, so a ``map`` drawing from ``torch.rand`` resumes exactly.
 
 Bitwise resume. With ``in_order=True`` a DataLoader takes batches from its workers round-robin
 starting at worker 0, skipping a worker for good once it is exhausted. ``next_worker`` records
@@ -46,8 +51,9 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from ..core.cursor import EpochCursor
 from ..core.dist import distributed_defaults
-from ..core.hash import hash_ints
+from ..core.hash import hash_ints, hash_more
 from ..core.state import (
+    INT64_MAX,
     VERSION,
     WORLD_SIZE,
     brief,
@@ -59,6 +65,7 @@ from ..core.state import (
     require_mapping,
 )
 from ..errors import ResumeError
+from ..rng.global_rngs import GLOBAL_RNGS
 from .base import EPOCH, Stream, require_count
 from .batch import Batch
 
@@ -70,6 +77,9 @@ EPOCH_DONE = "epoch_done"
 NUM_WORKERS = "num_workers"
 NEXT_WORKER = "next_worker"
 SLOTS = "slots"
+BATCHES = "batches"  # batches each slot has yielded in the epoch: what seeds the global RNGs for the next
+_BATCH_SALT = 0x73747265616D  # "stream": the global-RNG keys must not coincide with other keys
+_END = object()
 # DataLoader arguments the loader decides itself.
 _OWNED = ("batch_size", "shuffle", "sampler", "batch_sampler", "generator", "collate_fn")
 
@@ -87,6 +97,11 @@ class StreamLoader:
         world_size: number of ranks; defaults to ``group``'s size when initialized, else 1.
         group: the data-parallel process group (``None``: the default group); ranks that share a
             group rank (tensor-parallel peers) get the same batches.
+        global_rng: ``"batch"`` seeds torch's, numpy's and python's global RNGs before each batch
+            is pulled through the pipeline, from ``(epoch, slot, batches the slot has yielded)``,
+            so a ``map`` drawing from them (``torch.rand``) resumes exactly with any
+            ``num_workers``; with 0 workers the main process's RNGs are put back after each batch.
+            ``None`` leaves them be.
         **dataloader_kwargs: other ``DataLoader`` keywords (``pin_memory``, ``prefetch_factor``,
             ``worker_init_fn``, ``multiprocessing_context``, ...).
 
@@ -112,8 +127,12 @@ class StreamLoader:
         rank: int | None = None,
         world_size: int | None = None,
         group: Any = None,
+        global_rng: str | None = "batch",
         **dataloader_kwargs: Any,
     ) -> None:
+        if global_rng not in ("batch", None):
+            raise ResumeError(f"global_rng should be 'batch' or None, but got global_rng={global_rng!r}")
+        self.global_rng = global_rng
         if not isinstance(pipeline, Stream):
             raise TypeError(f"StreamLoader takes a Stream pipeline, got {type(pipeline).__name__}")
         for name in _OWNED:
@@ -142,6 +161,7 @@ class StreamLoader:
         self._fresh = True  # the slot states are an epoch's start, not a position inside it
         self._next_worker = 0
         self._states: list[dict[str, Any]] = []
+        self._batches: list[int] = []  # per local slot, batches yielded in the epoch
         # The slot whose state ``self._stream`` (this process's pipeline) holds right now, exactly as
         # ``self._states`` records it, or None. With 0 workers that pipeline then iterates without
         # loading the state again: a restored state is validated once, in load_state_dict, and a
@@ -165,6 +185,7 @@ class StreamLoader:
             self._stream.reset(epoch, (self.rank * self._local + local, self.num_slots))
             states.append(self._stream.state_dict())
         self._states, self._next_worker, self._fresh = states, 0, True
+        self._batches = [0] * self._local
         self._holds = self._local - 1
 
     def set_epoch(self, epoch: int) -> None:
@@ -187,8 +208,9 @@ class StreamLoader:
         # From here on the pipeline may move (or workers move their copies): nothing is known to
         # hold a recorded state until a batch arrives.
         holds, self._holds = self._holds, None
-        for local, state, batch in self._dataloader(segment.epoch, holds):
+        for local, batches, state, batch in self._dataloader(segment.epoch, holds):
             self._states[local] = state
+            self._batches[local] = batches
             self._next_worker = (local + 1) % self._local
             self._fresh, yielded = False, True
             self._cursor.advance(segment, 0, False)
@@ -206,6 +228,8 @@ class StreamLoader:
 
     def _dataloader(self, epoch: int, holds: int | None) -> DataLoader:
         dataset = _SlotDataset(self._stream, list(self._states), self._next_worker, holds)
+        if self.global_rng is not None:
+            dataset.seed_per_batch(epoch, self.rank * self._local, self.num_slots, list(self._batches))
         # A private generator: torch draws the workers' base seed from it, which would otherwise
         # consume the global RNG (and change model randomness after a resume).
         generator = torch.Generator()
@@ -230,6 +254,7 @@ class StreamLoader:
             NUM_WORKERS: self.num_workers,
             NEXT_WORKER: {str(self.rank): self._next_worker},
             SLOTS: {str(self.rank * self._local + local): s for local, s in enumerate(_copy(self._states))},
+            BATCHES: {str(self.rank * self._local + local): n for local, n in enumerate(self._batches)},
         }
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
@@ -270,6 +295,7 @@ class StreamLoader:
                     f"{sorted(slots)[:20]}); load this rank's own state or StreamLoader.merge_states of all ranks'"
                 )
             raw = [slots[g] for g in mine]
+            batches = _batches_of(state, mine)
             next_worker = require_mapping(state.get(NEXT_WORKER), f"{_WHAT} {NEXT_WORKER!r}").get(str(self.rank))
             if not is_int(next_worker) or not 0 <= next_worker < self._local:
                 raise ResumeError(
@@ -291,6 +317,7 @@ class StreamLoader:
                 self._stream.check(slots[g])
             every = self._stream.rebalance([slots[g] for g in sorted(slots)], self.num_slots, [])
             raw = [every[g] for g in mine]
+            batches = [0] * self._local  # new slots: their global-RNG keys start afresh
             next_worker = 0
         applies = [self._stream.check(s) for s in raw]
         for g, s in zip(mine, raw, strict=True):  # (a redistributed state is built for its slot)
@@ -307,6 +334,7 @@ class StreamLoader:
             apply()
             states.append(self._stream.state_dict())
         self._states, self._next_worker, self._fresh = states, next_worker, False
+        self._batches = batches
         self._holds = self._local - 1
         self._cursor.restore(epoch, 0, epoch_done)
 
@@ -326,7 +354,7 @@ class StreamLoader:
         if not isinstance(states, Sequence) or not states:
             raise ResumeError(f"merge_states needs a non-empty list of states, but got {brief(states)}")
         first = require_mapping(states[0], _WHAT)
-        merged: dict[str, Any] = {**first, EPOCH_DONE: True, NEXT_WORKER: {}, SLOTS: {}}
+        merged: dict[str, Any] = {**first, EPOCH_DONE: True, NEXT_WORKER: {}, SLOTS: {}, BATCHES: {}}
         for state in states:
             state = require_mapping(state, _WHAT)
             check_version(state, LOADER_STATE_VERSION, _WHAT)
@@ -342,6 +370,7 @@ class StreamLoader:
                 raise ResumeError(f"cannot merge states that both hold slots {sorted(map(brief, overlap))[:20]}")
             merged[SLOTS].update(slots)
             merged[NEXT_WORKER].update(require_mapping(state.get(NEXT_WORKER), f"{_WHAT} {NEXT_WORKER!r}"))
+            merged[BATCHES].update(require_mapping(state.get(BATCHES, {}), f"{_WHAT} {BATCHES!r}"))
             merged[EPOCH_DONE] = merged[EPOCH_DONE] and require_bool(state, EPOCH_DONE, _WHAT)
         return merged
 
@@ -365,6 +394,16 @@ def _slots_of(state: Mapping[str, Any], num_slots: int) -> dict[int, Any]:
             raise ResumeError(f"{_WHAT} state: slot {brief(key)} is not a slot number below {num_slots}")
         parsed[int(key)] = slots[key]
     return parsed
+
+
+def _batches_of(state: Mapping[str, Any], mine: range) -> list[int]:
+    """The ``"batches"`` counts of this rank's slots (0 for a state saved before they were kept)."""
+    counts = require_mapping(state.get(BATCHES, {}), f"{_WHAT} {BATCHES!r}")
+    batches = [counts.get(str(g), 0) for g in mine]
+    for g, n in zip(mine, batches, strict=True):
+        if not is_int(n) or not 0 <= n <= INT64_MAX:
+            raise ResumeError(f"{_WHAT} state field {BATCHES!r} has {brief(n)} for slot {g}, expected an int >= 0")
+    return batches
 
 
 def _copy(states: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -396,13 +435,33 @@ class _SlotDataset(IterableDataset):
         self.states = states
         self.next_worker = next_worker
         self.holds = holds
+        self.batches = [0] * len(states)
+        self.first_slot = 0
+        self.key_prefix: int | None = None  # set by seed_per_batch
 
-    def __iter__(self) -> Iterator[tuple[int, dict[str, Any], Any]]:
+    def seed_per_batch(self, epoch: int, first_slot: int, num_slots: int, batches: list[int]) -> None:
+        """Seed the global RNGs before each batch from ``(epoch, global slot, batches so far)``."""
+        self.key_prefix = hash_ints(epoch, num_slots, _BATCH_SALT)
+        self.first_slot, self.batches = first_slot, batches
+
+    def __iter__(self) -> Iterator[tuple[int, int, dict[str, Any], Any]]:
         info = get_worker_info()
         # Rotate slots over workers so that the DataLoader's round-robin, which always starts at
         # worker 0, starts at the slot that was next when the state was saved.
         local = 0 if info is None else (info.id + self.next_worker) % len(self.states)
         if info is not None or local != self.holds:
             self.stream.load_state_dict(self.states[local])
-        for item in self.stream:
-            yield local, self.stream.state_dict(), item
+        items, n = iter(self.stream), self.batches[local]
+        item: Any
+        while True:
+            if self.key_prefix is None:
+                item = next(items, _END)
+            else:
+                # Pulling the batch runs the pipeline (map's fn included) for it, under its own key.
+                key = hash_more(self.key_prefix, self.first_slot + local, n)
+                with GLOBAL_RNGS.seeded(key, restore=info is None):
+                    item = next(items, _END)
+            if item is _END:
+                return
+            n += 1
+            yield local, n, self.stream.state_dict(), item

@@ -1,14 +1,19 @@
-"""The global RNGs around a fetch: seeded to the public APIs' streams, saved and restored exactly.
+"""The global RNGs around a fetch: seeded to pinned streams through public APIs, put back exactly.
 
-``GlobalRngs`` copies the three Mersenne Twister states as raw bytes (the public APIs
-cost too much per batch); these tests pin it to the public APIs: ``GlobalRngs(fast=False)`` uses
-only those, and both must give the same draws, bit for bit.
+What a batch key stands for is written out below through the public seeding calls
+(``public_seeding``); ``GLOBAL_RNGS.seeded`` must give exactly those draws, and with
+``restore=True`` leave every RNG of the main process as it found it.
 """
 
 from __future__ import annotations
 
+import os
 import random
-import struct
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -17,24 +22,23 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
+import resumable_data
 from harness import GlobalRandomAugment
 from resumable_data import ResumableDataLoader
 from resumable_data.core.hash import hash_ints
 from resumable_data.map.fetch import BatchFetcher, Ticket, batch_keys
-from resumable_data.rng import global_rngs as _global_rngs
-from resumable_data.rng.global_rngs import GLOBAL_RNGS, GlobalRngs
+from resumable_data.rng.global_rngs import GLOBAL_RNGS
 
-FAST, PUBLIC = GlobalRngs(), GlobalRngs(fast=False)
 BATCH_SALT = 0x6261746368  # the batch key's last input: changing it changes every user's augmentations
+LIBRARY = Path(resumable_data.__file__).parent  # the package under test, wherever it is imported from
+BIT_GENERATORS = [np.random.PCG64, np.random.PCG64DXSM, np.random.Philox, np.random.SFC64]
 
 
 def public_seeding(key: int) -> None:
-    """What a key stands for, through the public APIs: torch and numpy seeded as usual, python's
-    Twister given the words numpy's seeding makes from the key's high half."""
-    torch.manual_seed(key >> 1)
+    """What a key stands for with numpy's default MT19937, through the public seeding calls."""
+    torch.default_generator.manual_seed(key >> 1)
     np.random.seed(key & 0xFFFFFFFF)
-    python_words = np.random.RandomState(key >> 32).get_state()[1]
-    random.setstate((3, (*python_words.tolist(), 624), None))
+    random.seed(key)
 
 
 def draws() -> tuple[list[float], list[float], list[float]]:
@@ -47,53 +51,127 @@ def draws() -> tuple[list[float], list[float], list[float]]:
 
 
 def scramble(key: int) -> None:
-    """Put every RNG somewhere unusual, with Gaussian caches filled."""
+    """Put every RNG somewhere unusual, with torch's and python's Gaussian caches filled."""
     torch.manual_seed(key), np.random.seed(key % 2**32), random.seed(key)
-    torch.randn(1), np.random.standard_normal(), random.gauss(0.0, 1.0)
+    torch.randn(1), random.gauss(0.0, 1.0)
     random.random(), np.random.random_sample(key % 5)
 
 
-def test_both_paths_are_what_they_claim() -> None:
-    # If the fast path silently fell back, the tests below would compare the public API with itself.
-    assert FAST.raw
-    assert not PUBLIC.raw
+def states() -> tuple[Any, ...]:
+    """Everything the three RNGs hold, comparable with ==."""
+    numpy = np.random.get_state(legacy=False)
+    return (
+        torch.default_generator.get_state().tolist(),
+        random.getstate(),
+        np.random.get_bit_generator(),
+        repr(numpy),
+    )
 
 
-@pytest.mark.parametrize(
-    ("name", "wrong"),
-    [("_SEEDED_POSITION", struct.pack("i", 623)), ("_NO_GAUSS", b"\x01" + bytes(15)), ("_TORCH_SCAN_BYTES", 16)],
-)
-def test_a_fast_path_that_reads_differently_falls_back_to_the_public_one(
-    monkeypatch: pytest.MonkeyPatch, name: str, wrong: object
-) -> None:
-    # Each layout and the fast seeding are checked against the public APIs once per process; a
-    # mismatch (here planted: a wrong seeded index, a Gaussian cache left set, an engine not found)
-    # must turn the fast path off, not give different streams.
-    monkeypatch.setattr(_global_rngs, name, wrong)
-    assert not GlobalRngs().raw
+@pytest.fixture
+def bit_generator(request: pytest.FixtureRequest) -> Any:
+    """numpy's global bit generator replaced by the parameter's type for the test."""
+    original = np.random.get_bit_generator()
+    replacement = request.param(12345)
+    np.random.set_bit_generator(replacement)
+    yield replacement
+    np.random.set_bit_generator(original)
+
+
+def test_the_library_reads_and_writes_no_raw_memory() -> None:
+    # The RNGs are reached through the libraries' public APIs only: no ctypes, no memoryviews of
+    # other objects' memory.
+    offenders = [
+        f"{path.relative_to(LIBRARY)}: {word}"
+        for path in LIBRARY.rglob("*.py")
+        for word in ("ctypes", "memoryview", "string_at", "from_address")
+        if word in path.read_text()
+    ]
+    assert offenders == []
 
 
 @given(key=st.integers(0, 2**64 - 1))
-def test_seed_gives_the_streams_of_the_public_seeding_calls(key: int) -> None:
+def test_seeded_gives_the_streams_of_the_public_seeding_calls(key: int) -> None:
     scramble(key ^ 1)
     public_seeding(key)
     expected = draws()
-    for rngs in (FAST, PUBLIC):
+    for restore in (False, True):
         scramble(key ^ 2)
-        rngs.seed(key)
-        assert draws() == expected
+        with GLOBAL_RNGS.seeded(key, restore=restore):
+            assert draws() == expected
 
 
-@given(key=st.integers(0, 2**32 - 1), interfering=st.integers(0, 2**32 - 1))
-def test_save_then_restore_puts_every_rng_back_with_its_gaussian_cache(key: int, interfering: int) -> None:
-    for rngs in (FAST, PUBLIC):
-        scramble(key)
-        expected = draws()
-        scramble(key)
-        forked = rngs.fork(interfering)
+@given(key=st.integers(0, 2**32 - 1), interfering=st.integers(0, 2**64 - 1))
+def test_a_restoring_fork_puts_every_rng_back_with_its_gaussian_caches(key: int, interfering: int) -> None:
+    scramble(key)
+    before = states()
+    expected = draws()
+    scramble(key)
+    with GLOBAL_RNGS.seeded(interfering, restore=True) as rngs:
         draws()
-        rngs.restore(forked)
+        rngs.seed(interfering ^ 1)
+        draws()
+    assert states() == before
+    assert draws() == expected
+
+
+def test_numpys_legacy_gaussian_cache_is_the_one_thing_a_fork_clears() -> None:
+    # Documented: numpy.random.set_bit_generator clears the RandomState's cached second normal
+    # and no cheap public call reads it, so a fork drops it (deterministically: a resume agrees).
+    np.random.seed(3)
+    np.random.standard_normal()
+    bit_generator = np.random.get_bit_generator()
+    words = bit_generator.state["state"]["key"].copy()
+    with GLOBAL_RNGS.seeded(5, restore=True):
+        np.random.standard_normal(3)
+    assert np.random.get_bit_generator() is bit_generator
+    assert np.array_equal(bit_generator.state["state"]["key"], words)
+    assert np.random.get_state()[3] == 0  # has_gauss
+
+
+def test_a_worker_fetch_seeds_in_place_and_draws_the_same() -> None:
+    # Without restore (a worker) numpy's own generator is seeded in place: the same draws as the
+    # main process's scratch generator, with no swap to pay for.
+    bit_generator = np.random.get_bit_generator()
+    with GLOBAL_RNGS.seeded(7, restore=True):
+        expected = draws()
+    with GLOBAL_RNGS.seeded(7, restore=False):
+        assert np.random.get_bit_generator() is bit_generator
         assert draws() == expected
+
+
+@pytest.mark.parametrize("bit_generator", BIT_GENERATORS, indirect=True, ids=lambda t: t.__name__)
+def test_any_numpy_bit_generator_is_seeded_from_the_key_and_handed_back(bit_generator: Any) -> None:
+    # The draws inside depend on the key alone (not on the user's generator's state); outside,
+    # the user's generator is the same object in the same state.
+    before = states()
+    inside = {}
+    for key in (3, 4, 3):
+        np.random.random_sample(7)  # the user's generator moves between fetches
+        outside = states()
+        with GLOBAL_RNGS.seeded(key, restore=True):
+            assert type(np.random.get_bit_generator()) is type(bit_generator)
+            got = [*np.random.random_sample(5).tolist(), float(np.random.standard_normal())]
+        inside.setdefault(key, got)
+        assert got == inside[key]
+        assert states() == outside
+    assert inside[3] != inside[4]
+    assert states() != before  # the draws between fetches did move it: the check above has teeth
+
+
+def test_a_bit_generator_type_without_a_fast_state_is_seeded_through_a_seed_sequence() -> None:
+    class Custom(np.random.PCG64):
+        """A user's own bit generator type."""
+
+    original = np.random.get_bit_generator()
+    np.random.set_bit_generator(Custom(1))
+    try:
+        with GLOBAL_RNGS.seeded(9, restore=True):
+            got = np.random.random_sample(4)
+    finally:
+        np.random.set_bit_generator(original)
+    expected = np.random.RandomState(Custom(np.random.SeedSequence(9))).random_sample(4)
+    assert np.array_equal(got, expected)
 
 
 def test_a_batch_is_seeded_from_seed_epoch_and_position() -> None:
@@ -125,14 +203,14 @@ def test_batch_keys_in_vectorized_blocks_are_the_scalar_hash(
     assert list(batch_keys(seed, epoch, first, stride, count)) == expected
 
 
-class DrawsAndSaysHow(torch.utils.data.Dataset):
-    """Draws from the three global RNGs, and says whether its process seeds them the fast way."""
+class Draws(torch.utils.data.Dataset):
+    """Draws from the three global RNGs."""
 
     def __len__(self) -> int:
         return 12
 
-    def __getitem__(self, index: int) -> tuple[float, float, float, bool]:
-        return torch.rand(()).item(), float(np.random.random_sample()), random.random(), GLOBAL_RNGS.raw
+    def __getitem__(self, index: int) -> tuple[float, float, float]:
+        return torch.rand(()).item(), float(np.random.random_sample()), random.random()
 
 
 def collate_saying_where(samples: list[Any]) -> tuple[list[Any], bool]:
@@ -141,12 +219,12 @@ def collate_saying_where(samples: list[Any]) -> tuple[list[Any], bool]:
 
 
 @pytest.mark.parametrize("context", ["fork", "spawn"])
-def test_a_worker_started_fresh_checks_the_layouts_itself_and_seeds_the_same(context: str) -> None:
-    # A spawned worker imports the library anew: its own layout checks must find the fast path,
-    # and its batches must be those of the main process (0 workers) and of a forked worker.
+def test_a_worker_seeds_the_same_as_the_main_process(context: str) -> None:
+    # A spawned worker imports the library anew; its batches must be those of the main process
+    # (0 workers) and of a forked worker.
     def batches(num_workers: int) -> list[Any]:
         loader = ResumableDataLoader(
-            DrawsAndSaysHow(),
+            Draws(),
             batch_size=4,
             seed=5,
             num_workers=num_workers,
@@ -158,7 +236,6 @@ def test_a_worker_started_fresh_checks_the_layouts_itself_and_seeds_the_same(con
 
     from_worker = batches(1)
     assert all(fetched_in_worker for _, fetched_in_worker in from_worker)
-    assert all(raw for samples, _ in from_worker for *_, raw in samples)
     assert [samples for samples, _ in from_worker] == [samples for samples, _ in batches(0)]
 
 
@@ -190,36 +267,121 @@ def test_keys_are_pinned() -> None:
 
 def test_a_fork_inside_a_fork_puts_each_level_back() -> None:
     # A dataset that iterates another loader in the main process forks inside a fork: the inner
-    # one must not overwrite what the outer one saved.
-    for rngs in (FAST, PUBLIC):
-        scramble(7)
-        after_outer = draws()
-        public_seeding(2)
+    # one must not overwrite what the outer one saved, nor the outer one's numpy stream.
+    public_seeding(2)
+    draws()
+    inside_outer = draws()
+    scramble(7)
+    before = states()
+    after_outer = draws()
+    scramble(7)
+    with GLOBAL_RNGS.seeded(2, restore=True):
         draws()
-        inside_outer = draws()
-        scramble(7)
-        outer = rngs.fork(2)
-        draws()
-        inner = rngs.fork(3)
-        draws()
-        rngs.restore(inner)
+        with GLOBAL_RNGS.seeded(3, restore=True):
+            draws()
         assert draws() == inside_outer
-        rngs.restore(outer)
-        assert draws() == after_outer
+    assert states() == before
+    assert draws() == after_outer
 
 
-def test_a_new_numpy_bit_generator_is_followed() -> None:
-    # numpy.random.set_bit_generator swaps the memory behind numpy.random: the raw copies must
-    # follow it, or the training loop's numpy stream would be left seeded by the data.
-    original = np.random.mtrand.get_bit_generator()
+class YieldingAugment(GlobalRandomAugment):
+    """Draws from the global RNGs with a thread switch between draws, as a real transform's I/O would."""
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        image, label = super().__getitem__(index)
+        time.sleep(0.0005)  # releases the GIL: the other thread runs mid-fetch
+        return image + torch.rand(()) + float(np.random.random_sample()) + random.random(), label
+
+
+def test_two_threads_each_iterating_a_zero_worker_loader_are_each_exact() -> None:
+    # Each fetch holds the process-wide lock from seeding to restoring, so the two loaders'
+    # fetches never interleave their draws, and each restore puts back its own fork's states.
+    def run(seed: int) -> list[Any]:
+        loader = ResumableDataLoader(YieldingAugment(24), batch_size=3, seed=seed)
+        return [batch[0] for _ in range(2) for batch in loader]
+
+    reference = {seed: run(seed) for seed in (1, 2)}
+    results: dict[int, list[Any]] = {}
+    barrier = threading.Barrier(2)
+
+    def worker(seed: int) -> None:
+        barrier.wait()
+        results[seed] = run(seed)
+
+    threads = [threading.Thread(target=worker, args=(seed,)) for seed in (1, 2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=120)
+    assert not any(thread.is_alive() for thread in threads)
+    for seed in (1, 2):
+        assert len(results[seed]) == len(reference[seed])
+        assert all(torch.equal(a, b) for a, b in zip(results[seed], reference[seed], strict=True))
+
+
+# Run in a fresh interpreter: the libraries resumable_data builds on are imported first, the three
+# RNGs seeded, and every atexit/at-fork registration recorded; then resumable_data is imported.
+IMPORT_CHECK = """
+import atexit, os, random, sys
+registered = []
+real_atexit, real_at_fork = atexit.register, os.register_at_fork
+def record_atexit(function, *args, **kwargs):
+    registered.append(str(getattr(function, "__module__", "?")))
+    return real_atexit(function, *args, **kwargs)
+def record_at_fork(**hooks):
+    registered.extend(str(getattr(hook, "__module__", "?")) for hook in hooks.values())
+    real_at_fork(**hooks)
+atexit.register, os.register_at_fork = record_atexit, record_at_fork
+import numpy as np, torch, torch.utils.data, torchdata.stateful_dataloader
+random.seed(1); np.random.seed(2); torch.manual_seed(3)
+def states():
+    return (random.getstate(), repr(np.random.get_state(legacy=False)), id(np.random.get_bit_generator()),
+            torch.get_rng_state().tolist())
+before = states()
+import resumable_data
+print(states() == before, sorted(m for m in registered if m.startswith("resumable_data")))
+"""
+
+
+def test_importing_the_library_touches_no_rng_and_registers_no_handler() -> None:
+    out = subprocess.run(
+        [sys.executable, "-c", IMPORT_CHECK],
+        env={**os.environ, "PYTHONPATH": str(LIBRARY.parent)},  # the package under test
+        cwd=LIBRARY.anchor,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    ).stdout.split()
+    assert out == ["True", "[]"]
+
+
+def test_a_worker_forked_while_another_thread_holds_the_lock_does_not_inherit_it() -> None:
+    # A DataLoader worker forked while another thread's 0-worker fetch holds the lock gets a
+    # fresh lock (os.register_at_fork), so a fork inside that worker does not wait forever.
+    import multiprocessing
+
+    holding, release = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        with GLOBAL_RNGS.seeded(1, restore=True):
+            holding.set()
+            release.wait(60)
+
+    thread = threading.Thread(target=hold)
+    thread.start()
     try:
-        np.random.set_bit_generator(np.random.MT19937(5))
-        for _ in range(3):  # the first fork after the swap checks the new generator, the next ones use it
-            scramble(3)
-            expected = draws()
-            scramble(3)
-            FAST.restore(FAST.fork(11))
-            assert draws() == expected
-        assert FAST.raw
+        assert holding.wait(60)
+        context = multiprocessing.get_context("fork")
+        child = context.Process(target=_fork_once)
+        child.start()
+        child.join(60)
+        assert child.exitcode == 0
     finally:
-        np.random.set_bit_generator(original)
+        release.set()
+        thread.join(60)
+
+
+def _fork_once() -> None:
+    with GLOBAL_RNGS.seeded(2, restore=True):
+        pass

@@ -19,6 +19,7 @@ from harness import assert_resumes_identically, consume
 from resumable_data import ResumeError
 from resumable_data.core.permutation import Permutation
 from resumable_data.streams import IterableSource, ReplayWarning, ShardedIterable, Stream, mix
+from resumable_data.streams.base import STREAM_STATE_VERSION
 from streams_harness import MemoryShards
 
 SIZES = [4, 4, 4]
@@ -142,7 +143,7 @@ def test_foreign_iterable_warns_that_it_replays() -> None:
 
 def test_foreign_iterable_that_got_shorter_is_refused() -> None:
     restored = IterableSource([1, 2])
-    restored.load_state_dict({"version": 1, "epoch": 0, "consumed": 5})
+    restored.load_state_dict({"version": STREAM_STATE_VERSION, "epoch": 0, "consumed": 5})
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", ReplayWarning)
         with pytest.raises(ResumeError, match="ended after 2 records but the checkpoint had consumed 5"):
