@@ -29,8 +29,10 @@ import torch.utils.data
 from ..core import state as keys
 from ..core.cursor import Segment
 from ..core.hash import hash_ints
+from ..core.state import check_int_arg
+from ..errors import ResumeError
 from ..rng.sample import SampleKey
-from .fetch import BatchIndices, batch_keys, restore_pending
+from .fetch import SKIPPED, BatchIndices, batch_keys, restore_pending
 from .sampler import ResumableSampler
 
 __all__ = ["ResumableBatchSampler"]
@@ -78,6 +80,7 @@ class ResumableBatchSampler(torch.utils.data.Sampler[list[int]]):
         self.sample_keys = sample_keys
         self.main_fetch = main_fetch
         self._driven: tuple[Segment, Callable[[], int] | None] | None = None
+        self._stand_ins = 0
 
     def set_epoch(self, epoch: int) -> None:
         """As :meth:`ResumableSampler.set_epoch`: the restored epoch keeps its position."""
@@ -113,10 +116,30 @@ class ResumableBatchSampler(torch.utils.data.Sampler[list[int]]):
         finally:
             self._driven = None
 
+    def skip_ahead(self, batches: int) -> None:
+        """Begin the next pass of a rebuilt loader with ``batches`` stand-ins for consumed batches.
+
+        For a wrapper that discards a resumed epoch's first batches unread — transformers' Trainer
+        resumes through accelerate's ``skip_first_batches`` — after a restore that already put the
+        position past them: the wrapper discards stand-ins (a fixed list, no index is computed), so
+        the skip costs next to nothing whatever its length. A stand-in that is fetched raises
+        :class:`ResumeError` (the wrapper skipped fewer batches than the checkpoint consumed).
+        """
+        self._stand_ins = check_int_arg("batches", batches, minimum=0)
+
     def __iter__(self) -> Iterator[BatchIndices]:
         if self._driven is not None:
             return self._driven_batches(*self._driven)
-        return _BatchIterator(self)
+        if self.sampler.world_size > 1:
+            raise ResumeError(
+                f"this ResumableDataLoader's batches are already rank {self.sampler.rank}'s share of "
+                f"{self.sampler.world_size} ranks, and a loader rebuilt from its batch_sampler (accelerate's "
+                "prepare or skip_first_batches, which shard again) would give each rank part of its part. "
+                "Under accelerate build it with world_size=1, rank=0: accelerate hands each process its "
+                "batches of the one global order (or iterate the ResumableDataLoader itself)"
+            )
+        stand_ins, self._stand_ins = self._stand_ins, 0
+        return _BatchIterator(self, stand_ins)
 
     def _driven_batches(self, segment: Segment, first_batch: Callable[[], int] | None) -> Iterator[BatchIndices]:
         # A generator: first_batch is asked on the first draw, i.e. once the workers exist.
@@ -177,8 +200,11 @@ class _BatchIterator(Iterator[BatchIndices]):
     ``next()`` (what StatefulDataLoader does on a restore) decides where it starts.
     """
 
-    def __init__(self, batch_sampler: ResumableBatchSampler) -> None:
+    def __init__(self, batch_sampler: ResumableBatchSampler, stand_ins: int = 0) -> None:
         self._owner = batch_sampler
+        self._stand_ins = stand_ins
+        size = batch_sampler.batch_size
+        self._stand_in = BatchIndices([0] * size, 0, SKIPPED, 0, False)
         self._segment: Segment | None = None
         self._batches: Iterator[BatchIndices] = iter(())
         self._taken = 0
@@ -194,6 +220,9 @@ class _BatchIterator(Iterator[BatchIndices]):
         return segment
 
     def __next__(self) -> BatchIndices:
+        if self._stand_ins:
+            self._stand_ins -= 1
+            return self._stand_in
         owner, cursor = self._owner, self._owner.sampler.cursor
         if owner.main_fetch:
             restore_pending()  # a fetch that raised before collation left the RNGs forked

@@ -55,6 +55,7 @@ __all__ = [
 ]
 
 GLOBAL_RNG_MODES = ("batch", "sample")
+SKIPPED = "skipped"  # the seeding of a stand-in for a batch a wrapper discards unread (see BatchIndices)
 # Domain separation: the global-RNG seeds must not coincide with the order's or sample_generator's.
 _BATCH_SALT = 0x6261746368  # "batch"
 _SAMPLE_SALT = 0x73616D706C  # "sampl"
@@ -134,7 +135,7 @@ class BatchIndices(list[Any]):  # a plain list to everyone who reads it
         return _arrive, (list(self), self.key, self.seeding, self.prefix, self.main_fetch)
 
     def __iter__(self) -> Iterator[Any]:
-        if self.seeding is not None and self.main_fetch and get_worker_info() is None:
+        if self.seeding in GLOBAL_RNG_MODES and self.main_fetch and get_worker_info() is None:
             _fork(self.key)
         if self.seeding == "sample":
             return self._seeding_each_sample()
@@ -184,10 +185,13 @@ class SeededCollate:
             if self.seeding is not None and not seeded:
                 raise ResumeError(
                     "a batch reached collate_fn without its global-RNG seeding: the indices it was "
-                    "fetched from are not the ResumableDataLoader's own (a loader rebuilt around its "
-                    "batch_sampler cut or padded them, e.g. accelerate with split_batches=True or "
-                    "even_batches padding a short last batch). Use drop_last=True, a dataset length "
-                    "that divides into full batches on every rank, or global_rng=None"
+                    "fetched from are not the ResumableDataLoader's own. Either a loader rebuilt around "
+                    "its batch_sampler cut or padded them (accelerate with split_batches=True, or "
+                    "even_batches padding a short last batch: use drop_last=True or a dataset length "
+                    "that divides into full batches on every process), or a stand-in for a batch "
+                    "consumed before the checkpoint was fetched (the wrapper that skips a resumed "
+                    "epoch's first batches skipped fewer than the checkpoint consumed: resume with the "
+                    "configuration that wrote it, same batch size, gradient accumulation and processes)"
                 )
             return self.collate_fn(samples)
         finally:
