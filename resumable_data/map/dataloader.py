@@ -291,6 +291,11 @@ def _check_arguments(dataset: Any, batch_size: int, global_rng: Any, dataloader_
     check_int_arg("batch_size", batch_size, minimum=1)
     check_global_rng(global_rng)
     for name in _OWNED:
+        if isinstance(dataloader_kwargs.get(name), DistributedSampler):
+            raise ResumeError(
+                "ResumableDataLoader shards by rank itself and was given a DistributedSampler: "
+                "Lightning injects one under strategy='ddp'; pass Trainer(use_distributed_sampler=False)"
+            )
         if dataloader_kwargs.get(name) is not None:
             raise ResumeError(
                 f"ResumableDataLoader decides {name!r} itself (the order is a function of seed "
