@@ -19,9 +19,9 @@ from pathlib import Path
 import torch
 from accelerate import Accelerator, skip_first_batches
 from accelerate.utils import DataLoaderConfiguration
-from toy import Augmented, Net, log_loss, maybe_die, save_weights, seed_everything
 
 from resumable_data import ResumableDataLoader
+from toy import Augmented, Net, log_loss, maybe_die, save_weights, seed_everything
 
 EPOCHS = 3
 
