@@ -126,7 +126,7 @@ class TestWrap:
         )
         assert isinstance(loader, ResumableDataLoader)
         assert (loader.batch_size, loader.drop_last, loader.num_workers, loader.prefetch_factor) == (6, True, 2, 3)
-        assert loader.persistent_workers and loader.collate_fn is collate
+        assert loader.persistent_workers and loader.collate_fn.collate_fn is collate  # inside the seeding wrapper
         batches = take(loader, 6)
         assert all(len(b) == 6 and int(b.sum()) % 10 == 0 for b in batches)
         assert loader.state_dict()["seed"] == 7

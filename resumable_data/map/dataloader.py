@@ -7,9 +7,12 @@ handed to the caller determines the global position: ``start + world_size * batc
 The loader counts the batches it yields — batches prefetched by workers are not counted, because
 they have not been yielded — and the restored loader simply starts its batch plan at that position.
 
-Each batch travels to its worker as a :class:`~resumable_data.map.fetch.Ticket` (seed, epoch, position,
-indices), so the worker can seed the global RNGs for exactly that batch (``global_rng``): a batch's
-augmentations do not depend on which process fetched it.
+Its public surface is DataLoader's: ``loader.dataset`` is the dataset passed in, ``loader.sampler``
+the :class:`ResumableSampler`, ``loader.batch_sampler`` a
+:class:`~resumable_data.map.batch_sampler.ResumableBatchSampler` whose batches are plain lists of
+indices that carry their global-RNG key, and ``loader.collate_fn`` a
+:class:`~resumable_data.map.fetch.SeededCollate` around the collate function passed in (see
+``map.fetch``). A DataLoader rebuilt from them fetches the same batches with the same augmentations.
 """
 
 from __future__ import annotations
@@ -23,13 +26,13 @@ import torch.utils.data
 from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, RandomSampler, SequentialSampler
 from torchdata.stateful_dataloader.sampler import BatchSampler as StatefulBatchSampler
 
-from ..core import state as keys
 from ..core.cursor import EpochCursor, Segment
 from ..core.dist import distributed_defaults
 from ..core.hash import hash_ints
 from ..core.state import check_int_arg
 from ..errors import ResumeError
-from .fetch import BatchFetcher, MapDataset, Ticket, batch_keys, check_global_rng
+from .batch_sampler import ResumableBatchSampler
+from .fetch import MapDataset, SeededCollate, check_global_rng, fetch_here
 from .sampler import ResumableSampler
 from .warm import WarmPass, WarmStart
 
@@ -83,8 +86,11 @@ class ResumableDataLoader(DataLoader):
     is then consumed exactly once across the new ranks (batches are cut differently, so only the
     sequence of global positions is the same as before, not the batches).
 
-    ``loader.dataset`` is the fetcher the workers use; the dataset passed in is
-    ``loader.dataset.dataset`` (attribute access falls through to it).
+    ``loader.dataset`` is the dataset passed in; ``loader.sampler`` is the
+    :class:`ResumableSampler`, ``loader.batch_sampler`` the batches it is cut into (a
+    ``ResumableBatchSampler``), ``loader.batch_size`` and ``loader.drop_last`` theirs. A
+    ``DataLoader`` rebuilt from these public attributes (accelerate's ``prepare``) loads the same
+    batches with the same augmentations.
 
     Example:
         >>> data = torch.arange(10)
@@ -114,25 +120,7 @@ class ResumableDataLoader(DataLoader):
         warm_start: bool | None = None,
         **dataloader_kwargs: Any,
     ) -> None:
-        if isinstance(dataset, torch.utils.data.IterableDataset):
-            raise ResumeError(
-                "ResumableDataLoader takes map-style datasets; for an IterableDataset use "
-                "resumable_data's stream pipelines (ShardedIterable and its wrappers)"
-            )
-        check_int_arg("batch_size", batch_size, minimum=1)
-        check_global_rng(global_rng)
-        for name in _OWNED:
-            if dataloader_kwargs.get(name) is not None:
-                raise ResumeError(
-                    f"ResumableDataLoader decides {name!r} itself (the order is a function of seed "
-                    f"and epoch); remove {name}=... and pass shuffle=/seed= instead"
-                )
-            dataloader_kwargs.pop(name, None)
-        if dataloader_kwargs.get("in_order", True) is False:
-            raise ResumeError(
-                "in_order=False hands out batches in whatever order workers finish them, so the "
-                "position cannot be resumed exactly; leave in_order=True"
-            )
+        _check_arguments(dataset, batch_size, global_rng, dataloader_kwargs)
         if sampler is None:
             default_rank, default_world = distributed_defaults(group)
             sampler = ResumableSampler(
@@ -143,50 +131,65 @@ class ResumableDataLoader(DataLoader):
                 world_size=default_world if world_size is None else world_size,
                 drop_last=drop_last,
             )
-        elif not isinstance(sampler, ResumableSampler):
-            raise ResumeError(
-                f"sampler must be a ResumableSampler, got {type(sampler).__name__}; "
-                "pass shuffle=/seed=/rank=/world_size= instead"
-            )
-        elif (shuffle, seed, rank, world_size, group) != (True, 0, None, None, None):
-            raise ResumeError(
-                "pass either sampler= or shuffle=/seed=/rank=/world_size=/group=, not both; the "
-                "sampler already fixes them"
-            )
-        elif sampler.dataset_length != len(dataset):
-            raise ResumeError(
-                f"sampler covers {sampler.dataset_length} samples but the dataset has {len(dataset)}; "
-                f"build the sampler as ResumableSampler(dataset, ...)"
-            )
+        else:
+            _check_sampler(sampler, dataset, (shuffle, seed, rank, world_size, group))
         # A private generator: torch draws each iterator's worker base seed from it, which would
         # otherwise consume the global RNG (and change model randomness after a resume).
         self._seed_generator = torch.Generator()
-        self._resumable = sampler
         self._cursor = sampler.cursor
-        self._plan = _BatchPlan(sampler, batch_size, drop_last)
+        self._batches = ResumableBatchSampler(
+            sampler,
+            batch_size,
+            drop_last,
+            global_rng=global_rng,
+            sample_keys=bool(getattr(dataset, "wants_sample_key", False)),
+            main_fetch=not dataloader_kwargs.get("num_workers"),
+        )
         if warm_start is None:
             warm_start = (
                 not dataloader_kwargs.get("persistent_workers") and dataloader_kwargs.get("worker_init_fn") is None
             )
         self._warm_start = bool(warm_start)
         self._warm_pass: WarmPass | None = None  # the last pass's handle, never the iterator
-        self._fetcher = fetcher = BatchFetcher(
-            dataset, global_rng=global_rng, sample_keys=bool(getattr(dataset, "wants_sample_key", False))
-        )
+        collate_fn = dataloader_kwargs.pop("collate_fn", None) or torch.utils.data.default_collate
+        self._dataset = dataset
         super().__init__(
-            fetcher,
-            batch_size=batch_size,
-            sampler=sampler,
-            drop_last=drop_last,
+            cast(torch.utils.data.Dataset, dataset),
+            batch_sampler=self._batches,
+            collate_fn=SeededCollate(collate_fn, global_rng),
             generator=self._seed_generator,
             **dataloader_kwargs,
         )
 
+    # DataLoader's sampler, batch_size and drop_last describe what the batch sampler does; DataLoader
+    # assigns its own placeholders (a SequentialSampler, None, False) as it initializes, which these
+    # properties ignore.
+    @property  # type: ignore[override]
+    def sampler(self) -> ResumableSampler:
+        """The order: a :class:`ResumableSampler` (``rank``, ``world_size``, ``seed``, ...)."""
+        return self._batches.sampler
+
+    @sampler.setter
+    def sampler(self, _: Any) -> None:
+        pass
+
     @property
-    def _index_sampler(self) -> _BatchPlan:
-        # DataLoader's hook for what its iterators draw from: our batch tickets, cut from the
-        # sampler's order for the segment the current iteration covers.
-        return self._plan
+    def batch_size(self) -> int:
+        """Samples per batch on this rank."""
+        return self._batches.batch_size
+
+    @batch_size.setter
+    def batch_size(self, _: Any) -> None:
+        pass
+
+    @property
+    def drop_last(self) -> bool:
+        """Whether the last partial batch is dropped."""
+        return self._batches.drop_last
+
+    @drop_last.setter
+    def drop_last(self, _: Any) -> None:
+        pass
 
     # -- read-only views ---------------------------------------------------------------------
     @property
@@ -220,9 +223,9 @@ class ResumableDataLoader(DataLoader):
         """
         check_int_arg("n_batches", n_batches, minimum=1)
         epoch, start = self._cursor.next_segment()
-        size = self._plan.batch_size
-        count = min(n_batches, self._plan.batch_count(start)) * size
-        flat = [i for chunk in self._resumable.index_chunks(epoch, start, count) for i in chunk.tolist()]
+        size = self.batch_size
+        count = min(n_batches, self._batches.batch_count(start)) * size
+        flat = [i for chunk in self.sampler.index_chunks(epoch, start, count) for i in chunk.tolist()]
         return [flat[i : i + size] for i in range(0, len(flat), size)]
 
     def __iter__(self) -> Iterator[Any]:  # type: ignore[override]  # ours wraps DataLoader's iterator
@@ -230,19 +233,19 @@ class ResumableDataLoader(DataLoader):
             self._warm_pass.close()
             self._warm_pass = None
         segment = self._cursor.begin()
-        self._seed_generator.manual_seed(hash_ints(self._resumable.seed, segment.epoch, segment.start) >> 1)
+        self._seed_generator.manual_seed(hash_ints(self.sampler.seed, segment.epoch, segment.start) >> 1)
         inner: Iterator[Any]
         if self._warm_start and self.num_workers > 0:
             inner = warm = WarmStart(
                 lambda first_batch: self._worker_iterator(segment, first_batch),
                 lambda batch: self._fetch_here(segment, batch),
-                self._plan.batch_count(segment.start),
+                self._batches.batch_count(segment.start),
                 self._pin_device(),
             )
             self._warm_pass = warm.handle
         else:
             inner = self._worker_iterator(segment, None)
-        return _ResumableIterator(inner, self._cursor, self._plan, segment)
+        return _ResumableIterator(inner, self._cursor, self._batches, segment)
 
     def _pin_device(self) -> str | None:
         """Where DataLoader's pin thread would pin batches (None: it would not), for warm start."""
@@ -251,14 +254,14 @@ class ResumableDataLoader(DataLoader):
         accelerator = torch.accelerator.current_accelerator()
         return None if accelerator is None or accelerator.type == "mps" else accelerator.type
 
-    def _worker_iterator(self, segment: Segment, first_batch: Callable[[], int] | None) -> Iterator[Any]:
-        """DataLoader's own iterator over ``segment`` (from batch ``first_batch()`` when given)."""
-        self._plan.select(segment, first_batch)
-        return super().__iter__()
-
     def _fetch_here(self, segment: Segment, batch: int) -> Any:
         """Batch ``batch`` of ``segment`` fetched and collated in this process (warm start)."""
-        return self.collate_fn(self._fetcher.__getitems__(self._plan.ticket(segment, batch)))
+        return fetch_here(self._dataset, self._batches.batch(segment, batch), self.collate_fn)
+
+    def _worker_iterator(self, segment: Segment, first_batch: Callable[[], int] | None) -> Iterator[Any]:
+        """DataLoader's own iterator over ``segment`` (from batch ``first_batch()`` when given)."""
+        with self._batches.driven(segment, first_batch):
+            return super().__iter__()
 
     # -- state ---------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -267,9 +270,7 @@ class ResumableDataLoader(DataLoader):
         O(1) time and size (under 512 bytes serialized), whatever the dataset size, position,
         world size or number of workers.
         """
-        state = self._resumable.state_dict()
-        state[keys.BATCH_SIZE] = self._plan.batch_size
-        return state
+        return self._batches.state_dict()
 
     def load_state_dict(self, state_dict: Mapping[str, Any], *, strict: bool = True) -> None:
         """Continue from ``state_dict``; see :meth:`ResumableSampler.load_state_dict`.
@@ -277,75 +278,71 @@ class ResumableDataLoader(DataLoader):
         Raises:
             ResumeError: malformed or mismatching state; the loader is unchanged.
         """
-        self._resumable.check_state(state_dict, strict=strict, what=_WHAT)()
+        self.sampler.check_state(state_dict, strict=strict, what=_WHAT)()
 
 
-class _BatchPlan(torch.utils.data.Sampler[Ticket]):
-    """The batches of one segment of an epoch, as tickets; what the DataLoader's iterators draw."""
+def _check_arguments(dataset: Any, batch_size: int, global_rng: Any, dataloader_kwargs: dict[str, Any]) -> None:
+    """Refuse what a ResumableDataLoader cannot resume (and drop the owned keywords left at None)."""
+    if isinstance(dataset, torch.utils.data.IterableDataset):
+        raise ResumeError(
+            "ResumableDataLoader takes map-style datasets; for an IterableDataset use "
+            "resumable_data's stream pipelines (ShardedIterable and its wrappers)"
+        )
+    check_int_arg("batch_size", batch_size, minimum=1)
+    check_global_rng(global_rng)
+    for name in _OWNED:
+        if isinstance(dataloader_kwargs.get(name), DistributedSampler):
+            raise ResumeError(
+                "ResumableDataLoader shards by rank itself and was given a DistributedSampler: "
+                "Lightning injects one under strategy='ddp'; pass Trainer(use_distributed_sampler=False)"
+            )
+        if dataloader_kwargs.get(name) is not None:
+            raise ResumeError(
+                f"ResumableDataLoader decides {name!r} itself (the order is a function of seed "
+                f"and epoch); remove {name}=... and pass shuffle=/seed= instead"
+            )
+        dataloader_kwargs.pop(name, None)
+    if dataloader_kwargs.get("in_order", True) is False:
+        raise ResumeError(
+            "in_order=False hands out batches in whatever order workers finish them, so the "
+            "position cannot be resumed exactly; leave in_order=True"
+        )
+    if global_rng == "sample" and getattr(dataset, "__getitems__", None) is not None:
+        raise ResumeError(
+            f"global_rng='sample' seeds the global RNGs before each sample, but {type(dataset).__name__} "
+            "defines __getitems__, which fetches a whole batch at once; use global_rng='batch'"
+        )
 
-    def __init__(self, sampler: ResumableSampler, batch_size: int, drop_last: bool) -> None:
-        self.sampler = sampler
-        self.batch_size = batch_size
-        self.drop_last = drop_last
-        self._segment = Segment(0, 0, 0)
-        self._first_batch: Callable[[], int] | None = None
 
-    def select(self, segment: Segment, first_batch: Callable[[], int] | None = None) -> None:
-        """Make ``segment`` the stretch the next ``iter()`` covers.
-
-        ``first_batch``, when given, is asked on the first draw which batch of the segment to
-        start from (warm start: the main process served the ones before).
-        """
-        self._segment, self._first_batch = segment, first_batch
-
-    def batch_count(self, start: int) -> int:
-        """Batches this rank yields when the epoch continues from global position ``start``."""
-        samples = self.sampler.rank_samples(start)
-        return samples // self.batch_size if self.drop_last else -(-samples // self.batch_size)
-
-    def __len__(self) -> int:
-        return self.batch_count(0)
-
-    def ticket(self, segment: Segment, batch: int) -> Ticket:
-        """Batch number ``batch`` of ``segment``, on its own (what the main process fetches)."""
-        return next(self._tickets(segment, batch))
-
-    def __iter__(self) -> Iterator[Ticket]:
-        # A generator: first_batch is asked on the first draw, i.e. once the workers exist.
-        segment, first_batch = self._segment, self._first_batch
-        yield from self._tickets(segment, first_batch() if first_batch is not None else 0)
-
-    def _tickets(self, segment: Segment, skip: int) -> Iterator[Ticket]:
-        sampler, size = self.sampler, self.batch_size
-        epoch, start = segment.epoch, sampler.position_after(segment.start, skip * size)
-        batches = self.batch_count(start)
-        # The first chunk is one batch: a restore (or an epoch start) waits for it alone.
-        chunks = sampler.index_chunks(epoch, start, batches * size, first_chunk=size)
-        first, stride = start + sampler.rank, sampler.world_size * size
-        keys = batch_keys(sampler.seed, epoch, first, stride, batches)
-        buffer: list[int] = []
-        offset = 0
-        for batch, key in enumerate(keys):
-            if len(buffer) - offset < size:
-                buffer, offset = buffer[offset:], 0
-                for chunk in chunks:
-                    buffer.extend(chunk.tolist())
-                    if len(buffer) >= size:
-                        break
-            yield Ticket(sampler.seed, epoch, first + batch * stride, buffer[offset : offset + size], key)
-            offset += size
+def _check_sampler(sampler: Any, dataset: MapDataset, order_arguments: tuple[Any, ...]) -> None:
+    """Refuse a ``sampler=`` that is not a ResumableSampler over ``dataset``, or one given with order arguments."""
+    if not isinstance(sampler, ResumableSampler):
+        raise ResumeError(
+            f"sampler must be a ResumableSampler, got {type(sampler).__name__}; "
+            "pass shuffle=/seed=/rank=/world_size= instead"
+        )
+    if order_arguments != (True, 0, None, None, None):
+        raise ResumeError(
+            "pass either sampler= or shuffle=/seed=/rank=/world_size=/group=, not both; the sampler already fixes them"
+        )
+    if sampler.dataset_length != len(dataset):
+        raise ResumeError(
+            f"sampler covers {sampler.dataset_length} samples but the dataset has {len(dataset)}; "
+            f"build the sampler as ResumableSampler(dataset, ...)"
+        )
 
 
 class _ResumableIterator(Iterator[Any]):
     """Wraps the DataLoader's iterator and advances the cursor as each batch is handed out."""
 
-    def __init__(self, inner: Iterator[Any], cursor: EpochCursor, plan: _BatchPlan, segment: Segment) -> None:
+    def __init__(
+        self, inner: Iterator[Any], cursor: EpochCursor, batches: ResumableBatchSampler, segment: Segment
+    ) -> None:
         self._inner = inner
         self._cursor = cursor
-        self._sampler = plan.sampler
-        self._batch_size = plan.batch_size
+        self._batches = batches
         self._segment = segment
-        self._n_batches = plan.batch_count(segment.start)
+        self._n_batches = batches.batch_count(segment.start)
         self._yielded = 0
 
     def __iter__(self) -> _ResumableIterator:
@@ -355,18 +352,15 @@ class _ResumableIterator(Iterator[Any]):
         return self._n_batches - self._yielded
 
     def __next__(self) -> Any:
-        start = self._segment.start
+        start, sampler = self._segment.start, self._batches.sampler
         try:
             batch = next(self._inner)
         except StopIteration:
-            self._cursor.advance(self._segment, self._sampler.end_position(start), True)
+            self._cursor.advance(self._segment, sampler.end_position(start), True)
             raise
         self._yielded += 1
-        if self._yielded >= self._n_batches:
-            position = self._sampler.end_position(start)
-        else:
-            position = self._sampler.position_after(start, self._yielded * self._batch_size)
-        self._cursor.advance(self._segment, position, self._sampler.is_end(position))
+        position = self._batches.position_after(start, self._yielded)
+        self._cursor.advance(self._segment, position, sampler.is_end(position))
         return batch
 
 
@@ -398,6 +392,29 @@ def wrap(dataloader: DataLoader, *, seed: int | None = None, global_rng: str | N
         ResumeError: the loader's order cannot be resumed exactly (sampling with replacement, a
             custom sampler or batch_sampler, an IterableDataset, no automatic batching).
     """
+    dataset, batch_size, drop_last, source = _wrappable(dataloader)
+    shuffle, own_seed, world, rank, drop_tail = _order_of(source, dataset, drop_last)
+    sampler = ResumableSampler(
+        dataset,
+        shuffle=shuffle,
+        seed=seed if seed is not None else own_seed if own_seed is not None else torch.initial_seed(),
+        rank=rank,
+        world_size=world,
+        drop_last=drop_tail,
+        adopt_checkpoint_seed=seed is None,
+    )
+    return ResumableDataLoader(
+        dataset,
+        batch_size=batch_size,
+        drop_last=drop_last,
+        sampler=sampler,
+        global_rng=global_rng,
+        **_settings_of(dataloader),
+    )
+
+
+def _wrappable(dataloader: Any) -> tuple[MapDataset, int, bool, Any]:
+    """``(dataset, batch_size, drop_last, sampler)`` of a loader wrap() can take over, or a ResumeError."""
     if isinstance(dataloader, ResumableDataLoader):
         raise ResumeError("this loader is already a ResumableDataLoader; use it as it is")
     if not isinstance(dataloader, DataLoader):
@@ -412,48 +429,57 @@ def wrap(dataloader: DataLoader, *, seed: int | None = None, global_rng: str | N
             f"wrap() needs a dataset with __len__ (the order is a permutation of its length); "
             f"{type(dataloader.dataset).__name__} has none: add __len__ to it"
         )
-    dataset = cast(MapDataset, dataloader.dataset)
-    if dataloader.batch_size is None or type(dataloader.batch_sampler) not in _PLAIN_BATCH_SAMPLERS:
+    batches = dataloader.batch_sampler
+    if isinstance(batches, ResumableBatchSampler):
+        raise ResumeError(
+            "this loader was rebuilt around a ResumableDataLoader's batch_sampler (accelerate's "
+            "prepare does that) and already resumes; use it as it is"
+        )
+    if type(batches).__name__ == "BatchSamplerShard":
+        raise ResumeError(
+            "wrap() cannot take over a loader accelerate has sharded across processes (its "
+            "batch_sampler is a BatchSamplerShard); build a ResumableDataLoader before "
+            "accelerator.prepare, or use resumable_data.integrations.transformers.ResumableTrainer"
+        )
+    # A plain BatchSampler: DataLoader's own (batch_size=...) or one passed as batch_sampler= by a
+    # library that rebuilt the loader (accelerate's prepare on one process), which leaves batch_size None.
+    if batches is None or type(batches) not in _PLAIN_BATCH_SAMPLERS:
         raise ResumeError(
             "wrap() supports loaders built with batch_size= (a plain BatchSampler); a custom "
             "batch_sampler decides batches itself and cannot be resumed from a position. Use "
             "ResumableDataLoader(dataset, batch_size=..., shuffle=..., seed=...) instead"
         )
-    source = dataloader.sampler
-    world, rank, drop_tail = 1, 0, dataloader.drop_last
-    own_seed: int | None = None
+    plain = cast(BatchSampler, batches)
+    return cast(MapDataset, dataloader.dataset), plain.batch_size, plain.drop_last, plain.sampler
+
+
+def _order_of(source: Any, dataset: MapDataset, drop_last: bool) -> tuple[bool, int | None, int, int, bool]:
+    """``(shuffle, seed or None, world_size, rank, drop_last)`` that reproduce ``source``'s kind of order."""
     if isinstance(source, DistributedSampler):
-        shuffle, own_seed = source.shuffle, source.seed
-        world, rank, drop_tail = source.num_replicas, source.rank, source.drop_last
-    elif isinstance(source, RandomSampler):
+        return source.shuffle, source.seed, source.num_replicas, source.rank, source.drop_last
+    if isinstance(source, RandomSampler):
         if source.replacement or source.num_samples != len(dataset):
             raise ResumeError(
                 "wrap() cannot resume RandomSampler(replacement=True) or a num_samples different "
                 "from the dataset length: that is sampling, not an order. Use "
                 "ResumableDataLoader(dataset, shuffle=True, seed=...) for a shuffled epoch"
             )
-        shuffle = True
-        if source.generator is not None:
-            own_seed = source.generator.initial_seed()
-    elif isinstance(source, SequentialSampler):
-        shuffle = False
-    else:
-        raise ResumeError(
-            f"wrap() cannot resume a custom sampler ({type(source).__name__}); build a "
-            "ResumableSampler (or ResumableDataLoader with shuffle=/seed=) instead"
-        )
-    sampler = ResumableSampler(
-        dataset,
-        shuffle=shuffle,
-        seed=seed if seed is not None else own_seed if own_seed is not None else torch.initial_seed(),
-        rank=rank,
-        world_size=world,
-        drop_last=drop_tail,
-        adopt_checkpoint_seed=seed is None,
+        own_seed = source.generator.initial_seed() if source.generator is not None else None
+        return True, own_seed, 1, 0, drop_last
+    if isinstance(source, SequentialSampler):
+        return False, None, 1, 0, drop_last
+    raise ResumeError(
+        f"wrap() cannot resume a custom sampler ({type(source).__name__}); build a "
+        "ResumableSampler (or ResumableDataLoader with shuffle=/seed=) instead"
     )
+
+
+def _settings_of(dataloader: DataLoader) -> dict[str, Any]:
+    """The DataLoader keywords of ``dataloader`` that a ResumableDataLoader keeps as they are."""
+    collate_fn = dataloader.collate_fn
     kwargs: dict[str, Any] = {
         "num_workers": dataloader.num_workers,
-        "collate_fn": dataloader.collate_fn,
+        "collate_fn": collate_fn.collate_fn if isinstance(collate_fn, SeededCollate) else collate_fn,
         "pin_memory": dataloader.pin_memory,
         "timeout": dataloader.timeout,
         "worker_init_fn": dataloader.worker_init_fn,
@@ -465,11 +491,4 @@ def wrap(dataloader: DataLoader, *, seed: int | None = None, global_rng: str | N
         kwargs["prefetch_factor"] = dataloader.prefetch_factor
     if hasattr(dataloader, "in_order"):
         kwargs["in_order"] = dataloader.in_order
-    return ResumableDataLoader(
-        dataset,
-        batch_size=dataloader.batch_size,
-        drop_last=dataloader.drop_last,
-        sampler=sampler,
-        global_rng=global_rng,
-        **kwargs,
-    )
+    return kwargs

@@ -1,4 +1,4 @@
-"""What a ResumableDataLoader fetches: batch tickets, and the global RNGs seeded for each batch.
+"""The global RNGs seeded for each batch, carried by the batch's own index list.
 
 Users' augmentation draws from the *global* RNGs (torchvision's transforms use ``torch.rand*``;
 others use ``numpy.random`` or ``random``). Inside DataLoader workers those RNGs are seeded once per
@@ -6,35 +6,58 @@ worker and iterator, so what a batch gets depends on which worker fetched it and
 worker fetched before — a resume (or another ``num_workers``) changes the augmentations.
 
 The fix is to make the global RNGs a function of *what* is fetched: before each batch (or each
-sample) the fetcher seeds torch's CPU RNG, numpy's global RNG and python's ``random`` from
+sample) torch's CPU RNG, numpy's global RNG and python's ``random`` are seeded from
 ``(seed, epoch, position)`` (or ``(seed, epoch, index)`` per sample). Then a batch's augmentations
 are the same in any worker, after any resume, with persistent workers, and with ``num_workers=0``.
 
-With ``num_workers=0`` the fetch runs in the main process, where the model draws from the same global
-RNGs (dropout, ``random.random()`` in the training loop). There all three are saved before the fetch
-and restored after it, so the main process's streams are exactly what they would be with workers:
-model randomness never depends on the data, and ``num_workers`` can change across a resume.
-How the RNGs are seeded and put back, through public APIs only, is ``rng.global_rngs``.
+The seeding travels with the batch itself, through public protocols only, so that a ``DataLoader``
+rebuilt from a ResumableDataLoader's public attributes (``dataset``, ``batch_sampler``,
+``collate_fn``: what accelerate's ``prepare`` and ``skip_first_batches`` copy) seeds exactly as the
+original does. The batch sampler yields :class:`BatchIndices`, a ``list`` of the batch's indices that
+also carries the batch's key:
+
+- In a worker, the list arrives pickled through DataLoader's index queue, and unpickling rebuilds
+  it through :func:`_arrive`, which seeds the worker's global RNGs for the key. The worker fetches
+  the batch right after it unpickles it, whatever the dataset does with the list.
+- In the main process (``num_workers=0``), the three RNGs are the training loop's too (dropout,
+  ``random.random()``): they are forked (saved, then seeded) when the fetch first reads the list —
+  DataLoader's fetcher iterates it, and so does ``__getitems__`` turning it into a tensor or an
+  array — and the loader's ``collate_fn``, a :class:`SeededCollate`, puts them back after
+  collation. So the main process's streams are exactly what they would be with workers: model
+  randomness never depends on the data, and ``num_workers`` can change across a resume.
+
+A batch that reaches the collate function without having been seeded (a plain list built by a
+wrapper that cut or padded the batches) raises a :class:`ResumeError` instead of being augmented
+from whatever state the RNGs were in. Seeding, saving and restoring run once per batch, so they are
+done the fast way (``rng.global_rngs``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from typing import Any, NamedTuple, Protocol
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
+from typing import Any, Protocol
 
 import numpy as np
-import torch
-import torch.utils.data
 from torch.utils.data import get_worker_info
 
 from ..core.hash import hash_ints, hash_more, hash_more_array
 from ..errors import ResumeError
 from ..rng.global_rngs import GLOBAL_RNGS
-from ..rng.sample import SampleKey
 
-__all__ = ["GLOBAL_RNG_MODES", "BatchFetcher", "MapDataset", "Ticket", "batch_keys"]
+__all__ = [
+    "GLOBAL_RNG_MODES",
+    "BatchIndices",
+    "MapDataset",
+    "SeededCollate",
+    "batch_keys",
+    "fetch_here",
+    "restore_pending",
+]
 
 GLOBAL_RNG_MODES = ("batch", "sample")
+SKIPPED = "skipped"  # the seeding of a stand-in for a batch a wrapper discards unread (see BatchIndices)
 # Domain separation: the global-RNG seeds must not coincide with the order's or sample_generator's.
 _BATCH_SALT = 0x6261746368  # "batch"
 _SAMPLE_SALT = 0x73616D706C  # "sampl"
@@ -47,16 +70,6 @@ class MapDataset(Protocol):
     def __len__(self) -> int: ...
 
     def __getitem__(self, index: Any, /) -> Any: ...
-
-
-class Ticket(NamedTuple):
-    """One batch to fetch: its indices and what fixes its randomness."""
-
-    seed: int
-    epoch: int
-    position: int  # global position of this rank's first sample of the batch
-    indices: list[int]
-    key: int  # seeds the global RNGs for the batch (global_rng="batch"): see batch_keys
 
 
 def batch_keys(seed: int, epoch: int, first: int, stride: int, count: int) -> Iterator[int]:
@@ -82,59 +95,123 @@ def check_global_rng(mode: Any) -> str | None:
     return mode
 
 
-class BatchFetcher(torch.utils.data.Dataset):
-    """The dataset a ResumableDataLoader hands its workers: fetches a :class:`Ticket`'s samples.
+class _Seeding(threading.local):
+    """This thread's seeding bookkeeping: the main process's pending fork, a worker's seeded batch.
 
-    Indexing it with an int reads the user's dataset directly; attribute access falls through to
-    the user's dataset too (``loader.dataset.classes``), which is ``loader.dataset.dataset``.
+    Per thread: two 0-worker loaders in two threads each fork and put back their own RNG states
+    (the fork holds the process-wide lock of ``GLOBAL_RNGS`` until collation, so they take turns).
     """
 
-    def __init__(self, dataset: MapDataset, *, global_rng: str | None, sample_keys: bool) -> None:
-        self.dataset = dataset
-        self.global_rng = global_rng
-        self.sample_keys = sample_keys
+    forked: AbstractContextManager[Any] | None = None  # the fork a fetch opened, until collation
+    seeded = False  # whether the batch being fetched had its RNGs seeded (checked at collation)
 
-    def __len__(self) -> int:
-        return len(self.dataset)
 
-    def __getitem__(self, index: Any) -> Any:
-        return self.dataset[index]
+_Process = _Seeding()
 
-    def __getattr__(self, name: str) -> Any:
-        # Only called for names not found normally; never for "dataset" itself (unpickling).
-        if name == "dataset" or name.startswith("__"):
-            raise AttributeError(name)
-        return getattr(self.dataset, name)
 
-    def __getitems__(self, ticket: Ticket) -> list[Any]:
-        if self.global_rng is None:
-            return self._fetch(ticket)
-        if self.global_rng == "sample":
-            return self._fetch_seeding_each_sample(ticket)
-        # In the main process the three RNGs are the training loop's too: they are put back after the fetch.
-        with GLOBAL_RNGS.seeded(ticket.key, restore=get_worker_info() is None):
-            return self._fetch(ticket)
+def restore_pending() -> None:
+    """Put back the main process's RNGs if a fetch forked them and did not reach collation."""
+    forked, _Process.forked = _Process.forked, None
+    if forked is not None:
+        forked.__exit__(None, None, None)
 
-    def _fetch_seeding_each_sample(self, ticket: Ticket) -> list[Any]:
+
+def _fork(key: int) -> None:
+    restore_pending()  # a fetch that raised, or a list read by a wrapper before its fetch
+    forked = GLOBAL_RNGS.seeded(key, restore=True)
+    forked.__enter__()
+    _Process.forked, _Process.seeded = forked, True
+
+
+class BatchIndices(list[Any]):  # a plain list to everyone who reads it
+    """One batch's dataset indices, and the key its fetch seeds the global RNGs with.
+
+    Args:
+        indices: the batch's indices (ints, or :class:`~resumable_data.SampleKey` objects).
+        key: the batch key (:func:`batch_keys`).
+        seeding: the loader's ``global_rng`` mode.
+        prefix: ``hash_ints(seed, epoch)``, from which ``global_rng="sample"`` keys each sample.
+        main_fetch: the loader fetches in the main process (``num_workers=0``): fork the RNGs there
+            when the fetch reads the list.
+    """
+
+    __slots__ = ("key", "main_fetch", "prefix", "seeding")
+
+    def __init__(self, indices: list[Any], key: int, seeding: str | None, prefix: int, main_fetch: bool) -> None:
+        super().__init__(indices)
+        self.key, self.seeding, self.prefix, self.main_fetch = key, seeding, prefix, main_fetch
+
+    def __reduce__(self) -> tuple[Callable[..., BatchIndices], tuple[Any, ...]]:
+        return _arrive, (list(self), self.key, self.seeding, self.prefix, self.main_fetch)
+
+    def __iter__(self) -> Iterator[Any]:
+        if self.seeding in GLOBAL_RNG_MODES and self.main_fetch and get_worker_info() is None:
+            _fork(self.key)
+        if self.seeding == "sample":
+            return self._seeding_each_sample()
+        return super().__iter__()
+
+    def _seeding_each_sample(self) -> Iterator[Any]:
         # A sample's key: hash_ints(seed, epoch, index, salt), all of the batch's at once.
-        prefix = hash_ints(ticket.seed, ticket.epoch)
-        keys = hash_more_array(prefix, np.asarray(ticket.indices), _SAMPLE_SALT).tolist()
-        with GLOBAL_RNGS.seeded(keys[0], restore=get_worker_info() is None) as rngs:
-            samples = []
-            for n, (index, key) in enumerate(zip(ticket.indices, keys, strict=True)):
-                if n:
-                    rngs.seed(key)
-                samples.append(self._one(ticket, index))
-            return samples
+        items = list.__iter__(self)
+        indices = [int(getattr(item, "index", item)) for item in list.__iter__(self)]
+        for item, key in zip(
+            items, hash_more_array(self.prefix, np.asarray(indices), _SAMPLE_SALT).tolist(), strict=True
+        ):
+            GLOBAL_RNGS.seed(key)
+            yield item
 
-    def _one(self, ticket: Ticket, index: int) -> Any:
-        return self.dataset[SampleKey(index, ticket.epoch, ticket.seed) if self.sample_keys else index]
 
-    def _fetch(self, ticket: Ticket) -> list[Any]:
-        if self.sample_keys:
-            return [self._one(ticket, index) for index in ticket.indices]
-        dataset = self.dataset
-        getitems = getattr(dataset, "__getitems__", None)
-        if getitems is not None:
-            return getitems(ticket.indices)
-        return [dataset[index] for index in ticket.indices]  # as DataLoader's fetcher: no call per sample
+def _arrive(indices: list[Any], key: int, seeding: str | None, prefix: int, main_fetch: bool) -> BatchIndices:
+    """Unpickle a batch's indices; in a DataLoader worker, seed its global RNGs for the batch.
+
+    A worker unpickles each batch's indices from its index queue right before fetching it, so the
+    fetch draws from RNGs seeded by the key. Elsewhere (a copy in the main process) nothing is seeded.
+    """
+    if seeding == "batch" and get_worker_info() is not None:
+        GLOBAL_RNGS.seed(key)
+        _Process.seeded = True
+    elif seeding == "sample" and get_worker_info() is not None:
+        _Process.seeded = True  # each sample is seeded as the fetch iterates the list
+    return BatchIndices(indices, key, seeding, prefix, main_fetch)
+
+
+class SeededCollate:
+    """A ResumableDataLoader's ``collate_fn``: collates as ``collate_fn`` does, then puts back the
+    main process's RNGs that the fetch forked; refuses a batch fetched without its seeding.
+
+    Args:
+        collate_fn: the collate function the loader was given (DataLoader's default when none).
+        seeding: the loader's ``global_rng`` mode; ``None`` checks nothing.
+    """
+
+    def __init__(self, collate_fn: Callable[[list[Any]], Any], seeding: str | None) -> None:
+        self.collate_fn = collate_fn
+        self.seeding = seeding
+
+    def __call__(self, samples: list[Any]) -> Any:
+        seeded, _Process.seeded = _Process.seeded, False
+        try:
+            if self.seeding is not None and not seeded:
+                raise ResumeError(
+                    "a batch reached collate_fn without its global-RNG seeding: the indices it was "
+                    "fetched from are not the ResumableDataLoader's own. Either a loader rebuilt around "
+                    "its batch_sampler cut or padded them (accelerate with split_batches=True, or "
+                    "even_batches padding a short last batch: use drop_last=True or a dataset length "
+                    "that divides into full batches on every process), or a stand-in for a batch "
+                    "consumed before the checkpoint was fetched (the wrapper that skips a resumed "
+                    "epoch's first batches skipped fewer than the checkpoint consumed: resume with the "
+                    "configuration that wrote it, same batch size, gradient accumulation and processes)"
+                )
+            return self.collate_fn(samples)
+        finally:
+            restore_pending()
+
+
+def fetch_here(dataset: MapDataset, indices: BatchIndices, collate_fn: Callable[[list[Any]], Any]) -> Any:
+    """Fetch and collate a batch in this (the main) process, as DataLoader's fetcher does, seeded."""
+    if indices.seeding is not None:
+        _fork(indices.key)
+    getitems = getattr(dataset, "__getitems__", None)
+    samples = getitems(indices) if getitems is not None else [dataset[index] for index in indices]
+    return collate_fn(samples)

@@ -23,10 +23,10 @@ import atexit
 import queue
 import threading
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
-from torch.utils.data._utils.pin_memory import pin_memory
+import torch
 
 __all__ = ["WarmPass", "WarmStart"]
 
@@ -112,8 +112,8 @@ class WarmStart(Iterator[Any]):
             first asked (as the workers draw their first indices), returns the batch to start at.
         fetch: fetches and collates batch ``i`` of the pass in the main process.
         n_batches: batches in the pass.
-        pin_device: pin main-process batches as the DataLoader's pin thread does (``""``: the
-            current accelerator), or None when ``pin_memory`` is off.
+        pin_device: the accelerator the DataLoader's pin thread pins batches for, so main-process
+            batches are pinned too; None when ``pin_memory`` is off.
     """
 
     def __init__(
@@ -154,7 +154,7 @@ class WarmStart(Iterator[Any]):
         if batch is _END:
             batch = self._fetch(shared.served)
             if self._pin_device is not None:
-                batch = pin_memory(batch, self._pin_device)
+                batch = pin(batch)
         shared.served += 1
         return batch
 
@@ -175,3 +175,26 @@ class WarmStart(Iterator[Any]):
             if index == self.handle.served:
                 return batch
             block = True  # a batch the main process already served: drop it, take the next
+
+
+def pin(batch: Any) -> Any:
+    """``batch`` with its tensors in pinned memory, as DataLoader's pin thread leaves a batch.
+
+    Through public APIs (``Tensor.pin_memory``, or a batch type's own ``pin_memory()``), over the
+    containers ``default_collate`` builds: mappings, named tuples, tuples and lists.
+    """
+    if isinstance(batch, torch.Tensor):
+        return batch.pin_memory()
+    if hasattr(batch, "pin_memory") and not isinstance(batch, type):
+        return batch.pin_memory()
+    if isinstance(batch, Mapping):
+        pinned = {key: pin(value) for key, value in batch.items()}
+        try:
+            return type(batch)(pinned)  # type: ignore[call-arg]
+        except TypeError:  # a mapping type that cannot be built from a dict
+            return pinned
+    if isinstance(batch, tuple) and hasattr(batch, "_fields"):
+        return type(batch)(*(pin(item) for item in batch))
+    if isinstance(batch, (tuple, list)):
+        return type(batch)(pin(item) for item in batch)
+    return batch

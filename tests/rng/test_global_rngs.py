@@ -26,7 +26,7 @@ import resumable_data
 from harness import GlobalRandomAugment
 from resumable_data import ResumableDataLoader
 from resumable_data.core.hash import hash_ints
-from resumable_data.map.fetch import BatchFetcher, Ticket, batch_keys
+from resumable_data.map.fetch import BatchIndices, SeededCollate, batch_keys, fetch_here
 from resumable_data.rng.global_rngs import GLOBAL_RNGS
 
 BATCH_SALT = 0x6261746368  # the batch key's last input: changing it changes every user's augmentations
@@ -182,8 +182,8 @@ def test_a_batch_is_seeded_from_seed_epoch_and_position() -> None:
     dataset = GlobalRandomAugment(16)
     public_seeding(key)
     expected = [dataset[i] for i in (3, 5, 7, 9)]
-    fetcher = BatchFetcher(dataset, global_rng="batch", sample_keys=False)
-    got = fetcher.__getitems__(Ticket(seed=11, epoch=1, position=8, indices=[3, 5, 7, 9], key=key))
+    indices = BatchIndices([3, 5, 7, 9], key, "batch", hash_ints(11, 1), main_fetch=True)
+    got = fetch_here(dataset, indices, SeededCollate(list, "batch"))
     assert all(torch.equal(a[0], b[0]) for a, b in zip(expected, got, strict=True))
 
 

@@ -1,0 +1,8 @@
+"""Thin adapters for the trainers people already use; each is imported on its own, never here.
+
+- ``resumable_data.integrations.transformers``: ``ResumableTrainer``, ``ResumableTrainerMixin``.
+- ``resumable_data.integrations.accelerate``: ``skip_first_batches`` in O(1), ``batch_sampler_of``.
+- ``resumable_data.integrations.lightning``: ``ResumeCallback``.
+
+Each module imports its framework, so ``import resumable_data`` never does.
+"""

@@ -1,0 +1,105 @@
+"""Lightning over a ResumableDataLoader or StreamLoader: the one callback a resumed fit needs.
+
+Lightning 2.x saves and restores a train loader's ``state_dict()`` itself, in the checkpoint's fit-loop
+state, so the data position resumes as it is. What it does not save is the global RNGs the model
+draws from (dropout, ``torch.rand`` in ``training_step``): :class:`ResumeCallback` saves every rank's
+:func:`~resumable_data.capture_rng_state` in the checkpoint and puts each back right before the
+first training step after the resume, where the uninterrupted run stood. It also warns
+(:class:`~resumable_data.ResumeWarning`) when a resumed fit's checkpoint holds no loader state for a
+resumable loader, which would otherwise silently start the epoch over while Lightning's ``batch_idx``
+goes on.
+
+Under ``strategy="ddp"`` pass ``Trainer(use_distributed_sampler=False)``: the ResumableDataLoader
+shards itself by rank (a DistributedSampler injected by Lightning is refused with a ResumeError).
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Iterator
+from typing import Any
+
+import torch.distributed as dist
+from lightning.pytorch import Callback, LightningModule, Trainer
+
+from ..errors import ResumeError, ResumeWarning
+from ..map.dataloader import ResumableDataLoader
+from ..rng.capture import capture_rng_state, restore_rng_state
+from ..streams.loader import StreamLoader
+
+__all__ = ["ResumeCallback"]
+
+_KEY = "resumable_data.ResumeCallback"  # the checkpoint's top-level key
+_VERSION = "version"
+_RANKS = "rng_per_rank"  # one capture_rng_state() per rank, in rank order
+STATE_VERSION = 1
+
+
+class ResumeCallback(Callback):
+    """Saves and restores every rank's global RNG states in Lightning's checkpoints.
+
+    Example:
+        >>> from resumable_data.integrations.lightning import ResumeCallback
+        >>> # trainer = lightning.Trainer(callbacks=[ResumeCallback(), ModelCheckpoint(...)])
+        >>> # trainer.fit(model, train_dataloaders=ResumableDataLoader(dataset, batch_size=32), ckpt_path="last")
+    """
+
+    def __init__(self) -> None:
+        self._pending: dict[str, Any] | None = None  # this rank's RNG state, put back before the next step
+        self._loader_state_found: bool | None = None  # None: not a resumed fit
+
+    def on_save_checkpoint(self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]) -> None:
+        # Every rank builds the checkpoint; rank 0 writes it, so the states are gathered there.
+        state = capture_rng_state()
+        states = [state]
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            states = [{} for _ in range(dist.get_world_size())]
+            dist.all_gather_object(states, state)
+        checkpoint[_KEY] = {_VERSION: STATE_VERSION, _RANKS: states}
+
+    def on_load_checkpoint(self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]) -> None:
+        saved = checkpoint.get(_KEY)
+        if saved is not None:
+            if saved.get(_VERSION) != STATE_VERSION:
+                raise ResumeError(
+                    f"ResumeCallback state version is {saved.get(_VERSION)!r}, expected {STATE_VERSION}; "
+                    "resume with the resumable_data version that wrote the checkpoint"
+                )
+            states = saved[_RANKS]
+            rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+            if len(states) != trainer.world_size:
+                raise ResumeError(
+                    f"the checkpoint holds RNG states of {len(states)} ranks, this fit has "
+                    f"{trainer.world_size}; resume on {len(states)} ranks to resume exactly"
+                )
+            self._pending = states[rank]
+        fit_loop = checkpoint.get("loops", {}).get("fit_loop", {})
+        self._loader_state_found = bool(fit_loop.get("state_dict", {}).get("combined_loader"))
+
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if self._loader_state_found is False and any(_resumable_loaders(trainer.train_dataloader)):
+            warnings.warn(
+                "this fit resumes from a checkpoint that holds no state for its "
+                "ResumableDataLoader/StreamLoader, so the epoch starts over at position 0 while "
+                "Lightning's step count goes on; resume from a checkpoint written with the resumable "
+                "loader as the train loader (Lightning saves its state_dict() in every checkpoint)",
+                ResumeWarning,
+                stacklevel=2,
+            )
+
+    def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
+        if self._pending is not None:
+            restore_rng_state(self._pending)
+            self._pending = None
+
+
+def _resumable_loaders(loaders: Any) -> Iterator[Any]:
+    """The ResumableDataLoaders and StreamLoaders among a fit's train loaders (a loader or a collection)."""
+    if isinstance(loaders, (ResumableDataLoader, StreamLoader)):
+        yield loaders
+    elif isinstance(loaders, dict):
+        for loader in loaders.values():
+            yield from _resumable_loaders(loader)
+    elif isinstance(loaders, (list, tuple)):
+        for loader in loaders:
+            yield from _resumable_loaders(loader)

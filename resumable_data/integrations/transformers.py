@@ -1,0 +1,220 @@
+"""Hugging Face ``transformers.Trainer`` over a ResumableDataLoader: exact resumes, no replay.
+
+``ResumableTrainer`` is ``Trainer`` whose train loader is a :class:`~resumable_data.ResumableDataLoader`
+built from what Trainer itself would use (the dataset after ``remove_unused_columns``, the data
+collator, the per-device batch size, ``dataloader_*`` settings, ``data_seed`` or ``seed``) and prepared
+by accelerate as Trainer prepares its own. ``ResumableTrainerMixin`` gives the same to a ``Trainer``
+subclass of your own (``class MyTrainer(ResumableTrainerMixin, Trainer)``).
+
+What is saved where: every ``checkpoint-N`` gets ``resumable_data.json``, the loader's state (the
+order's configuration, epoch and position) and the micro-batches each process consumed in the epoch.
+On ``train(resume_from_checkpoint=...)`` it is loaded into the new loader — a changed dataset length,
+seed, shuffle, batch size or number of processes is refused with a :class:`ResumeError` — and
+Trainer's own bookkeeping stays as Trainer keeps it: Trainer still resumes the epoch through
+accelerate's ``skip_first_batches``, but the loader hands that skip stand-ins for the batches before
+the restored position (:meth:`ResumableBatchSampler.skip_ahead`), so nothing is fetched, no index is
+computed, and the steps, epochs, gradient-accumulation groups and learning-rate schedule continue
+exactly. Augmentation drawn from the global RNGs is seeded per batch, so it resumes too; the model's
+own randomness (dropout) is Trainer's ``rng_state.pth``, which the loader never touches.
+
+The loader gives each process its batches through accelerate (one global order, every
+``num_processes``-th batch), as Trainer's default loader does. ``group_by_length`` and the other
+``train_sampling_strategy`` values decide the order themselves and are refused.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import warnings
+from typing import Any, cast
+
+from accelerate.data_loader import BatchSamplerShard
+from torch.utils.data import BatchSampler, DataLoader, RandomSampler, SequentialSampler
+from transformers import Trainer, TrainerCallback, TrainerControl, TrainerState, TrainingArguments
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
+
+from ..core.state import require_int, require_mapping
+from ..errors import ResumeError, ResumeWarning
+from ..map.batch_sampler import ResumableBatchSampler
+from ..map.dataloader import ResumableDataLoader
+
+__all__ = ["STATE_FILE", "ResumableTrainer", "ResumableTrainerMixin"]
+
+STATE_FILE = "resumable_data.json"  # in every checkpoint-N
+_VERSION = "version"
+_LOADER = "loader"
+_PROCESSES = "num_processes"
+_BATCHES = "batches_per_process"  # micro-batches each process consumed in the epoch
+STATE_VERSION = 1
+_WHAT = "ResumableTrainer checkpoint"
+
+
+class ResumableTrainerMixin:
+    """Makes a ``transformers.Trainer`` subclass train from a ResumableDataLoader and resume it exactly.
+
+    Put it first: ``class MyTrainer(ResumableTrainerMixin, Trainer)``. It overrides
+    ``get_train_dataloader``, ``training_step`` (to count micro-batches) and ``train`` (to find the
+    checkpoint to resume from), and adds a callback that writes the loader's state into every
+    checkpoint.
+
+    Example:
+        >>> from resumable_data.integrations.transformers import ResumableTrainer
+        >>> # trainer = ResumableTrainer(model=model, args=args, train_dataset=dataset)
+        >>> # trainer.train(resume_from_checkpoint=True)  # exact: same batches, augmentations, steps
+    """
+
+    # Set by Trainer.__init__; declared for the type checker.
+    args: TrainingArguments
+    accelerator: Any
+    state: TrainerState
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._resume_dir: str | None = None
+        self._train_loader: ResumableDataLoader | None = None
+        self._batches_in_epoch = 0  # this process's micro-batches consumed in the current epoch
+        self._resumed_batches = 0  # what the checkpoint had consumed of its epoch, for its epoch_begin
+        self.add_callback(_LoaderStateCallback(self))  # type: ignore[attr-defined]
+
+    def train(self, resume_from_checkpoint: str | bool | None = None, *args: Any, **kwargs: Any) -> Any:
+        """``Trainer.train``; ``resume_from_checkpoint`` also restores the loader's position."""
+        if resume_from_checkpoint is True:
+            resume_from_checkpoint = get_last_checkpoint(self.args.output_dir)
+            if resume_from_checkpoint is None:
+                raise ResumeError(
+                    f"resume_from_checkpoint=True but {self.args.output_dir!r} holds no "
+                    f"{PREFIX_CHECKPOINT_DIR}-N folder; train without it to start fresh"
+                )
+        self._resume_dir = resume_from_checkpoint if isinstance(resume_from_checkpoint, str) else None
+        return super().train(resume_from_checkpoint, *args, **kwargs)  # type: ignore[misc]
+
+    def get_train_dataloader(self) -> DataLoader:
+        """A ResumableDataLoader over what Trainer would load, prepared by accelerate, at the checkpoint's position."""
+        loader = self._build_loader(super().get_train_dataloader())  # type: ignore[misc]
+        self._train_loader = loader
+        self._resumed_batches = self._restore(loader, self._resume_dir) if self._resume_dir else 0
+        return self.accelerator.prepare(loader)
+
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        """``Trainer.training_step``, counting the micro-batch (the position a checkpoint saves)."""
+        self._batches_in_epoch += 1
+        return super().training_step(*args, **kwargs)  # type: ignore[misc]
+
+    # -- the loader ------------------------------------------------------------------------------
+    def _build_loader(self, plain: DataLoader) -> ResumableDataLoader:
+        """The ResumableDataLoader for Trainer's own (prepared) train loader ``plain``."""
+        batches: Any = plain.batch_sampler
+        if isinstance(batches, BatchSamplerShard):
+            batches = batches.batch_sampler
+        if type(batches) is not BatchSampler or not isinstance(batches.sampler, (RandomSampler, SequentialSampler)):
+            raise ResumeError(
+                f"ResumableTrainer resumes Trainer's random or sequential order; "
+                f"train_sampling_strategy={self.args.train_sampling_strategy!r} builds "
+                f"{type(getattr(batches, 'sampler', batches)).__name__}, whose order cannot be resumed "
+                "from a position. Use train_sampling_strategy='random' (the default)"
+            )
+        args = self.args
+        settings: dict[str, Any] = {
+            "num_workers": args.dataloader_num_workers,
+            "pin_memory": args.dataloader_pin_memory,
+            "persistent_workers": args.dataloader_persistent_workers,
+            "multiprocessing_context": args.dataloader_multiprocessing_context,
+        }
+        if args.dataloader_num_workers > 0 and args.dataloader_prefetch_factor is not None:
+            settings["prefetch_factor"] = args.dataloader_prefetch_factor
+        # world_size=1: accelerate hands each process its batches of the one global order.
+        return ResumableDataLoader(
+            plain.dataset,  # type: ignore[arg-type]
+            batch_size=batches.batch_size,
+            shuffle=isinstance(batches.sampler, RandomSampler),
+            seed=args.data_seed if args.data_seed is not None else args.seed,
+            rank=0,
+            world_size=1,
+            drop_last=batches.drop_last,
+            collate_fn=plain.collate_fn,
+            **settings,
+        )
+
+    def _restore(self, loader: ResumableDataLoader, resume_dir: str) -> int:
+        """Load the checkpoint's loader state; returns the micro-batches this process had consumed
+        in the epoch the loader continues (0 when that epoch is a new one)."""
+        path = os.path.join(resume_dir, STATE_FILE)
+        if not os.path.exists(path):
+            warnings.warn(
+                f"{resume_dir} has no {STATE_FILE} (written after Trainer's own files, so a run "
+                "killed in between lacks it); the loader resumes through Trainer's skip over the "
+                "epoch's index lists instead, which is exact but costs time in proportion to the position",
+                ResumeWarning,
+                stacklevel=3,
+            )
+            return 0
+        with open(path) as file:
+            saved = require_mapping(json.load(file), _WHAT)
+        if require_int(saved, _VERSION, _WHAT, minimum=1) != STATE_VERSION:
+            raise ResumeError(f"{path}: unknown {_WHAT} version {saved[_VERSION]}; expected {STATE_VERSION}")
+        processes = require_int(saved, _PROCESSES, _WHAT, minimum=1)
+        batches = require_int(saved, _BATCHES, _WHAT, minimum=0)
+        state = require_mapping(saved.get(_LOADER), f"{_WHAT} field {_LOADER!r}")
+        if processes != self.accelerator.num_processes:
+            raise ResumeError(
+                f"number of processes changed: checkpoint has {processes}, this run has "
+                f"{self.accelerator.num_processes}; Trainer's resume counts steps per process, so resume "
+                f"on {processes} processes"
+            )
+        if state.get("batch_size") != loader.batch_size:
+            raise ResumeError(
+                f"batch size changed: checkpoint has {state.get('batch_size')}, this run has "
+                f"{loader.batch_size}; resume with per_device_train_batch_size={state.get('batch_size')}"
+            )
+        loader.load_state_dict(state)
+        if loader.sampler.cursor.done:  # saved on an epoch's last step: Trainer starts the next one
+            return 0
+        cast(ResumableBatchSampler, loader.batch_sampler).skip_ahead(batches * processes)
+        return batches
+
+    def _save_loader_state(self, output_dir: str) -> None:
+        """Write ``resumable_data.json`` into the checkpoint Trainer has just written."""
+        loader = self._train_loader
+        if loader is None or not self.args.should_save:
+            return
+        processes = self.accelerator.num_processes
+        batch_sampler = cast(ResumableBatchSampler, loader.batch_sampler)
+        position = batch_sampler.position_after(0, self._batches_in_epoch * processes)
+        saved = {
+            _VERSION: STATE_VERSION,
+            _PROCESSES: processes,
+            _BATCHES: self._batches_in_epoch,
+            _LOADER: batch_sampler.state_for(loader.epoch, position),
+        }
+        with open(os.path.join(output_dir, STATE_FILE), "w") as file:
+            json.dump(saved, file)
+
+    def _begin_epoch(self) -> None:
+        self._batches_in_epoch, self._resumed_batches = self._resumed_batches, 0
+
+
+class _LoaderStateCallback(TrainerCallback):
+    """Counts epochs for the mixin and writes the loader's state into every checkpoint."""
+
+    def __init__(self, trainer: ResumableTrainerMixin) -> None:
+        self._trainer = trainer
+
+    def on_epoch_begin(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> None:
+        self._trainer._begin_epoch()
+
+    def on_save(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any) -> None:
+        self._trainer._save_loader_state(
+            os.path.join(str(args.output_dir), f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}")
+        )
+
+
+class ResumableTrainer(ResumableTrainerMixin, Trainer):
+    """``transformers.Trainer`` whose training resumes exactly from any ``checkpoint-N``.
+
+    A drop-in replacement: same arguments, same checkpoints (plus ``resumable_data.json``), and
+    ``train(resume_from_checkpoint=True)`` continues with the very batches, augmentations, steps and
+    learning rates of the uninterrupted run. See the module docstring for what is saved and how.
+    """

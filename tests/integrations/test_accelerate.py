@@ -1,0 +1,141 @@
+"""accelerate over a ResumableDataLoader: prepare, stateful save/load, register_for_checkpointing,
+skip_first_batches and two processes keep the batches, their augmentations and the position exact.
+
+The in-process tests are the specification in brief; the SIGKILLed user scripts (slow) run the
+whole matrix the way users train.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from torch.utils.data import DataLoader
+
+pytest.importorskip("accelerate", reason="the [accelerate] extra is not installed")
+
+from accelerate import Accelerator
+from accelerate import skip_first_batches as accelerate_skip
+from accelerate.data_loader import BatchSamplerShard
+
+from harness import GlobalRandomAugment
+from integrations_harness import kill_and_resume
+from resumable_data import Permutation, ResumableDataLoader, ResumeError, wrap
+from resumable_data.integrations.accelerate import skip_first_batches
+from resumable_data.testing import assert_same
+
+pytestmark = pytest.mark.filterwarnings("ignore:'set_vital' is deprecated")
+
+
+def _loader(num_workers: int = 0, **kwargs: object) -> ResumableDataLoader:
+    options = {"timeout": 60} if num_workers else {}
+    return ResumableDataLoader(
+        GlobalRandomAugment(24), batch_size=4, seed=3, num_workers=num_workers, **options, **kwargs
+    )
+
+
+@pytest.fixture(scope="module")
+def accelerator() -> Accelerator:
+    return Accelerator(cpu=True)
+
+
+@pytest.fixture(scope="module")
+def reference() -> list[object]:
+    return list(_loader())  # two epochs' worth are not needed: one epoch of 6 batches
+
+
+def test_a_prepared_loader_loads_the_same_batches_and_augmentations(accelerator: Accelerator, reference: list) -> None:
+    # Found on main: the first batch raised AttributeError ('list' object has no attribute 'key').
+    prepared = accelerator.prepare(_loader())
+    assert prepared.dataset is not None and isinstance(prepared.dataset, GlobalRandomAugment)
+    assert_same(reference, list(prepared), "prepared loader's batches")
+
+
+def test_accelerates_skip_first_batches_keeps_the_augmentations(accelerator: Accelerator, reference: list) -> None:
+    # Found on main: the same AttributeError. accelerate's skip walks the skipped batches' index
+    # lists; the batches after them carry their own seeding, so they are the uninterrupted run's.
+    loader = _loader()
+    assert_same(reference[2:], list(accelerate_skip(accelerator.prepare(loader), 2)), "batches after the skip")
+    assert loader.position == 24
+
+
+def test_skip_first_batches_here_moves_the_position_in_constant_time(accelerator: Accelerator) -> None:
+    # 2.5e8 batches into a 1e9-sample epoch: walking them would take minutes.
+    loader = ResumableDataLoader(range(10**9), batch_size=4, seed=1)
+    prepared = accelerator.prepare(loader)
+    started = time.perf_counter()
+    skipped = skip_first_batches(prepared, 250_000_000 - 1)
+    assert time.perf_counter() - started < 1.0
+    first = next(iter(skipped))
+    # The epoch's order is Permutation(N, seed, epoch) of the positions: the last batch's four.
+    expected = Permutation(10**9, 1, 0)(np.arange(10**9 - 4, 10**9, dtype=np.int64)).tolist()
+    assert first.tolist() == expected
+    with pytest.raises(ResumeError, match="num_batches"):
+        skip_first_batches(prepared, -1)
+
+
+def test_each_process_gets_its_batches_of_the_global_order_exactly_once(reference: list) -> None:
+    # What prepare builds on two processes: a BatchSamplerShard over the loader's batch sampler.
+    # Each process has its own loader (one loader's pass moves its position to the epoch's end).
+    loaders = [_loader(), _loader()]
+    per_rank = [
+        list(
+            DataLoader(
+                loader.dataset,
+                batch_sampler=BatchSamplerShard(loader.batch_sampler, 2, rank),
+                collate_fn=loader.collate_fn,
+            )
+        )
+        for rank, loader in enumerate(loaders)
+    ]
+    assert_same(reference[0::2], per_rank[0], "rank 0's batches")
+    assert_same(reference[1::2], per_rank[1], "rank 1's batches")
+
+
+def test_a_loader_already_sharded_by_rank_is_refused_rather_than_sharded_again() -> None:
+    loader = _loader(rank=0, world_size=2)
+    rebuilt = DataLoader(loader.dataset, batch_sampler=BatchSamplerShard(loader.batch_sampler, 2, 0))
+    with pytest.raises(ResumeError, match="world_size=1"):
+        next(iter(rebuilt))
+
+
+def test_wrap_takes_a_loader_accelerate_has_rebuilt(accelerator: Accelerator) -> None:
+    # Found on main: wrap(Trainer.get_train_dataloader()) raised "a custom batch_sampler decides
+    # batches itself" for what is a plain BatchSampler passed as batch_sampler= by prepare.
+    data = list(range(20))
+    loader = wrap(accelerator.prepare(DataLoader(data, batch_size=4, shuffle=True)), seed=0)
+    assert isinstance(loader, ResumableDataLoader) and loader.batch_size == 4
+    assert sorted(i for batch in loader for i in batch.tolist()) == data
+
+
+def test_padding_without_the_batch_seeding_is_refused() -> None:
+    # even_batches pads a short last batch with a plain list: its augmentation would come from
+    # whatever state the RNGs were in, so the collate function refuses it.
+    loader = ResumableDataLoader(GlobalRandomAugment(10), batch_size=4, seed=3)
+    rebuilt = DataLoader(
+        loader.dataset, batch_sampler=BatchSamplerShard(loader.batch_sampler, 2, 1), collate_fn=loader.collate_fn
+    )
+    with pytest.raises(ResumeError, match="without its global-RNG seeding"):
+        list(rebuilt)
+
+
+# -- a user's script, SIGKILLed mid-epoch and resumed ---------------------------------------------------
+@pytest.mark.slow
+@pytest.mark.parametrize("workers", [0, 2])
+@pytest.mark.parametrize("mode", ["stateful", "register", "skip"])
+def test_a_killed_accelerate_run_resumes_bitwise(tmp_path: Path, mode: str, workers: int) -> None:
+    kill_and_resume("accelerate_train.py", tmp_path, 7, "--mode", mode, "--workers", str(workers))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["stateful", "skip"])
+def test_a_killed_accelerate_run_saved_on_an_epochs_last_step_resumes_bitwise(tmp_path: Path, mode: str) -> None:
+    kill_and_resume("accelerate_train.py", tmp_path, 14, "--mode", mode, "--save-every", "12")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["stateful", "skip"])
+def test_a_killed_two_process_accelerate_run_resumes_bitwise(tmp_path: Path, mode: str) -> None:
+    kill_and_resume("accelerate_train.py", tmp_path, 4, "--mode", mode, processes=2)
