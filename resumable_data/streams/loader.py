@@ -6,9 +6,11 @@ slots; worker ``w`` of rank ``r`` serves slot ``r * max(1, num_workers) + w`` an
 the pipeline.
 
 Exact position with prefetching, no extra messages. Each worker yields every batch together with
-its pipeline's state *after* that batch. The loader strips the state off and keeps the latest one
-per slot, so its state describes exactly the batches handed to the caller; batches still sitting
-in a prefetch queue are not counted. The state::
+its pipeline's state *after* that batch, as a change to the state after its previous batch
+(:meth:`Stream.state_update`: a shuffle buffer sends the keys that entered it, not its whole key
+list). The loader strips it off and applies it to its copy of that slot's state
+(:meth:`Stream.apply_update`), so its state describes exactly the batches handed to the caller;
+batches still sitting in a prefetch queue are not counted. The state::
 
     {"version": 1, "epoch": 2, "epoch_done": False, "world_size": 2, "num_workers": 2,
      "next_worker": {"0": 1}, "slots": {"0": {...pipeline state...}, "1": {...}}}
@@ -59,8 +61,14 @@ from ..core.state import (
     require_mapping,
 )
 from ..errors import ResumeError
-from .base import EPOCH, Stream, require_count
+from .base import DRAWS, EPOCH, Stream, require_count
 from .batch import Batch
+from .foreign import CONSUMED
+from .mix import EXHAUSTED
+from .repeat import ROUND
+from .sharded import PENDING, REMAINING, SLOT
+from .shuffle import BUFFER
+from .take import TAKEN
 
 __all__ = ["StreamLoader"]
 
@@ -70,6 +78,9 @@ EPOCH_DONE = "epoch_done"
 NUM_WORKERS = "num_workers"
 NEXT_WORKER = "next_worker"
 SLOTS = "slots"
+# Fields of a pipeline state that say where it stands; every other field says what the pipeline
+# is (seeds, shard list, sizes, weights, the number of slots), which all ranks must agree on.
+POSITION_FIELDS = frozenset({EPOCH, REMAINING, PENDING, SLOT, DRAWS, BUFFER, ROUND, TAKEN, EXHAUSTED, CONSUMED})
 # DataLoader arguments the loader decides itself.
 _OWNED = ("batch_size", "shuffle", "sampler", "batch_sampler", "generator", "collate_fn")
 
@@ -187,8 +198,8 @@ class StreamLoader:
         # From here on the pipeline may move (or workers move their copies): nothing is known to
         # hold a recorded state until a batch arrives.
         holds, self._holds = self._holds, None
-        for local, state, batch in self._dataloader(segment.epoch, holds):
-            self._states[local] = state
+        for local, update, batch in self._dataloader(segment.epoch, holds):
+            self._states[local] = self._stream.apply_update(self._states[local], update)
             self._next_worker = (local + 1) % self._local
             self._fresh, yielded = False, True
             self._cursor.advance(segment, 0, False)
@@ -343,7 +354,52 @@ class StreamLoader:
             merged[SLOTS].update(slots)
             merged[NEXT_WORKER].update(require_mapping(state.get(NEXT_WORKER), f"{_WHAT} {NEXT_WORKER!r}"))
             merged[EPOCH_DONE] = merged[EPOCH_DONE] and require_bool(state, EPOCH_DONE, _WHAT)
+        _check_same_pipeline(_slots_of(merged, _max_slots(merged)), max(1, merged[NUM_WORKERS]))
         return merged
+
+
+def _max_slots(state: Mapping[str, Any]) -> int:
+    return require_int(state, WORLD_SIZE, _WHAT, minimum=1) * max(1, require_int(state, NUM_WORKERS, _WHAT, minimum=0))
+
+
+def pipeline_fields(state: Any, path: str = "") -> dict[str, Any]:
+    """What a pipeline state says the pipeline is: ``{"source.seed": 0, ...}``, positions left out."""
+    fields: dict[str, Any] = {}
+    if isinstance(state, Mapping):
+        for key, value in state.items():
+            if key not in POSITION_FIELDS:
+                fields.update(pipeline_fields(value, f"{path}.{key}" if path else str(key)))
+    elif isinstance(state, list) and any(isinstance(item, Mapping) for item in state):  # mix's sources
+        for i, item in enumerate(state):
+            fields.update(pipeline_fields(item, f"{path}[{i}]"))
+    else:
+        fields[path] = state
+    return fields
+
+
+def _check_same_pipeline(slots: Mapping[int, Any], local: int) -> None:
+    """Refuse slot states of ranks whose pipelines were built differently (seed, shards, sizes...).
+
+    Each slot is read with its own rank's pipeline arguments: merged, slots of differently built
+    pipelines would read some records twice and others never.
+    """
+    order = sorted(slots)
+    reference = pipeline_fields(slots[order[0]])
+    for g in order[1:]:
+        fields = pipeline_fields(slots[g])
+        if fields != reference:
+            differ = sorted(
+                k for k in set(fields) | set(reference) if fields.get(k, "<absent>") != reference.get(k, "<absent>")
+            )
+            detail = "; ".join(
+                f"{k}: {brief(reference.get(k, '<absent>'))} vs {brief(fields.get(k, '<absent>'))}" for k in differ[:5]
+            )
+            raise ResumeError(
+                f"cannot merge the states of rank {order[0] // local} (slot {order[0]}) and rank {g // local} "
+                f"(slot {g}): their pipelines were built differently ({detail}); merged, some records would be "
+                "read twice and others never. Build the pipeline with the same arguments (seeds, shard list, "
+                "buffer sizes, weights) on every rank"
+            )
 
 
 _SLOT_NAME = re.compile(r"0|[1-9][0-9]*")
@@ -405,4 +461,5 @@ class _SlotDataset(IterableDataset):
         if info is not None or local != self.holds:
             self.stream.load_state_dict(self.states[local])
         for item in self.stream:
-            yield local, self.stream.state_dict(), item
+            # The change since the last batch's state: as large as a batch, not as the state.
+            yield local, self.stream.state_update(), item
