@@ -66,7 +66,7 @@ from .batch import Batch
 from .foreign import CONSUMED
 from .mix import EXHAUSTED
 from .repeat import ROUND
-from .sharded import PENDING, REMAINING, SLOT
+from .sharded import IDENTITIES, PENDING, POSITION, REMAINING, SLOT
 from .shuffle import BUFFER
 from .take import TAKEN
 
@@ -80,7 +80,9 @@ NEXT_WORKER = "next_worker"
 SLOTS = "slots"
 # Fields of a pipeline state that say where it stands; every other field says what the pipeline
 # is (seeds, shard list, sizes, weights, the number of slots), which all ranks must agree on.
-POSITION_FIELDS = frozenset({EPOCH, REMAINING, PENDING, SLOT, DRAWS, BUFFER, ROUND, TAKEN, EXHAUSTED, CONSUMED})
+POSITION_FIELDS = frozenset(
+    {EPOCH, REMAINING, PENDING, POSITION, IDENTITIES, SLOT, DRAWS, BUFFER, ROUND, TAKEN, EXHAUSTED, CONSUMED}
+)
 # DataLoader arguments the loader decides itself.
 _OWNED = ("batch_size", "shuffle", "sampler", "batch_sampler", "generator", "collate_fn")
 
