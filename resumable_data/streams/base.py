@@ -257,6 +257,12 @@ class Stream:
 
         return ShuffleBuffer(self, size, seed=seed)
 
+    def shuffle_window(self, size: int, *, seed: int = 0) -> Stream:
+        """Shuffle within consecutive windows of ``size`` records; the state is a few integers."""
+        from .window import ShuffleWindow
+
+        return ShuffleWindow(self, size, seed=seed)
+
     def take(self, n: int) -> Stream:
         """At most ``n`` records per epoch."""
         from .take import Take

@@ -69,6 +69,7 @@ from .repeat import ROUND
 from .sharded import IDENTITIES, PENDING, POSITION, REMAINING, SLOT
 from .shuffle import BUFFER
 from .take import TAKEN
+from .window import COUNT, POSITIONAL, WINDOW
 
 __all__ = ["StreamLoader"]
 
@@ -82,6 +83,7 @@ SLOTS = "slots"
 # is (seeds, shard list, sizes, weights, the number of slots), which all ranks must agree on.
 POSITION_FIELDS = frozenset(
     {EPOCH, REMAINING, PENDING, POSITION, IDENTITIES, SLOT, DRAWS, BUFFER, ROUND, TAKEN, EXHAUSTED, CONSUMED}
+    | {WINDOW, COUNT, POSITIONAL}
 )
 # DataLoader arguments the loader decides itself.
 _OWNED = ("batch_size", "shuffle", "sampler", "batch_sampler", "generator", "collate_fn")

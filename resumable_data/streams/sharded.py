@@ -243,16 +243,19 @@ class ShardedIterable(Stream):
         """Records this slot has read in the current epoch (see :meth:`slot_length`), or None."""
         return self._position
 
-    def keys_at(self, positions: np.ndarray) -> list[Key]:
+    def keys_at(self, positions: np.ndarray, state: Mapping[str, Any] | None = None) -> list[Key]:
         """The keys of the records at these positions of this slot's epoch, without reading them.
 
-        Needs :meth:`slot_length` to be known; positions must lie below it.
+        Needs :meth:`slot_length` to be known; positions must lie below it. With ``state`` (a
+        checked state with a position), for that state's epoch and slot instead.
         """
-        order, starts = self._slot_layout(self._epoch, self._slot)
+        epoch, slot = self._epoch, self._slot
+        if state is not None:
+            epoch, slot = self._parse(state)[:2]
+        order, starts = self._slot_layout(epoch, slot)
         which = np.searchsorted(starts, positions, side="right") - 1
         shards = np.asarray(order, dtype=np.int64)[which]
         offsets = positions - starts[which]
-        epoch = self._epoch
         return [(epoch, i, o) for i, o in zip(shards.tolist(), offsets.tolist(), strict=True)]
 
     def seek(self, position: int) -> None:
