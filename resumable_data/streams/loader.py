@@ -28,6 +28,13 @@ records held in shuffle buffers (as pending records), are dealt to the new slots
 the epoch is then consumed exactly once, in a different order than the old layout would have used.
 A pipeline with ``take``/``repeat``/``IterableSource`` refuses a layout change.
 
+Warm start. Worker processes take tens of milliseconds or more to start, and a stream loader
+starts them at every restore and epoch start. With ``warm_start`` (the default with workers and no
+``worker_init_fn``) the main process fetches the first batch of each pass itself, from the slot
+that is next, and the workers start on the next request with that slot one batch further on. The
+stream is the same as a restore right after that batch: bitwise the uninterrupted one. The
+trade-off: the second batch of a pass waits for the workers' start instead of the first.
+
 Epochs follow :class:`~resumable_data.ResumableDataLoader`: iterating continues the current epoch;
 once it is exhausted, the next ``iter()`` starts the next epoch unless ``set_epoch`` chose one. A
 restored epoch remainder that turns out empty (checkpoint taken right after the epoch's last batch)
@@ -102,6 +109,9 @@ class StreamLoader:
         world_size: number of ranks; defaults to ``group``'s size when initialized, else 1.
         group: the data-parallel process group (``None``: the default group); ranks that share a
             group rank (tensor-parallel peers) get the same batches.
+        warm_start: with workers, fetch the first batch of each pass (a restore, an epoch start)
+            in the main process while the workers start (see the module docstring). None: on
+            unless a ``worker_init_fn`` is given (a pipeline may depend on what it sets up).
         **dataloader_kwargs: other ``DataLoader`` keywords (``pin_memory``, ``prefetch_factor``,
             ``worker_init_fn``, ``multiprocessing_context``, ...).
 
@@ -127,6 +137,7 @@ class StreamLoader:
         rank: int | None = None,
         world_size: int | None = None,
         group: Any = None,
+        warm_start: bool | None = None,
         **dataloader_kwargs: Any,
     ) -> None:
         if not isinstance(pipeline, Stream):
@@ -147,6 +158,9 @@ class StreamLoader:
         if self.rank >= self.world_size:
             raise ResumeError(f"rank should be < world_size, but got rank={self.rank}, world_size={self.world_size}")
         self.num_workers = check_int_arg("num_workers", num_workers, minimum=0)
+        if warm_start is None:
+            warm_start = dataloader_kwargs.get("worker_init_fn") is None
+        self.warm_start = bool(warm_start) and self.num_workers > 0
         self._stream = (
             pipeline if batch_size is None else Batch(pipeline, batch_size, drop_last=drop_last, collate_fn=collate_fn)
         )
@@ -202,7 +216,7 @@ class StreamLoader:
         # From here on the pipeline may move (or workers move their copies): nothing is known to
         # hold a recorded state until a batch arrives.
         holds, self._holds = self._holds, None
-        for local, update, batch in self._dataloader(segment.epoch, holds):
+        for local, update, batch in self._batches(segment.epoch, holds):
             self._states[local] = self._stream.apply_update(self._states[local], update)
             self._next_worker = (local + 1) % self._local
             self._fresh, yielded = False, True
@@ -218,6 +232,18 @@ class StreamLoader:
             # Restored right after the epoch's last batch: go on with the next epoch rather than
             # hand the caller an empty one.
             yield from self
+
+    def _batches(self, epoch: int, holds: int | None) -> Iterator[tuple[int, dict[str, Any], Any]]:
+        """``(slot, state update, batch)`` of this pass: the first from this process when warm."""
+        if self.warm_start:
+            local = self._next_worker
+            # The worker for this slot will load the state after this batch, never this pipeline.
+            first = next(_slot_batches(self._stream, local, self._states[local], load=True), None)
+            if first is not None:
+                yield first
+                # The state after the warm batch (just recorded by the caller), the next slot next.
+                holds = None
+        yield from self._dataloader(epoch, holds)
 
     def _dataloader(self, epoch: int, holds: int | None) -> DataLoader:
         dataset = _SlotDataset(self._stream, list(self._states), self._next_worker, holds)
@@ -462,8 +488,17 @@ class _SlotDataset(IterableDataset):
         # Rotate slots over workers so that the DataLoader's round-robin, which always starts at
         # worker 0, starts at the slot that was next when the state was saved.
         local = 0 if info is None else (info.id + self.next_worker) % len(self.states)
-        if info is not None or local != self.holds:
-            self.stream.load_state_dict(self.states[local])
-        for item in self.stream:
-            # The change since the last batch's state: as large as a batch, not as the state.
-            yield local, self.stream.state_update(), item
+        load = info is not None or local != self.holds
+        yield from _slot_batches(self.stream, local, self.states[local], load=load)
+
+
+def _slot_batches(
+    stream: Stream, local: int, state: dict[str, Any], *, load: bool
+) -> Iterator[tuple[int, dict[str, Any], Any]]:
+    """The per-batch path: slot ``local``'s batches from ``state`` (loaded when ``load``), each with
+    the change to the state it makes; whichever process runs it (a worker, or this one)."""
+    if load:
+        stream.load_state_dict(state)
+    for item in stream:
+        # The change since the last batch's state: as large as a batch, not as the state.
+        yield local, stream.state_update(), item
