@@ -389,7 +389,14 @@ class ShardedIterable(Stream):
         return state
 
     def state_dict(self) -> dict[str, Any]:
-        return self._state(self._epoch, self._slot, self._remaining, self._pending, self._identities, self._position)
+        identities = self._identities
+        if self.sizes is not None and identities and self._remaining:
+            # Right after its last record a shard is still the head of the list, but a position
+            # already points past it: it is finished, and its identity no longer needed.
+            head, cursor = self._remaining[0]
+            if head in identities and cursor >= self.sizes[head]:
+                identities = {i: v for i, v in identities.items() if i != head}
+        return self._state(self._epoch, self._slot, self._remaining, self._pending, identities, self._position)
 
     def _parse(self, state: Any) -> tuple[int, Slot, list[list[int]], list[list[int]]]:
         """Validate a state against this shard list: (epoch, slot, remaining, pending)."""

@@ -158,3 +158,27 @@ def test_sizes_that_do_not_match_a_shard_are_refused_when_it_ends_early() -> Non
     stream = ShardedIterable(shards.names, read_shard=shards, shuffle=False, sizes=[6, 5])
     with pytest.raises(ResumeError, match=r"shard 0 'm0' ended after 5 records, but sizes gives it 6"):
         list(stream)
+
+
+def test_a_state_taken_right_after_a_shards_last_record_restores() -> None:
+    # With known sizes the position then points into the next shard: the finished shard's
+    # identity must not be left in the state (a restore would refuse it).
+    shards = MemoryShards([4, 4])
+
+    class Identified:
+        def __call__(self, shard: str, start: int):
+            return shards(shard, start)
+
+        def identity(self, shard: str) -> str:
+            return f"4:{shard}"
+
+    def make() -> Stream:
+        return ShardedIterable(shards.names, read_shard=Identified(), shuffle=False, sizes=[4, 4]).shuffle_buffer(2)
+
+    stream = make()
+    records = iter(stream)
+    for _ in range(2):  # the buffer read 4 records: the first shard's last one
+        next(records)
+    restored = make()
+    restored.load_state_dict(json.loads(json.dumps(stream.state_dict())))
+    assert list(restored) == list(records)
