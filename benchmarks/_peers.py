@@ -34,7 +34,7 @@ def available() -> dict[str, str | None]:
     found: dict[str, str | None] = {}
     try:
         import litdata  # noqa: F401
-    except Exception as exc:  # noqa: BLE001 - any import failure means "not usable here"
+    except Exception as exc:  # any import failure means "not usable here"
         found["litdata"] = f"not installed ({type(exc).__name__}: {exc}); pip install '.[peers]'"
     else:
         found["litdata"] = None
@@ -44,7 +44,7 @@ def available() -> dict[str, str | None]:
 
         load_torchvision()
         import streaming  # noqa: F401
-    except Exception as exc:  # noqa: BLE001
+    except Exception as exc:
         found["mosaic"] = f"not installed ({type(exc).__name__}: {exc}); pip install '.[peers]'"
     else:
         found["mosaic"] = None

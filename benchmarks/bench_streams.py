@@ -219,7 +219,9 @@ def mixing(num_shards: int, per_shard: int) -> dict[str, tuple[float, float, flo
     out = {}
     for name in ("shuffle_window", "shuffle_buffer"):
         stream = memory_source(num_shards, per_shard)
-        stream_ = stream.shuffle_window(BUFFER, seed=1) if name == "shuffle_window" else stream.shuffle_buffer(BUFFER, seed=1)
+        stream_ = (
+            stream.shuffle_window(BUFFER, seed=1) if name == "shuffle_window" else stream.shuffle_buffer(BUFFER, seed=1)
+        )
         got = list(stream_)
         moved = np.abs(np.array([place[r] for r in got]) - np.arange(len(got)))
         shards = np.array(got) // per_shard
@@ -242,8 +244,8 @@ def main() -> None:
     quick = args.quick
     rounds = 1 if quick else 3
     restore_rounds = 1 if quick else 5
-    per_t = 200 if quick else 3125
-    per_r = 2000 if quick else 62_500
+    per_t = 100 if quick else 3125
+    per_r = 500 if quick else 62_500
     iterations = calibrate_work(WORK_US)
     found = _peers.available()
     started = time.perf_counter()
@@ -305,15 +307,15 @@ def main() -> None:
         epoch_batches = n_r // BATCH
         restorers: dict[str, Callable[[], Any]] = {}
         for workers in (0, 2):
-            restorers[f"StreamLoader, shuffle_window({BUFFER:,}), {workers} workers"] = (
-                lambda w=workers: ours(r_paths, per_r, "window")(w)
-            )
+            restorers[f"StreamLoader, shuffle_window({BUFFER:,}), {workers} workers"] = lambda w=workers: ours(
+                r_paths, per_r, "window"
+            )(w)
         restorers[f"StreamLoader, shuffle_buffer({BUFFER:,}), 0 workers"] = lambda: ours(r_paths, per_r, "buffer")(0)
         for peer, make_peer in (("litdata", _peers.litdata_loader), ("mosaic", _peers.mosaic_loader)):
             if peer in peers_r:
                 for workers in (0, 2):
-                    restorers[f"{peer}, {workers} workers"] = (
-                        lambda p=peer, m=make_peer, w=workers: m(peers_r[p], batch_size=BATCH, workers=w)
+                    restorers[f"{peer}, {workers} workers"] = lambda p=peer, m=make_peer, w=workers: m(
+                        peers_r[p], batch_size=BATCH, workers=w
                     )
         taken = {}
         for name, make in restorers.items():
@@ -371,7 +373,7 @@ def main() -> None:
         "",
     ]
     # 4. elastic
-    num_shards = 1000 if quick else 100_000
+    num_shards = 300 if quick else 100_000
     times, size = elastic(num_shards, 10, restore_rounds)
     lines += [
         f"## 4. Elastic: {num_shards:,} shards x 10 records, `shuffle_window({BUFFER:,})`, 2 ranks -> 3 at 30 %",
@@ -381,9 +383,9 @@ def main() -> None:
         "",
     ]
     # 5. mixing
-    mixed = mixing(SHARDS, 500 if quick else 12_500)
+    mixed = mixing(SHARDS, 200 if quick else 12_500)
     lines += [
-        f"## 5. Mixing over {SHARDS} shards x {500 if quick else 12_500:,} records, size {BUFFER:,}",
+        f"## 5. Mixing over {SHARDS} shards x {200 if quick else 12_500:,} records, size {BUFFER:,}",
         "",
         markdown_table(
             ["shuffle", "mean |moved|", "99th percentile |moved|", f"batches of {BATCH} from one shard"],
@@ -392,7 +394,9 @@ def main() -> None:
         "",
         f"Total run time: {time.perf_counter() - started:.0f} s.",
     ]
-    text = "\n".join([machine_header("Streams: throughput, restore, state, against litdata and Mosaic Streaming"), *lines])
+    text = "\n".join(
+        [machine_header("Streams: throughput, restore, state, against litdata and Mosaic Streaming"), *lines]
+    )
     print()
     print(text)
     write_report(args.out, "streams", text)
