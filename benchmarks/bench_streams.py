@@ -1,37 +1,30 @@
-"""Stream pipelines: restore time at 90% of a 10^8-token shard set, versus replaying to that point.
+"""Stream pipelines against a plain DataLoader, litdata and Mosaic Streaming: throughput, restore, state.
 
-Data: 100 shards x 10^6 uint16 tokens (10^8 tokens, 200 MB) in a temp dir, read as windows of
-1024 + 1 tokens by ``TokenShardReader``; batches of 32 windows through ``StreamLoader``.
+Data: token shards of windows of 2 int32 tokens, record ``i`` being ``[i, i]`` (its id), read by
+``TokenShardReader(2)`` with ``sizes=`` (known record counts); the peers get the same records in
+their own formats (``benchmarks/_peers.py``). Batches of 32. Every figure is checked: each epoch
+yields every record once; each restore's first batch equals the uninterrupted run's.
 
-Pipelines:
+1. Throughput: one epoch of 16 shards x 3,125 records with 50 µs of work per record (a busy
+   loop in ``map``, or in the map-style dataset's ``__getitem__``), 0 and 2 workers; a plain
+   ``DataLoader`` over the same records as a map-style dataset is the reference. Methods are
+   interleaved in each round; the ratio to the plain DataLoader is taken per round (paired).
+2. Restore: 16 shards x 62,500 records (10^6); a state is taken at 0, 50 and 90 % of the epoch and
+   restored into a freshly built loader, timed from ``load_state_dict`` to the first batch in hand
+   (with workers also to the second: warm start moves the workers' start there). Restores are
+   interleaved over the methods in each round.
+3. State size: the JSON (ours) or pickled (peers) state at 50 %, and ``shuffle_window`` over 10^4 shards.
+4. Elastic: ``shuffle_window(10_000)`` over 10^5 shards of known sizes (in memory), a state of two
+   ranks at 30 % merged and loaded by rank 0 of three: ``load_state_dict`` plus the first batch.
+5. Mixing, ``shuffle_window`` against ``shuffle_buffer`` of the same size over the records' keys
+   (16 shards x 12,500): how far a record moves from its place in the unshuffled stream (mean
+   and 99th percentile of |output position - input position|) and the share of batches whose 32
+   records all come from one shard.
 
-- source: ``ShardedIterable`` alone (shard order shuffled per epoch).
-- realistic: source -> ``shuffle_buffer(1000)`` -> ``map`` with random token dropout -> batch.
-- realistic, 2 workers: the same with ``num_workers=2``.
-- parquet source, and parquet through a shuffle buffer (``bench_parquet.py``'s pipelines): 20
-  Parquet shards x 10,000 rows of 256 int32 token ids, row groups of 1,000 rows (the layout of a
-  tokenized Hugging Face dataset saved with ``Dataset.to_parquet``), read by ``ParquetReader``;
-  at 90 % of its own epoch. Needs pyarrow (the ``[parquet]`` extra); without it these rows say so.
-
-For each, a fresh loader iterates to 90% of the epoch: the time to the next batch from there is
-what "replay" (consume and discard, the usual fallback) costs. Its state is then loaded into a
-freshly built loader and timed from ``load_state_dict`` to the first batch in hand ("restore"),
-and that batch is checked to equal the uninterrupted run's. "Fresh start" is a new loader's first
-batch without a state: what any start costs (a buffered pipeline first fills its buffer). Restores
-and fresh starts of all pipelines are interleaved over several rounds; the table gives the median
-and the range.
-
-A shuffle buffer re-reads its records ahead of its draws, not all before the first batch (see
-``resumable_data/streams/shuffle.py``), so part of the re-reading happens after the restore's first
-batch. For the 0-worker buffered pipeline each round therefore also times (CPU) a restore through
-the 40 batches after its first (1,280 draws: every buffered record is re-read by then), and the
-same 41 batches from a loader restored 80 batches earlier (its re-reads long done, so it runs as
-an uninterrupted one would); the difference is what a restore costs in all, re-reads left for
-later included. The two runs' batches are checked equal.
-
-Run: ``python benchmarks/bench_streams.py`` (``--quick``: 4 token shards, 4 Parquet shards of 2,000
-rows, one restore per pipeline: a smoke test of every pipeline and the exactness check, not a
-measurement).
+Run: ``python benchmarks/bench_streams.py`` (``--quick``: small sizes, one round: a smoke test of
+every method and check, not a measurement). The peers need the ``[peers]`` extra; without it their
+rows say "not installed". They do not install beside the ``[hf]`` extra (Mosaic pins numpy < 2.2
+and transformers, which pins huggingface_hub < 1.0): use a separate environment.
 """
 
 from __future__ import annotations
@@ -39,248 +32,370 @@ from __future__ import annotations
 import gc
 import itertools
 import json
+import pickle
 import statistics
 import tempfile
 import time
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import _peers
 import numpy as np
 import torch
-from _common import format_seconds, machine_header, markdown_table, parse_args, write_report
+from _common import busy_work, calibrate_work, format_seconds, machine_header, markdown_table, parse_args, write_report
 
 from resumable_data.streams import ShardedIterable, Stream, StreamLoader, TokenShardReader
 
-TOKENS_PER_SHARD = 10**6
-WINDOW = 1025
 BATCH = 32
-BUFFER = 1000
-FRACTION = 0.9
-ROUNDS = 9  # restores (and fresh starts) timed per pipeline, a fresh loader each
-BUFFERED = f"realistic (buffer {BUFFER})"
-FOLLOW = 40  # batches timed after a restored first batch (see the module docstring)
-SETTLE = 80  # batches an earlier restore runs before its FOLLOW + 1 are timed as the baseline
+BUFFER = 10_000
+SHARDS = 16
+WORK_US = 50.0
+FRACTIONS = (0.0, 0.5, 0.9)
 
 
-def write_shards(directory: Path, num_shards: int) -> list[Path]:
-    rng = np.random.default_rng(0)
+# -- data and the loaders compared -------------------------------------------------------------------
+def write_shards(directory: Path, num_shards: int, per_shard: int) -> list[Path]:
     paths = []
     for s in range(num_shards):
+        ids = np.arange(s * per_shard, (s + 1) * per_shard, dtype=np.int32)
         path = directory / f"tok_{s:04d}.bin"
-        rng.integers(0, 50_257, TOKENS_PER_SHARD, dtype=np.uint16).tofile(path)
+        np.repeat(ids, 2).tofile(path)
         paths.append(path)
     return paths
 
 
-def dropout(window: torch.Tensor, g: torch.Generator) -> torch.Tensor:
-    return window * (torch.rand(window.shape, generator=g) > 0.1)
+class Busy:
+    """``map``'s work: ``iterations`` of busy loop, the record unchanged (picklable for workers)."""
+
+    def __init__(self, iterations: int) -> None:
+        self.iterations = iterations
+
+    def __call__(self, record: torch.Tensor) -> torch.Tensor:
+        busy_work(int(record[0]), self.iterations)
+        return record
 
 
-def pipelines(paths: list[Path]) -> dict[str, Callable[[], StreamLoader]]:
-    def source() -> Stream:
-        return ShardedIterable(paths, read_shard=TokenShardReader(WINDOW), seed=0)
+class MapStyle(torch.utils.data.Dataset):
+    """The same records as a map-style dataset: what a plain DataLoader reads."""
 
-    def realistic() -> Stream:
-        return source().shuffle_buffer(BUFFER, seed=1).map(dropout, seed=2)
+    def __init__(self, paths: list[Path], per_shard: int, iterations: int) -> None:
+        self.paths, self.per_shard, self.busy = paths, per_shard, Busy(iterations)
+        self._tokens: list[np.ndarray] | None = None
 
-    return {
-        "source": lambda: StreamLoader(source(), batch_size=BATCH),
-        BUFFERED: lambda: StreamLoader(realistic(), batch_size=BATCH),
-        f"realistic (buffer {BUFFER}), 2 workers": lambda: StreamLoader(realistic(), batch_size=BATCH, num_workers=2),
-    }
+    def __len__(self) -> int:
+        return len(self.paths) * self.per_shard
 
-
-@dataclass
-class Pipeline:
-    """One pipeline's checkpoint at the position, and its timings."""
-
-    make: Callable[[], StreamLoader]
-    position: int  # batches consumed at the checkpoint
-    epoch_batches: int
-    state: dict[str, Any]
-    expected: torch.Tensor
-    replay: float
-    restores: list[float] = field(default_factory=list)
-    restores_cpu: list[float] = field(default_factory=list)  # this process's CPU time (workers not included)
-    fresh: list[float] = field(default_factory=list)
-    earlier: tuple[int, dict[str, Any]] | None = None  # (batches before ``position``, the state there)
-    followed: list[float] = field(default_factory=list)  # CPU seconds of a restore and FOLLOW more batches
-    settled: list[float] = field(default_factory=list)  # CPU seconds of the same batches, settled loader
+    def __getitem__(self, index: int) -> torch.Tensor:
+        if self._tokens is None:  # opened in the process that reads (a worker)
+            self._tokens = [np.memmap(p, dtype=np.int32, mode="r") for p in self.paths]
+        shard, offset = divmod(index, self.per_shard)
+        record = torch.from_numpy(self._tokens[shard][2 * offset : 2 * offset + 2].astype(np.int64))
+        return self.busy(record)
 
 
-def checkpoint(make: Callable[[], StreamLoader], position: int, epoch_batches: int, follow: bool = False) -> Pipeline:
-    """Replay a fresh loader to ``position`` batches (timed): its JSON state there and the next batch.
-
-    With ``follow``, also its state SETTLE batches earlier (see :func:`follow_round`).
-    """
-    loader = make()
-    start = time.perf_counter()
-    batches = iter(loader)
-    settle = min(SETTLE, position) if follow else 0
-    for _ in itertools.islice(batches, position - settle):
-        pass
-    earlier = (settle, json.loads(json.dumps(loader.state_dict()))) if follow else None
-    for _ in itertools.islice(batches, settle):
-        pass
-    state = json.loads(json.dumps(loader.state_dict()))
-    expected = next(batches)
-    replay = time.perf_counter() - start
-    del batches
-    return Pipeline(make, position, epoch_batches, state, expected, replay, earlier=earlier)
+def source(paths: list[Path], per_shard: int) -> ShardedIterable:
+    reader = TokenShardReader(2, dtype=np.int32)
+    return ShardedIterable(paths, read_shard=reader, seed=0, sizes=[per_shard] * len(paths))
 
 
-def follow_round(pipeline: Pipeline, earlier: tuple[int, dict[str, Any]]) -> None:
-    """CPU seconds of a restore and FOLLOW batches, and of the same batches from a settled loader."""
-    settle, earlier_state = earlier
-    settled = pipeline.make()
-    settled.load_state_dict(earlier_state)
-    iterator = iter(settled)
-    for _ in itertools.islice(iterator, settle):  # every re-read of that restore is done by now
-        pass
-    gc.collect()
-    start_cpu = time.process_time()
-    baseline = list(itertools.islice(iterator, FOLLOW + 1))
-    pipeline.settled.append(time.process_time() - start_cpu)
-    del iterator
-    loader = pipeline.make()
-    gc.collect()
-    start_cpu = time.process_time()
-    loader.load_state_dict(pipeline.state)
-    iterator = iter(loader)
-    restored = list(itertools.islice(iterator, FOLLOW + 1))
-    pipeline.followed.append(time.process_time() - start_cpu)
-    del iterator
-    if len(restored) != len(baseline) or not all(map(torch.equal, restored, baseline)):
-        raise SystemExit("batches after a restore differ from the uninterrupted run's: not exact")
+def ours(paths: list[Path], per_shard: int, shuffle: str, iterations: int = 0) -> Callable[[int], StreamLoader]:
+    def make(workers: int) -> StreamLoader:
+        stream: Stream = source(paths, per_shard)
+        stream = stream.shuffle_buffer(BUFFER, seed=1) if shuffle == "buffer" else stream.shuffle_window(BUFFER, seed=1)
+        if iterations:
+            stream = stream.map(Busy(iterations))
+        return StreamLoader(stream, batch_size=BATCH, num_workers=workers)
+
+    return make
 
 
-def first_batch(pipeline: Pipeline, restore: bool) -> tuple[float, float]:
-    """Seconds and CPU seconds (this process) from a freshly built loader (restored or not) to its first batch."""
-    loader = pipeline.make()
-    gc.collect()  # garbage of earlier runs is not this start's cost
-    start, start_cpu = time.perf_counter(), time.process_time()
-    if restore:
-        loader.load_state_dict(pipeline.state)
-    iterator = iter(loader)
-    batch = next(iterator)
-    seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - start_cpu
-    if restore and not torch.equal(batch, pipeline.expected):
-        raise SystemExit("restored batch differs from the uninterrupted run's: not exact")
-    del iterator  # workers shut down outside the timed part
-    return seconds, cpu_seconds
+def record_ids(batch: Any) -> list[int]:
+    return batch[:, 0].tolist()
 
 
-def time_rounds(measured: dict[str, Pipeline], rounds: int) -> None:
-    """Restore and fresh-start every pipeline once per round, pipelines interleaved."""
+# -- 1. throughput ---------------------------------------------------------------------------------
+def throughput(methods: dict[str, Callable[[int], Any]], n: int, rounds: int) -> dict[tuple[str, int], list[float]]:
+    seconds: dict[tuple[str, int], list[float]] = {}
     for round_ in range(rounds):
-        for name, pipeline in measured.items():
-            seconds, cpu_seconds = first_batch(pipeline, restore=True)
-            pipeline.restores.append(seconds)
-            pipeline.restores_cpu.append(cpu_seconds)
-            pipeline.fresh.append(first_batch(pipeline, restore=False)[0])
-            if pipeline.earlier is not None:
-                follow_round(pipeline, pipeline.earlier)
-            print(
-                f"round {round_ + 1}: {name}: restore {format_seconds(pipeline.restores[-1])}, fresh start {format_seconds(pipeline.fresh[-1])}",
-                flush=True,
-            )
+        for workers in (0, 2):
+            for name, make in methods.items():
+                loader = make(workers)
+                gc.collect()
+                start = time.perf_counter()
+                seen = [i for batch in loader for i in record_ids(batch)]
+                elapsed = time.perf_counter() - start
+                del loader
+                if sorted(seen) != list(range(n)):
+                    raise SystemExit(f"{name}, {workers} workers: an epoch did not yield every record once")
+                seconds.setdefault((name, workers), []).append(elapsed)
+                print(f"round {round_ + 1}: throughput {name}, {workers} workers: {elapsed:.2f} s", flush=True)
+        _peers.release_mosaic()
+    return seconds
 
 
-def table_row(name: str, p: Pipeline) -> list[str]:
-    restore = statistics.median(p.restores)
-    return [
-        name,
-        f"{p.position:,} of {p.epoch_batches:,}",
-        format_seconds(p.replay),
-        spread(p.restores),
-        spread(p.restores_cpu),
-        spread(p.fresh),
-        f"{p.replay / restore:,.0f}x",
-        f"{len(json.dumps(p.state)):,} B",
-    ]
+# -- 2. restore ------------------------------------------------------------------------------------
+def checkpoints(make: Callable[[], Any], epoch_batches: int) -> list[tuple[int, Any, list[int], list[int]]]:
+    """One pass: at each fraction, (batches consumed, the state, the next two batches' ids)."""
+    loader = make()
+    batches = iter(loader)
+    out = []
+    consumed = 0
+    for fraction in FRACTIONS:
+        target = int(fraction * epoch_batches)
+        for _ in itertools.islice(batches, target - consumed):
+            pass
+        consumed = target
+        state = pickle.loads(pickle.dumps(loader.state_dict()))
+        first, second = next(batches), next(batches)
+        consumed += 2
+        out.append((target, state, record_ids(first), record_ids(second)))
+    del batches, loader
+    return out
 
 
-TABLE_HEADERS = [
-    "pipeline",
-    "position (batches)",
-    "replay",
-    "restore",
-    "restore, CPU time",
-    "fresh start",
-    "speed-up (replay / restore)",
-    "state (JSON)",
-]
+def restore_once(make: Callable[[], Any], state: Any, first: list[int], second: list[int]) -> tuple[float, float]:
+    loader = make()
+    gc.collect()
+    start = time.perf_counter()
+    loader.load_state_dict(state)
+    batches = iter(loader)
+    got_first = record_ids(next(batches))
+    t_first = time.perf_counter() - start
+    got_second = record_ids(next(batches))
+    t_second = time.perf_counter() - start
+    del batches, loader
+    if (got_first, got_second) != (first, second):
+        return float("nan"), float("nan")
+    return t_first, t_second
 
 
-def spread(times: list[float]) -> str:
-    return f"{signed(statistics.median(times))} ({signed(min(times))}–{signed(max(times))})"
+# -- 4. elastic and 5. mixing over in-memory shards ---------------------------------------------------
+class RangeShards:
+    """``read_shard`` of in-memory shards ``s0, s1, ...`` of ``per_shard`` records: record ids."""
+
+    def __init__(self, per_shard: int) -> None:
+        self.per_shard = per_shard
+
+    def __call__(self, shard: str, start: int) -> Iterator[int]:
+        base = int(shard[1:]) * self.per_shard
+        return iter(range(base + start, base + self.per_shard))
+
+    def read_records(self, shard: str, offsets: list[int]) -> list[int]:
+        base = int(shard[1:]) * self.per_shard
+        return [base + o for o in offsets]
 
 
-def signed(seconds: float) -> str:
-    """``format_seconds`` that keeps a negative difference's sign."""
-    return ("-" if seconds < 0 else "") + format_seconds(abs(seconds))
+def memory_source(num_shards: int, per_shard: int, *, seed: int = 0) -> ShardedIterable:
+    names = [f"s{i}" for i in range(num_shards)]
+    return ShardedIterable(names, read_shard=RangeShards(per_shard), seed=seed, sizes=[per_shard] * num_shards)
+
+
+def elastic(num_shards: int, per_shard: int, rounds: int) -> tuple[list[float], int]:
+    def make(rank: int, world: int) -> StreamLoader:
+        stream = memory_source(num_shards, per_shard).shuffle_window(BUFFER, seed=1)
+        return StreamLoader(stream, batch_size=BATCH, rank=rank, world_size=world)
+
+    old = [make(r, 2) for r in range(2)]
+    per_rank = int(0.3 * num_shards * per_shard / 2 / BATCH)
+    for loader in old:
+        for _ in itertools.islice(iter(loader), per_rank):
+            pass
+    states = [json.loads(json.dumps(loader.state_dict())) for loader in old]
+    times = []
+    for _ in range(rounds):
+        new = make(0, 3)
+        gc.collect()
+        start = time.perf_counter()
+        new.load_state_dict(StreamLoader.merge_states(states))
+        next(iter(new))
+        times.append(time.perf_counter() - start)
+    return times, len(json.dumps(StreamLoader.merge_states(states)))
+
+
+def mixing(num_shards: int, per_shard: int) -> dict[str, tuple[float, float, float]]:
+    unshuffled = list(memory_source(num_shards, per_shard))
+    place = {record: i for i, record in enumerate(unshuffled)}
+    out = {}
+    for name in ("shuffle_window", "shuffle_buffer"):
+        stream = memory_source(num_shards, per_shard)
+        stream_ = (
+            stream.shuffle_window(BUFFER, seed=1) if name == "shuffle_window" else stream.shuffle_buffer(BUFFER, seed=1)
+        )
+        got = list(stream_)
+        moved = np.abs(np.array([place[r] for r in got]) - np.arange(len(got)))
+        shards = np.array(got) // per_shard
+        batches = shards[: len(shards) // BATCH * BATCH].reshape(-1, BATCH)
+        one_shard = float(np.mean(batches.min(axis=1) == batches.max(axis=1)))
+        out[name] = (float(moved.mean()), float(np.percentile(moved, 99)), one_shard)
+    return out
+
+
+# -- report ----------------------------------------------------------------------------------------
+def spread(values: list[float], fmt: Callable[[float], str] = format_seconds) -> str:
+    good = [v for v in values if v == v]
+    if len(good) < len(values):
+        return "not exact"
+    return f"{fmt(statistics.median(good))} ({fmt(min(good))}–{fmt(max(good))})"
 
 
 def main() -> None:
     args = parse_args(__doc__.splitlines()[0])
-    num_shards = 4 if args.quick else 100
-    rounds = 1 if args.quick else ROUNDS
-    parquet_shards, parquet_rows_per_shard = (4, 2000) if args.quick else (20, 10_000)
-    windows = num_shards * ((TOKENS_PER_SHARD - WINDOW) // WINDOW + 1)
-    position = int(FRACTION * (windows // BATCH))
+    quick = args.quick
+    rounds = 1 if quick else 3
+    restore_rounds = 1 if quick else 5
+    per_t = 100 if quick else 3125
+    per_r = 500 if quick else 62_500
+    iterations = calibrate_work(WORK_US)
+    found = _peers.available()
     started = time.perf_counter()
-    try:
-        import bench_parquet  # needs pyarrow, the [parquet] extra
-    except ImportError as e:
-        bench_parquet, parquet_note = None, f"Parquet rows: not run ({e}; install the [parquet] extra)."
-    else:
-        parquet_note = (
-            f"Parquet rows: {parquet_shards} shards x {parquet_rows_per_shard:,} rows of {bench_parquet.TOKENS} int32 token ids, row "
-            f"groups of {bench_parquet.ROW_GROUP:,} rows (a tokenized Hugging Face dataset's Parquet layout), batches of "
-            f"{bench_parquet.BATCH} rows, read by `ParquetReader`; a restore reads one row group of the current shard "
-            "(through the shuffle buffer: the row groups its buffered rows come from)."
-        )
+    lines: list[str] = []
     with tempfile.TemporaryDirectory(prefix="bench-streams-") as tmp:
-        paths = write_shards(Path(tmp), num_shards)
-        measured = {
-            name: checkpoint(make, position, windows // BATCH, follow=name == BUFFERED)
-            for name, make in pipelines(paths).items()
+        root = Path(tmp)
+        (root / "t").mkdir()
+        (root / "r").mkdir()
+        t_paths, r_paths = write_shards(root / "t", SHARDS, per_t), write_shards(root / "r", SHARDS, per_r)
+        n_t, n_r = SHARDS * per_t, SHARDS * per_r
+        peers_t: dict[str, Path] = {}
+        peers_r: dict[str, Path] = {}
+        for peer, write in (("litdata", _peers.write_litdata), ("mosaic", _peers.write_mosaic)):
+            if found[peer] is None:
+                peers_t[peer], peers_r[peer] = write(root / "t", n_t), write(root / "r", n_r)
+                print(f"wrote {peer} data", flush=True)
+        busy = Busy(iterations)
+
+        # 1. throughput
+        methods: dict[str, Callable[[int], Any]] = {
+            "DataLoader (map-style, shuffled)": lambda w: torch.utils.data.DataLoader(
+                MapStyle(t_paths, per_t, iterations), batch_size=BATCH, shuffle=True, num_workers=w
+            ),
+            f"StreamLoader, shuffle_buffer({BUFFER:,})": ours(t_paths, per_t, "buffer", iterations),
+            f"StreamLoader, shuffle_window({BUFFER:,})": ours(t_paths, per_t, "window", iterations),
         }
-        if bench_parquet is not None:
-            parquet_dir = Path(tmp) / "parquet"
-            parquet_dir.mkdir()
-            measured |= bench_parquet.checkpoints(parquet_dir, parquet_shards, parquet_rows_per_shard)
-        time_rounds(measured, rounds)  # pipelines and fresh starts interleaved in every round
-    rows = [table_row(name, p) for name, p in measured.items()]
-    buffered = measured[BUFFERED]
-    restore = statistics.median(buffered.restores)
-    extra = [f - s for f, s in zip(buffered.followed, buffered.settled, strict=True)]
-    text = "\n".join(
-        [
-            machine_header(f"Stream restore at {FRACTION:.0%} of {num_shards * TOKENS_PER_SHARD:.0e} tokens"),
-            f"{num_shards} shards x {TOKENS_PER_SHARD:,} uint16 tokens, windows of {WINDOW}, batches of {BATCH}. "
-            "Replay: consume and discard up to the position, then the next batch. Restore: "
-            "`load_state_dict` + first batch, checked equal to the uninterrupted batch. Fresh start: a new loader's first "
-            "batch from the epoch's beginning (a buffered pipeline fills its buffer first). Median (min–max) over "
-            f"{rounds} round(s), pipelines and fresh starts interleaved in each. CPU time is this process's "
-            "(`time.process_time`): all of a 0-worker restore, none of the workers' part.",
+        if "litdata" in peers_t:
+            methods["litdata 0.2.76"] = lambda w: _peers.litdata_loader(
+                peers_t["litdata"], batch_size=BATCH, workers=w, transform=busy
+            )
+        if "mosaic" in peers_t:
+            methods["Mosaic Streaming 0.13.0"] = lambda w: _peers.mosaic_loader(
+                peers_t["mosaic"], batch_size=BATCH, workers=w, transform=busy
+            )
+        seconds = throughput(methods, n_t, rounds)
+        plain = next(iter(methods))
+        rows = []
+        for name in methods:
+            row = [name]
+            for workers in (0, 2):
+                mine, ref = seconds[(name, workers)], seconds[(plain, workers)]
+                ratios = [r / m for m, r in zip(mine, ref, strict=True)]
+                row += [spread(mine), spread(ratios, lambda x: f"{x:.2f}")]
+            rows.append(row)
+        for peer, why in found.items():
+            if why is not None:
+                rows.append([peer, why, "", "", ""])
+        lines += [
+            f"## 1. Throughput: one epoch of {n_t:,} records, {WORK_US:.0f} µs of work each, batches of {BATCH}",
             "",
-            f"- target: {BUFFERED} restore ≤ 5 ms: {format_seconds(restore)} wall clock ({'met' if restore <= 5e-3 else 'missed'}); "
-            f"its CPU time {format_seconds(statistics.median(buffered.restores_cpu))} (the whole restore runs in this process; CPU "
-            "time is less stretched than the wall clock by other jobs, though not immune: they share the caches and cores)",
-            f"- with what it leaves for later (re-reads ahead of the draws): that restore and the {FOLLOW} batches after it took "
-            f"{spread(buffered.followed)} of CPU time, the same {FOLLOW + 1} batches from a loader restored {SETTLE} batches "
-            f"earlier {spread(buffered.settled)}; difference per round {spread(extra)}"
-            + (" (the epoch ends within these batches in --quick)" if args.quick else ""),
+            f"Median (min–max) over {rounds} round(s), methods interleaved; the ratio is the plain DataLoader's epoch "
+            "time over the method's, per round (≥ 1: as fast or faster).",
             "",
-            parquet_note,
+            markdown_table(["method", "0 workers", "÷ DataLoader", "2 workers", "÷ DataLoader"], rows),
             "",
-            markdown_table(TABLE_HEADERS, rows),
-            "",
-            f"Total run time: {time.perf_counter() - started:.0f} s.",
         ]
+
+        # 2. restore
+        epoch_batches = n_r // BATCH
+        restorers: dict[str, Callable[[], Any]] = {}
+        for workers in (0, 2):
+            restorers[f"StreamLoader, shuffle_window({BUFFER:,}), {workers} workers"] = lambda w=workers: ours(
+                r_paths, per_r, "window"
+            )(w)
+        restorers[f"StreamLoader, shuffle_buffer({BUFFER:,}), 0 workers"] = lambda: ours(r_paths, per_r, "buffer")(0)
+        for peer, make_peer in (("litdata", _peers.litdata_loader), ("mosaic", _peers.mosaic_loader)):
+            if peer in peers_r:
+                for workers in (0, 2):
+                    restorers[f"{peer}, {workers} workers"] = lambda p=peer, m=make_peer, w=workers: m(
+                        peers_r[p], batch_size=BATCH, workers=w
+                    )
+        taken = {}
+        for name, make in restorers.items():
+            taken[name] = checkpoints(make, epoch_batches)
+            _peers.release_mosaic()
+            print(f"checkpoints taken: {name}", flush=True)
+        timings: dict[tuple[str, int], list[tuple[float, float]]] = {}
+        for _ in range(restore_rounds):
+            for f in range(len(FRACTIONS)):
+                for name, make in restorers.items():
+                    _, state, first, second = taken[name][f]
+                    timings.setdefault((name, f), []).append(restore_once(make, state, first, second))
+                    _peers.release_mosaic()
+            print("restore round done", flush=True)
+        rows = []
+        for name in restorers:
+            row = [name]
+            for f in range(len(FRACTIONS)):
+                row.append(spread([t[0] for t in timings[(name, f)]]))
+            row.append(spread([t[1] for t in timings[(name, len(FRACTIONS) - 1)]]))
+            state = taken[name][1][1]
+            try:
+                size = f"{len(json.dumps(state)):,} B (JSON)"
+            except TypeError:
+                size = f"{len(pickle.dumps(state)):,} B (pickle)"
+            row.append(size)
+            rows.append(row)
+        for peer, why in found.items():
+            if why is not None:
+                rows.append([peer, why, "", "", "", ""])
+        headers = [
+            "method",
+            *[f"first batch at {f:.0%}" for f in FRACTIONS],
+            f"second batch at {FRACTIONS[-1]:.0%}",
+            "state at 50 %",
+        ]
+        lines += [
+            f"## 2. Restore to the first batch: {n_r:,} records in {SHARDS} shards",
+            "",
+            f"From `load_state_dict` into a freshly built loader to the batch in hand; median (min–max) over "
+            f"{restore_rounds} round(s), methods and positions interleaved; every restored batch (and the next) "
+            "checked equal to the uninterrupted run's ('not exact' otherwise).",
+            "",
+            markdown_table(headers, rows),
+            "",
+        ]
+
+    # 3. state size at 10^4 shards (in memory)
+    wide = StreamLoader(memory_source(10_000, 3 if quick else 100).shuffle_window(BUFFER, seed=1), batch_size=BATCH)
+    for _ in itertools.islice(iter(wide), 50):
+        pass
+    lines += [
+        f"## 3. State size: `shuffle_window({BUFFER:,})` over 10,000 shards of known sizes, after 50 batches: "
+        f"{len(json.dumps(wide.state_dict())):,} B (JSON)",
+        "",
+    ]
+    # 4. elastic
+    num_shards = 300 if quick else 100_000
+    times, size = elastic(num_shards, 10, restore_rounds)
+    lines += [
+        f"## 4. Elastic: {num_shards:,} shards x 10 records, `shuffle_window({BUFFER:,})`, 2 ranks -> 3 at 30 %",
+        "",
+        f"merge_states + load_state_dict + first batch on rank 0: {spread(times)}; the merged state: {size:,} B "
+        "(a layout change lists the dealt shards' cursors for the rest of that epoch).",
+        "",
+    ]
+    # 5. mixing
+    mixed = mixing(SHARDS, 200 if quick else 12_500)
+    lines += [
+        f"## 5. Mixing over {SHARDS} shards x {200 if quick else 12_500:,} records, size {BUFFER:,}",
+        "",
+        markdown_table(
+            ["shuffle", "mean |moved|", "99th percentile |moved|", f"batches of {BATCH} from one shard"],
+            [[name, f"{m:,.0f}", f"{p:,.0f}", f"{one:.1%}"] for name, (m, p, one) in mixed.items()],
+        ),
+        "",
+        f"Total run time: {time.perf_counter() - started:.0f} s.",
+    ]
+    text = "\n".join(
+        [machine_header("Streams: throughput, restore, state, against litdata and Mosaic Streaming"), *lines]
     )
     print()
     print(text)

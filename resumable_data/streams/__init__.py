@@ -24,6 +24,7 @@ from .repeat import Repeat
 from .sharded import ShardedIterable
 from .shuffle import ShuffleBuffer
 from .take import Take
+from .window import ShuffleWindow
 
 __all__ = [
     "Batch",
@@ -36,6 +37,7 @@ __all__ = [
     "ReplayWarning",
     "ShardedIterable",
     "ShuffleBuffer",
+    "ShuffleWindow",
     "Stream",
     "StreamLoader",
     "Take",

@@ -34,6 +34,9 @@ through these public methods of :class:`Stream`, which a custom stage implements
 * :meth:`~Stream.reset` ``(epoch, slot)`` -- start an epoch, optionally for a (rank, worker) slot;
 * :meth:`~Stream.state_dict` / :meth:`~Stream.check` ``(state)`` -- save; validate and return the
   thunk that applies;
+* :meth:`~Stream.state_update` / :meth:`~Stream.apply_update` ``(previous, update)`` -- the state
+  after each batch as a change to the previous one, for a consumer that keeps that one
+  (:class:`StreamLoader`'s per-batch path): what a batch carries stays the size of a batch;
 * :meth:`~Stream.fetch` ``(key)`` / :meth:`~Stream.fetch_many` ``(keys)`` -- re-read records;
 * :meth:`~Stream.key_checker` ``(state)`` -- refuse keys this stage could not have yielded;
 * :meth:`~Stream.saved_slots` ``(state)`` -- the slots a state's sources were saved for;
@@ -126,6 +129,26 @@ class Stream:
     def state_dict(self) -> dict[str, Any]:
         """The position after the last item this stage yielded, as plain nested data."""
         raise NotImplementedError
+
+    def state_update(self) -> dict[str, Any]:
+        """The state after the last item, as a change to the state this stage was at when it last
+        gave an update, was reset or had a state applied; :meth:`apply_update` turns it into the
+        :meth:`state_dict` it stands for.
+
+        A consumer that keeps a copy of the previous state (a loader taking a state after every
+        batch) asks for this instead of :meth:`state_dict`: a stage whose state is large (a
+        shuffle buffer's keys) then sends what changed, in proportion to the records read since,
+        not to the state. The default is the whole state.
+        """
+        return self.state_dict()
+
+    def apply_update(self, previous: dict[str, Any], update: dict[str, Any]) -> dict[str, Any]:
+        """The :meth:`state_dict` that ``update`` (from :meth:`state_update`) stands for.
+
+        ``previous`` is the state the update is relative to: the consumer's own copy, which this
+        may change in place (its large lists are updated rather than copied) and return.
+        """
+        return update
 
     def check(self, state: Any) -> Callable[[], None]:
         """Validate ``state`` (recursively, sources included) and return a thunk that applies it.
@@ -234,6 +257,12 @@ class Stream:
 
         return ShuffleBuffer(self, size, seed=seed)
 
+    def shuffle_window(self, size: int, *, seed: int = 0) -> Stream:
+        """Shuffle within consecutive windows of ``size`` records; the state is a few integers."""
+        from .window import ShuffleWindow
+
+        return ShuffleWindow(self, size, seed=seed)
+
     def take(self, n: int) -> Stream:
         """At most ``n`` records per epoch."""
         from .take import Take
@@ -287,6 +316,23 @@ class Wrapper(Stream):
             **self._own_state(),
             SOURCE: self.source.state_dict(),
         }
+
+    def _own_update(self) -> dict[str, Any]:
+        """This stage's own fields for :meth:`state_update` (by default its whole own state)."""
+        return self._own_state()
+
+    def state_update(self) -> dict[str, Any]:
+        return {
+            VERSION: STREAM_STATE_VERSION,
+            EPOCH: self._epoch,
+            **self._own_update(),
+            SOURCE: self.source.state_update(),
+        }
+
+    def apply_update(self, previous: dict[str, Any], update: dict[str, Any]) -> dict[str, Any]:
+        state = dict(update)
+        state[SOURCE] = self.source.apply_update(previous[SOURCE], update[SOURCE])
+        return state
 
     def check(self, state: Any) -> Callable[[], None]:
         state = require_mapping(state, self._what())

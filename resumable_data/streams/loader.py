@@ -6,9 +6,11 @@ slots; worker ``w`` of rank ``r`` serves slot ``r * max(1, num_workers) + w`` an
 the pipeline.
 
 Exact position with prefetching, no extra messages. Each worker yields every batch together with
-its pipeline's state *after* that batch. The loader strips the state off and keeps the latest one
-per slot, so its state describes exactly the batches handed to the caller; batches still sitting
-in a prefetch queue are not counted. The state::
+its pipeline's state *after* that batch, as a change to the state after its previous batch
+(:meth:`Stream.state_update`: a shuffle buffer sends the keys that entered it, not its whole key
+list). The loader strips it off and applies it to its copy of that slot's state
+(:meth:`Stream.apply_update`), so its state describes exactly the batches handed to the caller;
+batches still sitting in a prefetch queue are not counted. The state::
 
     {"version": 1, "epoch": 2, "epoch_done": False, "world_size": 2, "num_workers": 2,
      "next_worker": {"0": 1}, "slots": {"0": {...pipeline state...}, "1": {...}},
@@ -31,6 +33,13 @@ records held in shuffle buffers (as pending records), are dealt to the new slots
 the epoch is then consumed exactly once, in a different order than the old layout would have used.
 A pipeline with ``take``/``repeat``/``IterableSource`` refuses a layout change.
 
+Warm start. Worker processes take tens of milliseconds or more to start, and a stream loader
+starts them at every restore and epoch start. With ``warm_start`` (the default with workers and no
+``worker_init_fn``) the main process fetches the first batch of each pass itself, from the slot
+that is next, and the workers start on the next request with that slot one batch further on. The
+stream is the same as a restore right after that batch: bitwise the uninterrupted one. The
+trade-off: the second batch of a pass waits for the workers' start instead of the first.
+
 Epochs follow :class:`~resumable_data.ResumableDataLoader`: iterating continues the current epoch;
 once it is exhausted, the next ``iter()`` starts the next epoch unless ``set_epoch`` chose one. A
 restored epoch remainder that turns out empty (checkpoint taken right after the epoch's last batch)
@@ -44,7 +53,7 @@ import itertools
 import pickle
 import re
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
@@ -66,8 +75,15 @@ from ..core.state import (
 )
 from ..errors import ResumeError
 from ..rng.global_rngs import GLOBAL_RNGS
-from .base import EPOCH, Stream, require_count
+from .base import DRAWS, EPOCH, Stream, require_count
 from .batch import Batch
+from .foreign import CONSUMED
+from .mix import EXHAUSTED
+from .repeat import ROUND
+from .sharded import IDENTITIES, PENDING, POSITION, REMAINING, SLOT
+from .shuffle import BUFFER
+from .take import TAKEN
+from .window import COUNT, POSITIONAL, WINDOW
 
 __all__ = ["StreamLoader"]
 
@@ -80,6 +96,12 @@ SLOTS = "slots"
 BATCHES = "batches"  # batches each slot has yielded in the epoch: what seeds the global RNGs for the next
 _BATCH_SALT = 0x73747265616D  # "stream": the global-RNG keys must not coincide with other keys
 _END = object()
+# Fields of a pipeline state that say where it stands; every other field says what the pipeline
+# is (seeds, shard list, sizes, weights, the number of slots), which all ranks must agree on.
+POSITION_FIELDS = frozenset(
+    {EPOCH, REMAINING, PENDING, POSITION, IDENTITIES, SLOT, DRAWS, BUFFER, ROUND, TAKEN, EXHAUSTED, CONSUMED}
+    | {WINDOW, COUNT, POSITIONAL}
+)
 # DataLoader arguments the loader decides itself.
 _OWNED = ("batch_size", "shuffle", "sampler", "batch_sampler", "generator", "collate_fn")
 
@@ -102,6 +124,9 @@ class StreamLoader:
             so a ``map`` drawing from them (``torch.rand``) resumes exactly with any
             ``num_workers``; with 0 workers the main process's RNGs are put back after each batch.
             ``None`` leaves them be.
+        warm_start: with workers, fetch the first batch of each pass (a restore, an epoch start)
+            in the main process while the workers start (see the module docstring). None: on
+            unless a ``worker_init_fn`` is given (a pipeline may depend on what it sets up).
         **dataloader_kwargs: other ``DataLoader`` keywords (``pin_memory``, ``prefetch_factor``,
             ``worker_init_fn``, ``multiprocessing_context``, ...).
 
@@ -128,6 +153,7 @@ class StreamLoader:
         world_size: int | None = None,
         group: Any = None,
         global_rng: str | None = "batch",
+        warm_start: bool | None = None,
         **dataloader_kwargs: Any,
     ) -> None:
         if global_rng not in ("batch", None):
@@ -151,6 +177,9 @@ class StreamLoader:
         if self.rank >= self.world_size:
             raise ResumeError(f"rank should be < world_size, but got rank={self.rank}, world_size={self.world_size}")
         self.num_workers = check_int_arg("num_workers", num_workers, minimum=0)
+        if warm_start is None:
+            warm_start = dataloader_kwargs.get("worker_init_fn") is None
+        self.warm_start = bool(warm_start) and self.num_workers > 0
         self._stream = (
             pipeline if batch_size is None else Batch(pipeline, batch_size, drop_last=drop_last, collate_fn=collate_fn)
         )
@@ -161,7 +190,7 @@ class StreamLoader:
         self._fresh = True  # the slot states are an epoch's start, not a position inside it
         self._next_worker = 0
         self._states: list[dict[str, Any]] = []
-        self._batches: list[int] = []  # per local slot, batches yielded in the epoch
+        self._yielded: list[int] = []  # per local slot, batches yielded in the epoch (global_rng keys)
         # The slot whose state ``self._stream`` (this process's pipeline) holds right now, exactly as
         # ``self._states`` records it, or None. With 0 workers that pipeline then iterates without
         # loading the state again: a restored state is validated once, in load_state_dict, and a
@@ -185,7 +214,7 @@ class StreamLoader:
             self._stream.reset(epoch, (self.rank * self._local + local, self.num_slots))
             states.append(self._stream.state_dict())
         self._states, self._next_worker, self._fresh = states, 0, True
-        self._batches = [0] * self._local
+        self._yielded = [0] * self._local
         self._holds = self._local - 1
 
     def set_epoch(self, epoch: int) -> None:
@@ -208,9 +237,9 @@ class StreamLoader:
         # From here on the pipeline may move (or workers move their copies): nothing is known to
         # hold a recorded state until a batch arrives.
         holds, self._holds = self._holds, None
-        for local, batches, state, batch in self._dataloader(segment.epoch, holds):
-            self._states[local] = state
-            self._batches[local] = batches
+        for local, count, update, batch in self._batches(segment.epoch, holds):
+            self._states[local] = self._stream.apply_update(self._states[local], update)
+            self._yielded[local] = count
             self._next_worker = (local + 1) % self._local
             self._fresh, yielded = False, True
             self._cursor.advance(segment, 0, False)
@@ -226,10 +255,33 @@ class StreamLoader:
             # hand the caller an empty one.
             yield from self
 
+    def _batches(self, epoch: int, holds: int | None) -> Iterator[tuple[int, int, dict[str, Any], Any]]:
+        """``(slot, batches it has yielded, state update, batch)`` of this pass: the first from this
+        process when warm."""
+        if self.warm_start:
+            local = self._next_worker
+            # The worker for this slot will load the state after this batch, never this pipeline.
+            seeding = self._seeding(epoch)
+            first = next(
+                _slot_batches(self._stream, local, self._states[local], self._yielded[local], seeding, load=True),
+                None,
+            )
+            if first is not None:
+                yield first
+                # The state after the warm batch (just recorded by the caller), the next slot next.
+                holds = None
+        yield from self._dataloader(epoch, holds)
+
+    def _seeding(self, epoch: int) -> _Seeding | None:
+        """How this pass seeds the global RNGs before each batch (None: ``global_rng=None``)."""
+        if self.global_rng is None:
+            return None
+        return _Seeding(hash_ints(epoch, self.num_slots, _BATCH_SALT), self.rank * self._local)
+
     def _dataloader(self, epoch: int, holds: int | None) -> DataLoader:
-        dataset = _SlotDataset(self._stream, list(self._states), self._next_worker, holds)
-        if self.global_rng is not None:
-            dataset.seed_per_batch(epoch, self.rank * self._local, self.num_slots, list(self._batches))
+        dataset = _SlotDataset(
+            self._stream, list(self._states), list(self._yielded), self._seeding(epoch), self._next_worker, holds
+        )
         # A private generator: torch draws the workers' base seed from it, which would otherwise
         # consume the global RNG (and change model randomness after a resume).
         generator = torch.Generator()
@@ -254,7 +306,7 @@ class StreamLoader:
             NUM_WORKERS: self.num_workers,
             NEXT_WORKER: {str(self.rank): self._next_worker},
             SLOTS: {str(self.rank * self._local + local): s for local, s in enumerate(_copy(self._states))},
-            BATCHES: {str(self.rank * self._local + local): n for local, n in enumerate(self._batches)},
+            BATCHES: {str(self.rank * self._local + local): n for local, n in enumerate(self._yielded)},
         }
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
@@ -295,7 +347,7 @@ class StreamLoader:
                     f"{sorted(slots)[:20]}); load this rank's own state or StreamLoader.merge_states of all ranks'"
                 )
             raw = [slots[g] for g in mine]
-            batches = _batches_of(state, mine)
+            yielded = _batches_of(state, mine)
             next_worker = require_mapping(state.get(NEXT_WORKER), f"{_WHAT} {NEXT_WORKER!r}").get(str(self.rank))
             if not is_int(next_worker) or not 0 <= next_worker < self._local:
                 raise ResumeError(
@@ -317,7 +369,7 @@ class StreamLoader:
                 self._stream.check(slots[g])
             every = self._stream.rebalance([slots[g] for g in sorted(slots)], self.num_slots, [])
             raw = [every[g] for g in mine]
-            batches = [0] * self._local  # new slots: their global-RNG keys start afresh
+            yielded = [0] * self._local  # new slots: their global-RNG keys start afresh
             next_worker = 0
         applies = [self._stream.check(s) for s in raw]
         for g, s in zip(mine, raw, strict=True):  # (a redistributed state is built for its slot)
@@ -334,7 +386,7 @@ class StreamLoader:
             apply()
             states.append(self._stream.state_dict())
         self._states, self._next_worker, self._fresh = states, next_worker, False
-        self._batches = batches
+        self._yielded = yielded
         self._holds = self._local - 1
         self._cursor.restore(epoch, 0, epoch_done)
 
@@ -372,7 +424,52 @@ class StreamLoader:
             merged[NEXT_WORKER].update(require_mapping(state.get(NEXT_WORKER), f"{_WHAT} {NEXT_WORKER!r}"))
             merged[BATCHES].update(require_mapping(state.get(BATCHES, {}), f"{_WHAT} {BATCHES!r}"))
             merged[EPOCH_DONE] = merged[EPOCH_DONE] and require_bool(state, EPOCH_DONE, _WHAT)
+        _check_same_pipeline(_slots_of(merged, _max_slots(merged)), max(1, merged[NUM_WORKERS]))
         return merged
+
+
+def _max_slots(state: Mapping[str, Any]) -> int:
+    return require_int(state, WORLD_SIZE, _WHAT, minimum=1) * max(1, require_int(state, NUM_WORKERS, _WHAT, minimum=0))
+
+
+def pipeline_fields(state: Any, path: str = "") -> dict[str, Any]:
+    """What a pipeline state says the pipeline is: ``{"source.seed": 0, ...}``, positions left out."""
+    fields: dict[str, Any] = {}
+    if isinstance(state, Mapping):
+        for key, value in state.items():
+            if key not in POSITION_FIELDS:
+                fields.update(pipeline_fields(value, f"{path}.{key}" if path else str(key)))
+    elif isinstance(state, list) and any(isinstance(item, Mapping) for item in state):  # mix's sources
+        for i, item in enumerate(state):
+            fields.update(pipeline_fields(item, f"{path}[{i}]"))
+    else:
+        fields[path] = state
+    return fields
+
+
+def _check_same_pipeline(slots: Mapping[int, Any], local: int) -> None:
+    """Refuse slot states of ranks whose pipelines were built differently (seed, shards, sizes...).
+
+    Each slot is read with its own rank's pipeline arguments: merged, slots of differently built
+    pipelines would read some records twice and others never.
+    """
+    order = sorted(slots)
+    reference = pipeline_fields(slots[order[0]])
+    for g in order[1:]:
+        fields = pipeline_fields(slots[g])
+        if fields != reference:
+            differ = sorted(
+                k for k in set(fields) | set(reference) if fields.get(k, "<absent>") != reference.get(k, "<absent>")
+            )
+            detail = "; ".join(
+                f"{k}: {brief(reference.get(k, '<absent>'))} vs {brief(fields.get(k, '<absent>'))}" for k in differ[:5]
+            )
+            raise ResumeError(
+                f"cannot merge the states of rank {order[0] // local} (slot {order[0]}) and rank {g // local} "
+                f"(slot {g}): their pipelines were built differently ({detail}); merged, some records would be "
+                "read twice and others never. Build the pipeline with the same arguments (seeds, shard list, "
+                "buffer sizes, weights) on every rank"
+            )
 
 
 _SLOT_NAME = re.compile(r"0|[1-9][0-9]*")
@@ -396,16 +493,6 @@ def _slots_of(state: Mapping[str, Any], num_slots: int) -> dict[int, Any]:
     return parsed
 
 
-def _batches_of(state: Mapping[str, Any], mine: range) -> list[int]:
-    """The ``"batches"`` counts of this rank's slots (0 for a state saved before they were kept)."""
-    counts = require_mapping(state.get(BATCHES, {}), f"{_WHAT} {BATCHES!r}")
-    batches = [counts.get(str(g), 0) for g in mine]
-    for g, n in zip(mine, batches, strict=True):
-        if not is_int(n) or not 0 <= n <= INT64_MAX:
-            raise ResumeError(f"{_WHAT} state field {BATCHES!r} has {brief(n)} for slot {g}, expected an int >= 0")
-    return batches
-
-
 def _copy(states: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """A deep copy of the slot states, so that the caller owns what state_dict() returns.
 
@@ -416,9 +503,27 @@ def _copy(states: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return copied
 
 
+def _batches_of(state: Mapping[str, Any], mine: range) -> list[int]:
+    """The ``"batches"`` counts of this rank's slots (0 for a state saved before they were kept)."""
+    counts = require_mapping(state.get(BATCHES, {}), f"{_WHAT} {BATCHES!r}")
+    batches = [counts.get(str(g), 0) for g in mine]
+    for g, n in zip(mine, batches, strict=True):
+        if not is_int(n) or not 0 <= n <= INT64_MAX:
+            raise ResumeError(f"{_WHAT} state field {BATCHES!r} has {brief(n)} for slot {g}, expected an int >= 0")
+    return batches
+
+
 def _unchanged(item: Any) -> Any:
     """The DataLoader's collate_fn: workers already batched, and the state must pass untouched."""
     return item
+
+
+class _Seeding(NamedTuple):
+    """Global-RNG seeding before each batch: slot ``g``'s ``n``-th batch of the epoch is pulled
+    through the pipeline under ``hash_more(prefix, g, n)``."""
+
+    prefix: int  # hash_ints(epoch, number of slots, salt)
+    first_slot: int  # this rank's first global slot
 
 
 class _SlotDataset(IterableDataset):
@@ -430,38 +535,51 @@ class _SlotDataset(IterableDataset):
     slot's state into its copy of the pipeline.
     """
 
-    def __init__(self, stream: Stream, states: list[dict[str, Any]], next_worker: int, holds: int | None) -> None:
+    def __init__(
+        self,
+        stream: Stream,
+        states: list[dict[str, Any]],
+        yielded: list[int],
+        seeding: _Seeding | None,
+        next_worker: int,
+        holds: int | None,
+    ) -> None:
         self.stream = stream
         self.states = states
+        self.yielded = yielded
+        self.seeding = seeding
         self.next_worker = next_worker
         self.holds = holds
-        self.batches = [0] * len(states)
-        self.first_slot = 0
-        self.key_prefix: int | None = None  # set by seed_per_batch
-
-    def seed_per_batch(self, epoch: int, first_slot: int, num_slots: int, batches: list[int]) -> None:
-        """Seed the global RNGs before each batch from ``(epoch, global slot, batches so far)``."""
-        self.key_prefix = hash_ints(epoch, num_slots, _BATCH_SALT)
-        self.first_slot, self.batches = first_slot, batches
 
     def __iter__(self) -> Iterator[tuple[int, int, dict[str, Any], Any]]:
         info = get_worker_info()
         # Rotate slots over workers so that the DataLoader's round-robin, which always starts at
         # worker 0, starts at the slot that was next when the state was saved.
         local = 0 if info is None else (info.id + self.next_worker) % len(self.states)
-        if info is not None or local != self.holds:
-            self.stream.load_state_dict(self.states[local])
-        items, n = iter(self.stream), self.batches[local]
-        item: Any
-        while True:
-            if self.key_prefix is None:
+        load = info is not None or local != self.holds
+        yield from _slot_batches(self.stream, local, self.states[local], self.yielded[local], self.seeding, load=load)
+
+
+def _slot_batches(
+    stream: Stream, local: int, state: dict[str, Any], yielded: int, seeding: _Seeding | None, *, load: bool
+) -> Iterator[tuple[int, int, dict[str, Any], Any]]:
+    """The per-batch path: slot ``local``'s batches from ``state`` (loaded when ``load``), each with
+    the count of batches the slot has yielded and the change to the state it makes; whichever
+    process runs it (a worker, or this one)."""
+    if load:
+        stream.load_state_dict(state)
+    items = iter(stream)
+    # In the main process the global RNGs are the training loop's too: they are put back after each batch.
+    restore = get_worker_info() is None
+    while True:
+        if seeding is None:
+            item = next(items, _END)
+        else:
+            # Pulling the batch runs the pipeline (map's fn included) for it, under its own key.
+            with GLOBAL_RNGS.seeded(hash_more(seeding.prefix, seeding.first_slot + local, yielded), restore=restore):
                 item = next(items, _END)
-            else:
-                # Pulling the batch runs the pipeline (map's fn included) for it, under its own key.
-                key = hash_more(self.key_prefix, self.first_slot + local, n)
-                with GLOBAL_RNGS.seeded(key, restore=info is None):
-                    item = next(items, _END)
-            if item is _END:
-                return
-            n += 1
-            yield local, n, self.stream.state_dict(), item
+        if item is _END:
+            return
+        yielded += 1
+        # The change since the last batch's state: as large as a batch, not as the state.
+        yield local, yielded, stream.state_update(), item

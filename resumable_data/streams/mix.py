@@ -137,6 +137,12 @@ class Mix(Stream):
             stream.reset(epoch, slot)
 
     def state_dict(self) -> dict[str, Any]:
+        return self._state([s.state_dict() for s in self.streams])
+
+    def state_update(self) -> dict[str, Any]:
+        return self._state([s.state_update() for s in self.streams])
+
+    def _state(self, sources: list[dict[str, Any]]) -> dict[str, Any]:
         return {
             VERSION: STREAM_STATE_VERSION,
             EPOCH: self._epoch,
@@ -144,8 +150,16 @@ class Mix(Stream):
             WEIGHTS: list(self.weights),
             DRAWS: self._draws,
             EXHAUSTED: list(self._exhausted),
-            SOURCES: [s.state_dict() for s in self.streams],
+            SOURCES: sources,
         }
+
+    def apply_update(self, previous: dict[str, Any], update: dict[str, Any]) -> dict[str, Any]:
+        state = dict(update)
+        state[SOURCES] = [
+            stream.apply_update(p, u)
+            for stream, p, u in zip(self.streams, previous[SOURCES], update[SOURCES], strict=True)
+        ]
+        return state
 
     def _sources_of(self, state: Mapping[str, Any]) -> list[Any]:
         sources = state.get(SOURCES)

@@ -15,6 +15,7 @@ re-reading single rows by key; the last few row groups read are kept decoded
 
 from __future__ import annotations
 
+import hashlib
 import os
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
@@ -113,6 +114,25 @@ class ParquetReader:
                 parquet.close(force=True)
                 raise ResumeError(f"parquet shard {name!r} lacks the column(s) {missing}; its columns are {names}")
         return parquet
+
+    def identity(self, shard: Any) -> str:
+        """``"size:digest"`` of the file's size and its footer (the row groups' sizes, offsets and
+        statistics): what a restore already reads, and no byte of a row group. Through ``opener``
+        when given."""
+        name = str(shard)
+        try:
+            with open(os.fspath(shard), "rb") if self.opener is None else self.opener(shard) as file:
+                size = file.seek(0, os.SEEK_END)
+                if size < 12:
+                    raise ResumeError(f"parquet shard {name!r} holds {size} bytes: not a Parquet file")
+                file.seek(size - 8)
+                tail = file.read(8)
+                footer = min(int.from_bytes(tail[:4], "little") + 8, size)
+                file.seek(size - footer)
+                digest = hashlib.blake2b(file.read(footer), digest_size=8).hexdigest()
+        except FileNotFoundError as exc:
+            raise ResumeError(f"parquet shard {name!r} is missing: {exc}") from exc
+        return f"{size}:{digest}"
 
     def num_records(self, shard: Any) -> int:
         """Rows in the shard (from its footer)."""

@@ -23,6 +23,11 @@ class Repeat(Wrapper):
     keys, so ``map(seed=...)`` augments them differently. Resumes only with the same worker and
     rank layout.
 
+    A round that yields no record ends the repeat: every later round would be empty too (an empty
+    shard list for this worker or rank, a filter that rejects everything), so repeating it would
+    spin forever without a record. Inside :func:`mix` such a source then drops out like any
+    exhausted one.
+
     Example::
 
         mixed = mix([web.repeat(), books.repeat()], weights=[0.7, 0.3], seed=0)
@@ -39,12 +44,17 @@ class Repeat(Wrapper):
         return self._round if self.times is None else self._epoch * self.times + self._round
 
     def iter_keyed(self) -> Iterator[tuple[Key | None, Any]]:
+        started = False  # the current round was started here, not continued (e.g. restored at its end)
         while True:
-            yield from self.source.iter_keyed()
-            if self.times is not None and self._round + 1 >= self.times:
+            empty = True
+            for item in self.source.iter_keyed():
+                empty = False
+                yield item
+            if (started and empty) or (self.times is not None and self._round + 1 >= self.times):
                 return
             self._round += 1
             self.source.reset(self._source_epoch(), None)
+            started = True
 
     def reset(self, epoch: int, slot: Slot | None) -> None:
         self._epoch, self._round = epoch, 0

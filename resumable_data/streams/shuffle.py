@@ -9,6 +9,17 @@ State: ``{"epoch", "seed", "size", "draws", "buffer": [[key...], ...], "source":
 the buffered records are re-read by key into the same buffer slots, so the stream continues
 bitwise identically.
 
+The state after each batch. Listing the buffer costs time in proportion to its size, far more
+than a batch's records at a large buffer, so :class:`StreamLoader` (which keeps every batch's
+state) asks for :meth:`~Stream.state_update` instead: the keys that entered the buffer since the
+last update (``"entered"``) and the draw count then (``"since"``). Since a draw's slot is a pure
+function of the draw number, :meth:`ShuffleBuffer.apply_update` replays the entries onto the
+previous key list in place: fill while not full, then one draw per entry, then the draws of the
+drain. Per batch both sides do work in proportion to the batch, whatever the buffer size; the
+whole list is built only when a state is asked for. After a reset (a new epoch, a ``repeat``
+round), or when no update was taken for more than ``size`` entries, the next update is the whole
+state.
+
 Re-reading ahead of the draws. A restore does not re-read the whole buffer before its first
 record: since the choices are a pure function of the draw number, the buffer knows which slots
 the next draws pick. When a draw is about to pick a slot not re-read yet, it re-reads the slots
@@ -29,7 +40,7 @@ from operator import itemgetter
 from typing import Any
 
 from ..core.hash import hash_ints, hash_more
-from ..core.state import SEED, brief, check_int_arg
+from ..core.state import EPOCH, SEED, brief, check_int_arg
 from ..errors import ResumeError
 from .base import DRAWS, SOURCE, Key, Stream, Wrapper, check_same, record_key, require_count, require_key
 
@@ -48,6 +59,8 @@ READ_AHEAD_GROWTH = 4  # each later re-read covers this many times more draws: f
 
 SIZE = "size"
 BUFFER = "buffer"
+SINCE = "since"  # an update's base: the draw count of the state it changes
+ENTERED = "entered"  # an update's keys that entered the buffer since that state, in order
 
 
 class ShuffleBuffer(Wrapper):
@@ -77,6 +90,10 @@ class ShuffleBuffer(Wrapper):
         self._unread = 0  # slots holding _Unread
         self._read_ahead = FIRST_READ_AHEAD  # draws the next re-read covers
         self._draws = 0
+        # Keys entered since the last state_update (None: that update's state is not the base of
+        # the next one, which is then the whole state); and the draw count at that update.
+        self._entered: list[Key] | None = None
+        self._since = 0
 
     def _choice(self) -> int:
         return hash_ints(self.seed, self._epoch, self._draws) % len(self._buffer)
@@ -127,6 +144,11 @@ class ShuffleBuffer(Wrapper):
             if item is None:
                 break
             keyed = record_key(item[0], "shuffle_buffer"), item[1]
+            entered = self._entered
+            if entered is not None:
+                entered.append(keyed[0])
+                if len(entered) > self.size:  # nobody takes updates: stop logging
+                    self._entered = None
             if not full:
                 self._buffer.append(keyed)
                 continue
@@ -145,6 +167,38 @@ class ShuffleBuffer(Wrapper):
 
     def _reset_own(self) -> None:
         self._buffer, self._unread, self._read_ahead, self._draws = [], 0, FIRST_READ_AHEAD, 0
+        self._entered = None
+
+    def _own_update(self) -> dict[str, Any]:
+        entered, self._entered, since, self._since = self._entered, [], self._since, self._draws
+        if entered is None:
+            return self._own_state()
+        return {SEED: self.seed, SIZE: self.size, DRAWS: self._draws, SINCE: since, ENTERED: list(map(list, entered))}
+
+    def apply_update(self, previous: dict[str, Any], update: dict[str, Any]) -> dict[str, Any]:
+        state = super().apply_update(previous, update)
+        if BUFFER in update:
+            return state
+        buffer: list[list[int]] = previous[BUFFER]
+        draw, entered = update[SINCE], update[ENTERED]
+        if previous[DRAWS] != draw or previous[EPOCH] != update[EPOCH]:
+            raise RuntimeError(  # the protocol was broken: a bug, not bad input
+                f"shuffle_buffer update is relative to draw {draw} of epoch {update[EPOCH]}, but the previous "
+                f"state is at draw {previous[DRAWS]} of epoch {previous[EPOCH]}"
+            )
+        prefix = hash_ints(self.seed, update[EPOCH])
+        fill = max(0, min(len(entered), self.size - len(buffer)))
+        buffer.extend(entered[:fill])
+        for key in entered[fill:]:
+            buffer[hash_more(prefix, draw) % len(buffer)] = key
+            draw += 1
+        for drain in range(draw, update[DRAWS]):  # draining: the last record moves into the drawn slot
+            slot = hash_more(prefix, drain) % len(buffer)
+            buffer[slot] = buffer[-1]
+            buffer.pop()
+        del state[SINCE], state[ENTERED]
+        state[BUFFER] = buffer
+        return state
 
     def _own_state(self) -> dict[str, Any]:
         # Taken after every batch (StreamLoader keeps each batch's state): map() instead of a list
@@ -172,6 +226,7 @@ class ShuffleBuffer(Wrapper):
         def apply() -> None:
             self._buffer = [(key, _Unread) for key in keys]
             self._unread, self._read_ahead, self._draws = len(keys), FIRST_READ_AHEAD, draws
+            self._entered, self._since = [], draws  # updates are relative to this state
 
         return apply
 

@@ -114,19 +114,16 @@ def test_bench_overhead_quick(tmp_path: Path) -> None:
 
 
 def test_bench_streams_quick(tmp_path: Path) -> None:
-    # The benchmark exits non-zero if a restored batch differs from the uninterrupted run's.
+    # The benchmark exits non-zero if an epoch misses a record; a restore that differs is "not exact".
     _run_quick("bench_streams.py", tmp_path)
-    rows = _rows(tmp_path, "streams", "pipeline")
-    pipelines = ["source", "realistic (buffer 1000)", "realistic (buffer 1000), 2 workers"]
-    try:
-        import pyarrow  # noqa: F401
-    except ImportError:
-        assert "Parquet rows: not run" in (tmp_path / "streams.md").read_text()
-    else:
-        pipelines += ["parquet source", "parquet, shuffle buffer 1000"]
-    assert [row["pipeline"] for row in rows] == pipelines
-    assert all(row["restore"] and row["fresh start"] for row in rows)
-    assert "restore ≤ 5 ms" in (tmp_path / "streams.md").read_text()
+    text = (tmp_path / "streams.md").read_text()
+    rows = _rows(tmp_path, "streams", "method")
+    methods = [row["method"] for row in rows]
+    assert "DataLoader (map-style, shuffled)" in methods
+    assert "StreamLoader, shuffle_window(10,000), 2 workers" in methods
+    assert "not exact" not in text
+    assert sum(name in methods for name in ("litdata", "mosaic", "litdata 0.2.76", "Mosaic Streaming 0.13.0")) >= 2
+    assert "## 4. Elastic" in text and "## 5. Mixing" in text
 
 
 def test_bench_checkpoint_quick(tmp_path: Path) -> None:

@@ -232,3 +232,45 @@ def test_a_batch_that_raised_is_produced_again_from_its_start() -> None:
             got += ids([next(batches)])
     got += ids(loader)
     assert got == expected
+
+
+@pytest.mark.parametrize(
+    ("rank1_kwargs", "field"),
+    [({"seed": 3}, "seed"), ({"buffer": 4}, "size"), ({"names": ["m0", "m1", "m2", "m3", "m5", "m4"]}, "digest")],
+)
+def test_merge_states_refuses_ranks_whose_pipelines_differ(rank1_kwargs: dict[str, Any], field: str) -> None:
+    shards = MemoryShards([4, 4, 4, 4, 4, 4])
+
+    def loader(rank: int, *, seed: int = 2, buffer: int = 3, names: list[str] = shards.names) -> StreamLoader:
+        stream = ShardedIterable(names, read_shard=shards, seed=seed).shuffle_buffer(buffer, seed=1)
+        return StreamLoader(stream, batch_size=2, rank=rank, world_size=2)
+
+    ranks = [loader(0), loader(1, **rank1_kwargs)]
+    for r in ranks:
+        list(itertools.islice(iter(r), 2))
+    with pytest.raises(ResumeError, match=rf"rank 0 \(slot 0\) and rank 1 \(slot 1\).*{field}"):
+        StreamLoader.merge_states([r.state_dict() for r in ranks])
+    StreamLoader.merge_states([loader(0).state_dict(), loader(1).state_dict()])  # the same pipelines merge
+
+
+def _tag_process(record: int) -> tuple[int, bool]:
+    return record, torch.utils.data.get_worker_info() is None
+
+
+@pytest.mark.parametrize("warm_start", [None, False])
+def test_warm_start_serves_a_passs_first_batch_from_the_main_process(warm_start: bool | None) -> None:
+    shards = MemoryShards([6, 6, 6, 6])
+
+    def make() -> StreamLoader:
+        stream = ShardedIterable(shards.names, read_shard=shards, seed=1).map(_tag_process)
+        return StreamLoader(stream, batch_size=2, num_workers=2, warm_start=warm_start, timeout=60)
+
+    loader = make()
+    batches = list(itertools.islice(iter(loader), 3))
+    restored = make()
+    restored.load_state_dict(loader.state_dict())
+    rest = list(restored)
+    in_main = [bool(batch[1].all()) for batch in batches + rest]
+    warm = warm_start is None
+    assert in_main == [warm, False, False, warm] + [False] * (len(rest) - 1)
+    assert sorted(ids([b[0] for b in batches + rest])) == shards.all_records()

@@ -7,6 +7,7 @@ epoch; one more case resumes several times in a row.
 
 from __future__ import annotations
 
+import itertools
 import json
 import warnings
 
@@ -224,3 +225,40 @@ def test_set_epoch_keeps_a_restored_position_and_resets_otherwise() -> None:
     assert restored.state_dict() == stream.state_dict()
     restored.set_epoch(1)
     assert restored.state_dict()["source"]["buffer"] == []
+
+
+class _EndlessGuard:
+    """``read_shard`` of an empty shard that fails the test instead of letting a spin go on forever."""
+
+    def __init__(self, limit: int = 1000) -> None:
+        self.limit, self.reads = limit, 0
+
+    def __call__(self, shard: str, start: int):
+        self.reads += 1
+        if self.reads > self.limit:
+            raise RuntimeError(f"read the empty shard {self.reads} times: repeat() spins without a record")
+        return iter([])
+
+
+def test_repeat_of_an_empty_source_ends_instead_of_spinning() -> None:
+    guard = _EndlessGuard()
+    assert list(ShardedIterable(["empty"], read_shard=guard).repeat()) == []
+    assert guard.reads <= 3
+
+
+def test_mix_with_an_empty_repeated_source_goes_on_with_the_others() -> None:
+    guard = _EndlessGuard()
+    empty = ShardedIterable(["empty"], read_shard=guard).repeat()
+    mixed = mix([empty, source([2, 3])], seed=0)
+    assert sorted(mixed) == sorted(source([2, 3]))
+    assert guard.reads <= 3
+
+
+def test_repeat_restored_at_the_end_of_a_round_goes_on_with_the_next_round() -> None:
+    # A round that ends right after the checkpoint is not an empty round.
+    stream = source([2]).repeat()
+    first = [next(iter(stream)) for _ in range(2)]  # the whole first round (a new iter() continues)
+    resumed = source([2]).repeat()
+    resumed.load_state_dict(json.loads(json.dumps(stream.state_dict())))
+    rest = list(itertools.islice(resumed, 4))
+    assert sorted(first) == sorted(rest[:2]) == sorted(rest[2:])

@@ -1,0 +1,115 @@
+"""Peer streaming libraries for bench_streams.py, each used the way its documentation teaches.
+
+- litdata (``pip install litdata``): ``litdata.optimize`` writes chunked data, read by
+  ``StreamingDataset(input_dir, shuffle=True, seed=...)`` through ``StreamingDataLoader``, whose
+  ``state_dict()`` / ``load_state_dict()`` resume. ``optimize`` runs in a *separate process*: after
+  it has run in a process, that process's forked DataLoader workers start about 100x slower.
+- Mosaic Streaming (``pip install mosaicml-streaming``): ``MDSWriter`` writes MDS shards, read by
+  ``StreamingDataset(local=..., shuffle=True, shuffle_seed=..., batch_size=...)`` through its
+  ``StreamingDataLoader``, whose ``state_dict()`` / ``load_state_dict()`` resume. Its import needs
+  torchvision's C ops; on a torch ``+cpu`` wheel with PyPI's torchvision the tests' workaround
+  (``tests/torchvision_compat.py``) declares them.
+
+Both are optional (the ``[peers]`` extra); :func:`available` says which import, and why not.
+Records are the same as ours: record ``i`` is the int64 pair ``[i, i]`` (two tokens), so every
+library's batches are checked for exactness by their record ids.
+"""
+
+from __future__ import annotations
+
+import gc
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+def available() -> dict[str, str | None]:
+    """``{peer: None when importable, else why not}``."""
+    found: dict[str, str | None] = {}
+    try:
+        import litdata  # noqa: F401
+    except Exception as exc:  # any import failure means "not usable here"
+        found["litdata"] = f"not installed ({type(exc).__name__}: {exc}); pip install '.[peers]'"
+    else:
+        found["litdata"] = None
+    try:
+        sys.path.insert(0, str(REPO_ROOT / "tests"))
+        from torchvision_compat import load_torchvision
+
+        load_torchvision()
+        import streaming  # noqa: F401
+    except Exception as exc:
+        found["mosaic"] = f"not installed ({type(exc).__name__}: {exc}); pip install '.[peers]'"
+    else:
+        found["mosaic"] = None
+    return found
+
+
+_LITDATA_WRITER = """
+import sys
+import numpy as np
+import litdata
+
+def record(i):
+    return np.array([i, i], dtype=np.int64)
+
+if __name__ == "__main__":
+    n, out = int(sys.argv[1]), sys.argv[2]
+    litdata.optimize(fn=record, inputs=list(range(n)), output_dir=out, chunk_bytes="16MB", num_workers=1)
+"""
+
+
+def write_litdata(directory: Path, n: int) -> Path:
+    """``n`` records in litdata's format, written by ``litdata.optimize`` in another process."""
+    out = directory / f"litdata-{n}"
+    script = directory / "write_litdata.py"
+    script.write_text(_LITDATA_WRITER)
+    subprocess.run([sys.executable, str(script), str(n), str(out)], check=True, capture_output=True, timeout=1800)
+    return out
+
+
+def write_mosaic(directory: Path, n: int) -> Path:
+    """``n`` records as Mosaic MDS shards."""
+    from streaming import MDSWriter
+
+    out = directory / f"mosaic-{n}"
+    with MDSWriter(out=str(out), columns={"tokens": "ndarray:int64:2"}, size_limit=1 << 24) as writer:
+        for i in range(n):
+            writer.write({"tokens": np.array([i, i], dtype=np.int64)})
+    return out
+
+
+def litdata_loader(data: Path, *, batch_size: int, workers: int, transform: Any = None) -> Any:
+    import litdata
+
+    dataset = litdata.StreamingDataset(str(data), shuffle=True, seed=0, transform=transform)
+    return litdata.StreamingDataLoader(dataset, batch_size=batch_size, num_workers=workers)
+
+
+_MOSAIC_LIVE: list[Any] = []
+
+
+def mosaic_loader(data: Path, *, batch_size: int, workers: int, transform: Any = None) -> Any:
+    from streaming import StreamingDataLoader, StreamingDataset
+
+    release_mosaic()  # one live dataset per local directory (its shared memory is named after it)
+
+    class Dataset(StreamingDataset):
+        def __getitem__(self, index: int) -> Any:
+            sample = torch.from_numpy(super().__getitem__(index)["tokens"])
+            return sample if transform is None else transform(sample)
+
+    dataset = Dataset(local=str(data), shuffle=True, shuffle_seed=0, batch_size=batch_size)
+    _MOSAIC_LIVE.append(dataset)
+    return StreamingDataLoader(dataset, batch_size=batch_size, num_workers=workers)
+
+
+def release_mosaic() -> None:
+    _MOSAIC_LIVE.clear()
+    gc.collect()
