@@ -7,7 +7,7 @@ job, until each finishes. A kill is one of, in turn:
 
 - a rank (by start order: any of them) or the torchrun agent SIGKILLed at a random moment of the
   run; an agent's ranks must exit by themselves (:func:`resumable_data.torchrun.watch_parent`);
-- rank 0 SIGKILLed at an aimed moment of a checkpoint write (:mod:`trainer.killpoints`): mid
+- rank 0 SIGKILLed at an aimed moment of a checkpoint write (:mod:`trainer.harness.killpoints`): mid
   ``trainer.pt``, just after it is synced, manifest synced, just before and after the publishing
   rename, a step folder moved aside or half deleted by pruning.
 
@@ -54,9 +54,9 @@ __all__ = ["DISTRIBUTED_PLAN", "chaos_distributed"]
 
 # Kill points in turn: random moments (any rank, the agent) between aimed moments of a DCP write.
 DISTRIBUTED_PLAN = (
-    "rank-at-seconds", "payload-half", "agent-at-seconds", "prune-half", "rank-at-seconds", "manifest-synced",
-    "before-publish", "agent-at-seconds", "after-publish", "rank-at-seconds", "prune-aside", "payload-synced",
-)  # fmt: skip
+    *("rank-at-seconds", "payload-half", "agent-at-seconds", "prune-half", "rank-at-seconds", "manifest-synced"),
+    *("before-publish", "agent-at-seconds", "after-publish", "rank-at-seconds", "prune-aside", "payload-synced"),
+)
 LAUNCH_TIMEOUT_S = 400
 # How long the ranks of a killed agent may outlive it.
 ORPHAN_GRACE_S = 15
@@ -107,24 +107,7 @@ def chaos_distributed(
         )
     started = time.perf_counter()
     base = Path(run_dir)
-    shutil.rmtree(base, ignore_errors=True)
-    base.mkdir(parents=True)
-    corpus = base / "corpus.txt"
-    corpus.write_bytes(Path(random.__file__).read_bytes()[:CORPUS_BYTES])
-    config = TrainConfig(
-        run_dir=str(base / "reference"), data=str(corpus), cache_dir=str(base / "cache"),
-        checkpoint_format=checkpoint_format, **CHAOS_DEFAULTS,
-    )  # fmt: skip
-    reference = replace(config, resume="never", keep_last=10**6)
-    code = _torchrun(reference, _Launch(NO_KILL, "0", 0), nproc).wait(timeout=LAUNCH_TIMEOUT_S)
-    if code != 0:
-        raise RuntimeError(f"the reference run failed with exit code {code}; see {base / 'reference' / 'launches.log'}")
-    events = read_metrics(reference.run_dir)
-    expected_losses = {e["step"]: e["loss"] for e in events if e["event"] == "step"}
-    times = [e["time"] for e in events if e["event"] in ("start", "end")]
-    train_s = times[-1] - times[0]
-    log(f"chaos: {nproc}-rank {checkpoint_format} reference of {config.max_steps} steps trained in {train_s:.2f} s")
-
+    config, expected_losses, train_s = _reference_run(base, checkpoint_format, nproc, log)
     report = ChaosReport()
     rng = random.Random(seed)
     references: dict[int, dict[str, Any]] = {}
@@ -132,58 +115,97 @@ def chaos_distributed(
         if report.total_kills >= kills or report.failures:
             break
         run = replace(config, run_dir=str(base / f"run-{run_number:03d}"), resume="auto")
-        launches: list[_Launch] = []
-        while True:
-            attempt = report.total_kills
-            if attempt < kills:
-                point = DISTRIBUTED_PLAN[attempt % len(DISTRIBUTED_PLAN)]
-                count = f"{rng.uniform(0.0, train_s):.3f}" if point.endswith("at-seconds") else str(rng.randint(1, 2))
-            else:
-                point, count = NO_KILL, "0"
-            launch = _Launch(point, count, num_workers=2 * (attempt % 2))
-            report.launches += 1
-            launch.first_event = len(_events(run.run_dir))
-            process = _torchrun(replace(run, num_workers=launch.num_workers), launch, nproc)
-            if point.endswith("at-seconds"):
-                launch.killed = _kill_later(process, run.run_dir, launch, rng, nproc)
-            try:
-                launch.exit_code = process.wait(timeout=LAUNCH_TIMEOUT_S)
-            except subprocess.TimeoutExpired:
-                process.kill()
-                launch.exit_code = process.wait()
-                report.failures.append(f"{run.run_dir}: a launch ran over {LAUNCH_TIMEOUT_S} s and was stopped")
-            launches.append(launch)
-            aimed = point != NO_KILL and not point.endswith("at-seconds")
-            landed = launch.killed != "" or (aimed and _rank_sigkilled(run.run_dir))
-            if launch.orphans:
-                report.failures.append(
-                    f"{run.run_dir}: ranks {launch.orphans} outlived their killed agent by {ORPHAN_GRACE_S} s"
-                )
-                break
-            if landed and launch.exit_code != 0:
-                report.kills[point] += 1
-                report.kills_with_workers += launch.num_workers > 0
-                launch.snapshot = base / "snapshots" / f"{Path(run.run_dir).name}-{len(launches):02d}"
-                if (Path(run.run_dir) / DCP_FOLDER).is_dir():
-                    shutil.copytree(Path(run.run_dir) / DCP_FOLDER, launch.snapshot, symlinks=True)
-                else:  # killed before its first save
-                    launch.snapshot.mkdir(parents=True)
-                continue
-            if launch.exit_code != 0:
-                output = (Path(run.run_dir) / "launches.log").read_text(errors="replace")
-                if "locked by pid" in output:
-                    report.relaunches_refused += 1
-                report.failures.append(
-                    f"{run.run_dir}: launch {len(launches)} exited with {launch.exit_code}; see launches.log"
-                )
-            break
+        launches = _launch_until_finished(run, base, kills, train_s, nproc, rng, report)
         if not report.failures:
             report.runs_completed += 1
-            _check_run(run, launches, expected_losses, Path(reference.run_dir), references, report)
-        log(f"  {Path(run.run_dir).name}: {len(launches)} launches, kills so far {report.total_kills}/{kills}"
-            f"{'' if report.ok else ' FAILED: ' + report.failures[-1]}")  # fmt: skip
+            _check_run(run, launches, expected_losses, base / "reference", references, report)
+        status = "" if report.ok else " FAILED: " + report.failures[-1]
+        log(f"  {Path(run.run_dir).name}: {len(launches)} launches, kills so far {report.total_kills}/{kills}{status}")
     report.wall_s = time.perf_counter() - started
     return report
+
+
+def _reference_run(
+    base: Path, checkpoint_format: str, nproc: int, log: Any
+) -> tuple[TrainConfig, dict[int, float], float]:
+    """Empty ``base``, train the uninterrupted reference; its config, losses and training time."""
+    shutil.rmtree(base, ignore_errors=True)
+    base.mkdir(parents=True)
+    corpus = base / "corpus.txt"
+    corpus.write_bytes(Path(random.__file__).read_bytes()[:CORPUS_BYTES])
+    paths = {"run_dir": str(base / "reference"), "data": str(corpus), "cache_dir": str(base / "cache")}
+    config = TrainConfig(**paths, checkpoint_format=checkpoint_format, **CHAOS_DEFAULTS)
+    reference = replace(config, resume="never", keep_last=10**6)
+    code = _torchrun(reference, _Launch(NO_KILL, "0", 0), nproc).wait(timeout=LAUNCH_TIMEOUT_S)
+    if code != 0:
+        raise RuntimeError(f"the reference run failed with exit code {code}; see {base / 'reference' / 'launches.log'}")
+    events = read_metrics(reference.run_dir)
+    times = [e["time"] for e in events if e["event"] in ("start", "end")]
+    train_s = times[-1] - times[0]
+    log(f"chaos: {nproc}-rank {checkpoint_format} reference of {config.max_steps} steps trained in {train_s:.2f} s")
+    return config, {e["step"]: e["loss"] for e in events if e["event"] == "step"}, train_s
+
+
+def _launch_until_finished(
+    run: TrainConfig, base: Path, kills: int, train_s: float, nproc: int, rng: random.Random, report: ChaosReport
+) -> list[_Launch]:
+    """Launch ``run`` again and again, each launch armed with the plan's next kill, until one ends
+    unkilled (or fails); every landed kill's checkpoint folder is kept as a snapshot."""
+    launches: list[_Launch] = []
+    while True:
+        attempt = report.total_kills
+        if attempt < kills:
+            point = DISTRIBUTED_PLAN[attempt % len(DISTRIBUTED_PLAN)]
+            count = f"{rng.uniform(0.0, train_s):.3f}" if point.endswith("at-seconds") else str(rng.randint(1, 2))
+        else:
+            point, count = NO_KILL, "0"
+        launch = _Launch(point, count, num_workers=2 * (attempt % 2))
+        report.launches += 1
+        launch.first_event = len(_events(run.run_dir))
+        _run_launch(run, launch, nproc, rng, report)
+        launches.append(launch)
+        if not _killed_as_planned(run, base, launch, len(launches), report):
+            return launches
+
+
+def _run_launch(run: TrainConfig, launch: _Launch, nproc: int, rng: random.Random, report: ChaosReport) -> None:
+    """Start one launch, kill it at its random moment if it has one, and wait for its exit code."""
+    process = _torchrun(replace(run, num_workers=launch.num_workers), launch, nproc)
+    if launch.killpoint.endswith("at-seconds"):
+        launch.killed = _kill_later(process, run.run_dir, launch, rng, nproc)
+    try:
+        launch.exit_code = process.wait(timeout=LAUNCH_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        launch.exit_code = process.wait()
+        report.failures.append(f"{run.run_dir}: a launch ran over {LAUNCH_TIMEOUT_S} s and was stopped")
+
+
+def _killed_as_planned(run: TrainConfig, base: Path, launch: _Launch, number: int, report: ChaosReport) -> bool:
+    """Whether the launch died of its kill (then snapshot its checkpoints: the run goes on); a
+    launch that finished, failed or left orphans ends the run (failures are recorded)."""
+    aimed = launch.killpoint != NO_KILL and not launch.killpoint.endswith("at-seconds")
+    landed = launch.killed != "" or (aimed and _rank_sigkilled(run.run_dir))
+    if launch.orphans:
+        report.failures.append(
+            f"{run.run_dir}: ranks {launch.orphans} outlived their killed agent by {ORPHAN_GRACE_S} s"
+        )
+        return False
+    if landed and launch.exit_code != 0:
+        report.kills[launch.killpoint] += 1
+        report.kills_with_workers += launch.num_workers > 0
+        launch.snapshot = base / "snapshots" / f"{Path(run.run_dir).name}-{number:02d}"
+        if (Path(run.run_dir) / DCP_FOLDER).is_dir():
+            shutil.copytree(Path(run.run_dir) / DCP_FOLDER, launch.snapshot, symlinks=True)
+        else:  # killed before its first save
+            launch.snapshot.mkdir(parents=True)
+        return True
+    if launch.exit_code != 0:
+        output = (Path(run.run_dir) / "launches.log").read_text(errors="replace")
+        if "locked by pid" in output:
+            report.relaunches_refused += 1
+        report.failures.append(f"{run.run_dir}: launch {number} exited with {launch.exit_code}; see launches.log")
+    return False
 
 
 def _torchrun(config: TrainConfig, launch: _Launch, nproc: int) -> subprocess.Popen[bytes]:
@@ -191,11 +213,9 @@ def _torchrun(config: TrainConfig, launch: _Launch, nproc: int) -> subprocess.Po
     on rank 0 with a kill point unless it is a random-moment kill or none."""
     train_argv = ["train", *config_to_argv(config)]
     aimed = launch.killpoint != NO_KILL and not launch.killpoint.endswith("at-seconds")
-    entry = ["-m", "trainer.killpoints", launch.killpoint, launch.count] if aimed else ["-m", "trainer"]
-    command = [
-        sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--max-restarts=0",
-        "--rdzv-backend=c10d", "--rdzv-endpoint=localhost:0", *entry, *train_argv,
-    ]  # fmt: skip
+    entry = ["-m", "trainer.harness.killpoints", launch.killpoint, launch.count] if aimed else ["-m", "trainer"]
+    launcher = ["-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--max-restarts=0"]
+    command = [sys.executable, *launcher, "--rdzv-backend=c10d", "--rdzv-endpoint=localhost:0", *entry, *train_argv]
     log_path = Path(config.run_dir) / "launches.log"
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with open(log_path, "a") as out:
@@ -284,57 +304,81 @@ def _check_run(
     for i, launch in enumerate(launches):
         own = events[launch.first_event : launches[i + 1].first_event if i + 1 < len(launches) else len(events)]
         if i > 0:
-            resumed = [e for e in own if e["event"] == "resume"]
-            started = [e for e in own if e["event"] == "start"]
-            expected = launches[i - 1].snapshot and _newest_valid(launches[i - 1].snapshot)
-            if started and (resumed[0]["step"] if resumed else 0) != (expected or 0):
-                report.wrong_resume_point += 1
-                report.failures.append(
-                    f"{name}: launch {i + 1} resumed from {resumed[0]['step'] if resumed else 0}, newest valid was {expected}"
-                )
-        if launch.snapshot is None:
-            continue
-        saved = [e["step"] for e in own if e["event"] == "checkpoint"]
-        durable = saved[:-1] if run.checkpoint_format == "dcp-async" else saved
-        floor = max([floor, *durable])
-        newest = _newest_valid(launch.snapshot) or 0
-        if newest < floor:
-            report.checkpoints_lost += 1
-            report.failures.append(
-                f"{name}: after kill {i + 1} ({launch.killpoint} {launch.killed}) the newest valid checkpoint "
-                f"is {newest}, but {floor} had been saved"
-            )
-        floor = newest
-        store = DcpStore(launch.snapshot)
-        for folder in store.checkpoints():
-            if dcp_checkpoint_problem(folder, verify=True) is not None:
-                continue
-            report.checkpoints_checked += 1
-            step = int(folder.name.split("-")[1])
-            difference = first_difference(reference_state(step), _state(folder))
-            if difference is not None:
-                report.corrupt_valid += 1
-                report.corrupt_selected += step == newest
-                report.failures.append(
-                    f"{name}: checkpoint {folder} verifies but differs from the reference at {difference}"
-                )
-    for event in events:
-        if event["event"] == "step":
-            report.losses_compared += 1
-            if event["loss"] != expected_losses.get(event["step"]):
-                report.loss_mismatches += 1
-                report.failures.append(
-                    f"{name}: step {event['step']} loss {event['loss']!r}, uninterrupted {expected_losses.get(event['step'])!r}"
-                )
-    missing = set(expected_losses) - {e["step"] for e in events if e["event"] == "step"}
-    if missing:
-        report.failures.append(f"{name}: steps {sorted(missing)} were never logged")
+            _check_resume_point(name, i, own, launches[i - 1], report)
+        if launch.snapshot is not None:
+            floor = _check_snapshot(name, i, run, launch, launch.snapshot, own, floor, reference_state, report)
+    _check_losses(name, events, expected_losses, report)
     final = first_difference(
         reference_state(run.max_steps), _state(Path(run.run_dir) / DCP_FOLDER / f"step-{run.max_steps:08d}")
     )
     if final is not None:
         report.final_mismatches += 1
         report.failures.append(f"{name}: final state differs from the uninterrupted run at {final}")
+
+
+def _check_resume_point(name: str, i: int, own: list[dict[str, Any]], before: _Launch, report: ChaosReport) -> None:
+    """Launch ``i`` must resume from the newest valid checkpoint the killed launch before it left."""
+    resumed = [e for e in own if e["event"] == "resume"]
+    started = [e for e in own if e["event"] == "start"]
+    expected = before.snapshot and _newest_valid(before.snapshot)
+    if started and (resumed[0]["step"] if resumed else 0) != (expected or 0):
+        report.wrong_resume_point += 1
+        report.failures.append(
+            f"{name}: launch {i + 1} resumed from {resumed[0]['step'] if resumed else 0}, newest valid was {expected}"
+        )
+
+
+def _check_snapshot(
+    name: str,
+    i: int,
+    run: TrainConfig,
+    launch: _Launch,
+    snapshot: Path,
+    own: list[dict[str, Any]],
+    floor: int,
+    reference_state: Any,
+    report: ChaosReport,
+) -> int:
+    """A killed launch lost no durable checkpoint, and every one that verifies equals the
+    reference's; returns the newest valid step (the next launch's floor)."""
+    saved = [e["step"] for e in own if e["event"] == "checkpoint"]
+    durable = saved[:-1] if run.checkpoint_format == "dcp-async" else saved
+    floor = max([floor, *durable])
+    newest = _newest_valid(snapshot) or 0
+    if newest < floor:
+        report.checkpoints_lost += 1
+        report.failures.append(
+            f"{name}: after kill {i + 1} ({launch.killpoint} {launch.killed}) the newest valid checkpoint "
+            f"is {newest}, but {floor} had been saved"
+        )
+    for folder in DcpStore(snapshot).checkpoints():
+        if dcp_checkpoint_problem(folder, verify=True) is not None:
+            continue
+        report.checkpoints_checked += 1
+        step = int(folder.name.split("-")[1])
+        difference = first_difference(reference_state(step), _state(folder))
+        if difference is not None:
+            report.corrupt_valid += 1
+            report.corrupt_selected += step == newest
+            report.failures.append(
+                f"{name}: checkpoint {folder} verifies but differs from the reference at {difference}"
+            )
+    return newest
+
+
+def _check_losses(name: str, events: list[dict[str, Any]], expected: dict[int, float], report: ChaosReport) -> None:
+    """Every step's loss equals the uninterrupted run's, and no step is missing."""
+    for event in events:
+        if event["event"] == "step":
+            report.losses_compared += 1
+            if event["loss"] != expected.get(event["step"]):
+                report.loss_mismatches += 1
+                report.failures.append(
+                    f"{name}: step {event['step']} loss {event['loss']!r}, uninterrupted {expected.get(event['step'])!r}"
+                )
+    missing = set(expected) - {e["step"] for e in events if e["event"] == "step"}
+    if missing:
+        report.failures.append(f"{name}: steps {sorted(missing)} were never logged")
 
 
 def _newest_valid(folder: Path) -> int | None:
