@@ -11,11 +11,15 @@ import doctest
 import importlib
 import importlib.util
 import pkgutil
+import re
+from pathlib import Path
 
 import pytest
 
 import resumable_data
 from torchvision_compat import load_torchvision
+
+LIBRARY = Path(resumable_data.__file__).parent
 
 # The Lightning and transformers adapters import torchvision through their frameworks; on our CI's
 # torch/torchvision pair that import needs the tests' workaround first (see torchvision_compat).
@@ -52,3 +56,19 @@ def test_the_examples_are_found() -> None:
     importable = [name for name in MODULES if name not in OPTIONAL or importlib.util.find_spec(OPTIONAL[name])]
     examples = sum(len(t.examples) for name in importable for t in finder.find(importlib.import_module(name)))
     assert examples >= 20, f"only {examples} docstring examples found in {len(MODULES)} modules"
+
+
+# A figure with a unit of time, or a claim of measuring: those belong in README.md and
+# benchmarks/README.md, next to the command and the machine, where they are re-measured; in a
+# docstring or comment they go stale unseen.
+_MEASUREMENT = re.compile(r"\d\s?(?:ns|µs|us|ms)\b|\bmeasured\b|\bmeasurements?\b", re.IGNORECASE)
+
+
+def test_the_library_source_quotes_no_measurements() -> None:
+    found = [
+        f"{path.relative_to(LIBRARY.parent)}:{number}: {line.strip()}"
+        for path in sorted(LIBRARY.rglob("*.py"))
+        for number, line in enumerate(path.read_text().splitlines(), 1)
+        if _MEASUREMENT.search(line)
+    ]
+    assert not found, "measurements in the library's source (move them to benchmarks/README.md):\n" + "\n".join(found)

@@ -68,14 +68,14 @@ class ResumableDataLoader(DataLoader):
             ``(seed, epoch, position)`` before each batch is fetched, so augmentation drawn from them
             (torchvision transforms) resumes bitwise with any ``num_workers`` (for the same batch
             size and world size); ``"sample"`` seeds them from ``(seed, epoch, index)`` before each
-            sample (also independent of batch size and world size; costs ~5 µs per sample);
+            sample (also independent of batch size and world size, at a cost per sample);
             ``None`` leaves them alone.
         warm_start: with workers, fetch the first batch of each pass (a resume, an epoch start)
             in the main process instead of waiting for the workers to start, and hand over to them
             as soon as they deliver; batches are bitwise the same either way. ``None`` (default):
-            on for non-persistent workers without a ``worker_init_fn`` — where it won every
-            measurement in ``benchmarks/bench_resume.py`` and where the dataset cannot depend on
-            per-worker set-up — off otherwise.
+            on for non-persistent workers without a ``worker_init_fn`` — where workers start at
+            every pass and the dataset cannot depend on per-worker set-up — off otherwise
+            (``benchmarks/bench_resume.py`` compares both).
         **dataloader_kwargs: any other ``DataLoader`` keyword (``num_workers``, ``collate_fn``,
             ``pin_memory``, ``prefetch_factor``, ``persistent_workers``, ``worker_init_fn``, ...).
 

@@ -1,8 +1,8 @@
 """Warm start: the main process serves the first batches of a pass while the workers start.
 
-Starting worker processes takes tens of milliseconds or more (measured here, under load: 65–190 ms
-for ``iter()`` to fork two workers holding torch, then 10–130 ms to their first batch), and a
-DataLoader pays it at every restore and, without persistent workers, at every epoch start.
+Starting worker processes takes a while (forking workers that hold torch, then their first batch;
+benchmarks/README.md has the figures), and a DataLoader pays it at every restore and, without
+persistent workers, at every epoch start.
 
 With warm start the first batch of a pass is fetched by the main process, without waiting for any
 worker. The worker iterator is created on the next request, in the main thread — never in a
