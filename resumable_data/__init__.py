@@ -5,7 +5,7 @@ the keyed permutation), ``map`` (sampler and loader), ``rng``, ``checkpoint``, `
 ``distributed``, ``testing`` and ``errors`` beside them.
 """
 
-from .checkpoint import CheckpointLockedError, CheckpointManager, DcpStore
+from .checkpoint import CheckpointLockedError, CheckpointManager, DcpStore, choose_checkpoint
 from .core.permutation import Permutation
 from .core.version import __version__
 from .distributed import DataLoaderState, check_world_size, dcp_errors, global_state, require_agreement
@@ -15,11 +15,15 @@ from .rng import (
     RandomMap,
     SampleKey,
     capture_rng_state,
+    rank_seed,
+    restore_rank_rng_state,
     restore_rng_state,
     sample_generator,
     sample_numpy_rng,
     sample_seed,
+    seed_everything,
 )
+from .signals import GracefulStop
 from .streams import (
     IterableSource,
     ParquetReader,
@@ -37,6 +41,7 @@ __all__ = [
     "CheckpointManager",
     "DataLoaderState",
     "DcpStore",
+    "GracefulStop",
     "IterableSource",
     "ParquetReader",
     "Permutation",
@@ -56,13 +61,17 @@ __all__ = [
     "__version__",
     "capture_rng_state",
     "check_world_size",
+    "choose_checkpoint",
     "dcp_errors",
     "global_state",
     "mix",
+    "rank_seed",
     "require_agreement",
+    "restore_rank_rng_state",
     "restore_rng_state",
     "sample_generator",
     "sample_numpy_rng",
     "sample_seed",
+    "seed_everything",
     "wrap",
 ]

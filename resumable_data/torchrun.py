@@ -13,6 +13,9 @@ Orphans. A rank whose parent (the torchrun agent) dies is not told: it would tra
 run folder's lock. :func:`watch_parent` runs a watchdog thread that polls ``os.getppid()`` and exits
 the process when the parent is gone (the portable route: a parent-death signal needs ``prctl``,
 which the standard library does not expose). DataLoader workers already watch their own parent the same way.
+
+:func:`init_process_group` does both for a rank of a torchrun job: it starts the watchdog under an
+elastic agent and joins the default process group on a fresh store.
 """
 
 from __future__ import annotations
@@ -24,9 +27,10 @@ import threading
 import time
 import uuid
 
+import torch
 import torch.distributed as dist
 
-__all__ = ["EXIT_PARENT_GONE", "STARTUP_TIMEOUT", "fresh_store", "watch_parent"]
+__all__ = ["EXIT_PARENT_GONE", "STARTUP_TIMEOUT", "fresh_store", "init_process_group", "watch_parent"]
 
 # How long the ranks of a new round wait for each other. A peer that dies is noticed by torchrun
 # within seconds (it stops the round); this bounds one that hangs, and must exceed the start-up skew
@@ -116,3 +120,39 @@ def watch_parent(poll_s: float = PARENT_POLL_S, exit_code: int = EXIT_PARENT_GON
     thread = threading.Thread(target=watch, name="parent-watchdog", daemon=True)
     thread.start()
     return thread
+
+
+def init_process_group(rank: int, world_size: int, *, device: torch.device, timeout: datetime.timedelta) -> None:
+    """Join the default process group of a torchrun job: gloo on CPU, NCCL on CUDA, on :func:`fresh_store`.
+
+    Under torchrun's elastic agent (``TORCHELASTIC_RUN_ID`` set) it first starts :func:`watch_parent`,
+    so a rank does not train on, holding the run folder's lock, after its agent died. Nothing is done
+    when the default group already exists.
+
+    Args:
+        rank: this process's rank (torchrun's ``RANK``).
+        world_size: the number of ranks (torchrun's ``WORLD_SIZE``).
+        device: this rank's device; a CUDA device selects NCCL and binds the group to it.
+        timeout: the collectives' timeout.
+
+    Raises:
+        RuntimeError: a rank did not show up at start-up (see :func:`fresh_store`).
+
+    Example::
+
+        rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        init_process_group(rank, world_size, device=torch.device("cpu"), timeout=datetime.timedelta(minutes=10))
+    """
+    if "TORCHELASTIC_RUN_ID" in os.environ:
+        watch_parent()
+    if dist.is_initialized():
+        return
+    cuda = device.type == "cuda"
+    dist.init_process_group(
+        "nccl" if cuda else "gloo",
+        store=fresh_store(rank, world_size),
+        rank=rank,
+        world_size=world_size,
+        timeout=timeout,
+        device_id=device if cuda else None,
+    )

@@ -76,7 +76,9 @@ class Checkpoints(contextlib.AbstractContextManager["Checkpoints"]):
             )
             if self.store is not None:
                 self.store.remove_leftovers()
-            path = _find_checkpoint(self.store or self.manager, resume)
+            path = resumable_data.choose_checkpoint(
+                self.store.store if self.store else self.manager, resume, option="--resume"
+            )
             return None if path is None else str(path)
 
         chosen = self.par.decide(on_rank_zero)
@@ -164,36 +166,6 @@ class Checkpoints(contextlib.AbstractContextManager["Checkpoints"]):
         return {MODEL: model_state, OPTIMIZER: optimizer_state, DATALOADER: DataLoaderState(self.loader)}
 
 
-def _find_checkpoint(manager: CheckpointManager | DcpCheckpoints, resume: str) -> Path | None:
-    """Which checkpoint to resume from, following ``--resume``.
-
-    Raises:
-        ResumeError: ``never`` or a path was asked for, but the run folder already holds newer
-            checkpoints, which a later ``--resume auto`` would confuse with this run's.
-    """
-    existing = manager.checkpoints()
-    if resume == "auto":
-        return manager.latest()
-    if resume == "never":
-        if existing:
-            raise ResumeError(
-                f"--resume never, but {manager.directory} already holds checkpoints (newest {existing[-1].name}); "
-                "two runs in one folder would mix their checkpoints: use another --run-dir or delete that one"
-            )
-        return None
-    path = Path(resume)
-    if not path.exists() and (manager.directory / path).exists():
-        path = manager.directory / path
-    step = CheckpointManager.step_of(path)
-    newer = [p.name for p in existing if CheckpointManager.step_of(p) > step]
-    if newer:
-        raise ResumeError(
-            f"--resume {resume} (step {step}), but {manager.directory} holds newer checkpoints {newer}; "
-            "resuming from an older one would mix two histories: move them away or use another --run-dir"
-        )
-    return path
-
-
 def next_step_fingerprint(loader: ResumableDataLoader, grad_accum: int, par: parallel.Parallel) -> str:
     """A short hash of the next optimizer step's batch indices, of all ranks in rank order (a collective)."""
     indices = par.gather(loader.peek_indices(grad_accum))
@@ -219,49 +191,29 @@ def audit(
     Raises:
         ResumeError: something differs; the message says what probably changed.
     """
+    problems = []
     if next_batch is not None and recorded[NEXT_BATCH] != next_batch:
-        raise ResumeError(
-            f"resume audit failed: after step {step} the checkpoint {path} expects the next batch "
-            f"{recorded[NEXT_BATCH]}, but this run would read {next_batch}. The data order changed: "
-            "most likely --batch-size, --grad-accum or --seed differs from the run that wrote it, or the "
-            "corpus (--data, --block-size) changed. Resume with the original settings or use another --run-dir"
+        problems.append(
+            f"after step {step} it expects the next batch {recorded[NEXT_BATCH]}, but this run would read {next_batch}: "
+            "the data order changed (most likely --batch-size, --grad-accum or --seed differs, or the corpus: "
+            "--data, --block-size)"
         )
     # The schedule as this run's flags define it, not the scheduler's restored value: a changed
     # --lr, --min-lr, --warmup-steps or --max-steps shows up only here.
-    expected_lr = config.lr * config.lr_factor(step)
-    if recorded[NEXT_LR] != expected_lr:
-        raise ResumeError(
-            f"resume audit failed: at step {step} the checkpoint {path} expects learning rate "
-            f"{format_lr(recorded[NEXT_LR])}, but this run's schedule gives {format_lr(expected_lr)} "
-            f"({recorded[NEXT_LR]!r} != {expected_lr!r}): --lr, --min-lr, --warmup-steps or --max-steps differs "
-            f"from the run that wrote it (its values are in the 'start' events of {METRICS_FILE}). Resume "
-            "with the original settings or use another --run-dir"
+    expected_lr, recorded_lr = config.lr * config.lr_factor(step), recorded[NEXT_LR]
+    if recorded_lr != expected_lr:
+        problems.append(
+            f"at step {step} it expects learning rate {format_lr(recorded_lr)}, but this run's schedule gives "
+            f"{format_lr(expected_lr)} ({recorded_lr!r} != {expected_lr!r}): --lr, --min-lr, --warmup-steps or "
+            f"--max-steps differs (the original values are in the 'start' events of {METRICS_FILE})"
         )
-    if optimizer.param_groups[0]["weight_decay"] != config.weight_decay:
-        raise ResumeError(
-            f"resume audit failed: the checkpoint {path} was trained with weight decay "
-            f"{optimizer.param_groups[0]['weight_decay']!r}, but this run sets --weight-decay {config.weight_decay!r}; "
-            "restoring the optimizer would quietly keep the old value. Resume with the original settings or use "
-            "another --run-dir"
+    if (decay := optimizer.param_groups[0]["weight_decay"]) != config.weight_decay:
+        problems.append(
+            f"it was trained with weight decay {decay!r}, but this run sets --weight-decay {config.weight_decay!r} "
+            "(restoring the optimizer would quietly keep the old value)"
         )
-
-
-def restore_rng(saved: Any, par: parallel.Parallel, seed: int, step: int) -> str:
-    """Put back this rank's RNG states; a rank the checkpoint's job did not have is seeded from
-    ``(seed, step, rank)``, so an elastic resume is reproducible. Returns what was done, for the log.
-
-    Raises:
-        ResumeError: the checkpoint's ``rng`` is not a list by rank.
-    """
-    if not isinstance(saved, list):
+    if problems:
         raise ResumeError(
-            f"the checkpoint's rng should be a list of RNG states by rank, but it is a {type(saved).__name__}; "
-            "it was written by trainer 0.1.0: resume it with that trainer, or start a new --run-dir"
+            f"resume audit failed: the checkpoint {path} does not fit this run: {'; '.join(problems)}. Resume with "
+            "the settings of the run that wrote it, or use another --run-dir"
         )
-    if par.rank < len(saved):
-        resumable_data.restore_rng_state(saved[par.rank])
-    else:
-        parallel.seed_everything(parallel.rank_seed(seed, par.rank, step))
-    if par.world_size > len(saved):
-        return f"ranks {len(saved)}..{par.world_size - 1} seeded from (seed, step, rank)"
-    return "restored"

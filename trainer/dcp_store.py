@@ -54,14 +54,6 @@ class DcpCheckpoints:
         """Rank 0, before any save: delete half-written folders of an earlier, killed job."""
         self.store.remove_leftovers()
 
-    def checkpoints(self) -> list[Path]:
-        """Complete checkpoints, oldest first."""
-        return self.store.checkpoints()
-
-    def latest(self) -> Path | None:
-        """The newest checkpoint whose files all verify (older ones are fallen back to with a warning)."""
-        return self.store.latest()
-
     def read_extras(self, path: Path) -> dict[str, Any]:
         """The rank-0 part of a checkpoint, verified against its manifest, read with ``weights_only=True``.
 

@@ -2,7 +2,7 @@
 
 Under ``torchrun`` (``RANK``/``WORLD_SIZE``/``LOCAL_RANK`` set) the trainer joins a process group,
 gloo on CPU or NCCL on CUDA; the base class is a single process, where nothing talks to anyone. Also
-here: the stop signal, and the seeds of each rank's RNGs.
+here: the stop signal.
 """
 
 from __future__ import annotations
@@ -10,21 +10,14 @@ from __future__ import annotations
 import contextlib
 import datetime
 import gc
-import hashlib
 import os
-import random
-import signal
-import threading
 from collections.abc import Callable
-from types import FrameType
 from typing import Any, TypeVar
 
-import numpy as np
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
-from tqdm import tqdm
 
 from resumable_data import ResumeError, torchrun
 
@@ -189,57 +182,5 @@ def start(device_name: str, fsdp: bool = False) -> Parallel:
         torch.cuda.set_device(device)
     if not under_torchrun:
         return Parallel(device)
-    if "TORCHELASTIC_RUN_ID" in os.environ:
-        torchrun.watch_parent()  # a rank must not train on, holding the run's lock, after its agent died
-    if not dist.is_initialized():
-        cuda = device.type == "cuda"
-        # A fresh namespace of torchrun's store: a restarted round must not read the dead round's keys.
-        store = torchrun.fresh_store(rank, world_size)
-        dist.init_process_group(
-            "nccl" if cuda else "gloo",
-            store=store,
-            rank=rank,
-            world_size=world_size,
-            timeout=COLLECTIVE_TIMEOUT,
-            device_id=device if cuda else None,
-        )
+    torchrun.init_process_group(rank, world_size, device=device, timeout=COLLECTIVE_TIMEOUT)
     return (FullyShardedParallel if fsdp else DataParallel)(device, rank, world_size)
-
-
-class GracefulStop(contextlib.AbstractContextManager["GracefulStop"]):
-    """SIGTERM and SIGINT set :attr:`reason`: the loop finishes its step, saves and exits, so a
-    preempted job or a Ctrl-C leaves a checkpoint. A second Ctrl-C aborts at once (a hung save)."""
-
-    def __init__(self) -> None:
-        self.reason: str | None = None
-        self._previous: dict[int, Any] = {}
-        # Handlers can only be installed from the main thread (a notebook or test may call
-        # train() from another one; it then simply cannot be stopped by a signal).
-        if threading.current_thread() is threading.main_thread():
-            for sig in (signal.SIGTERM, signal.SIGINT):
-                self._previous[sig] = signal.signal(sig, self._handle)
-
-    def __exit__(self, *exc: object) -> None:
-        for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
-
-    def _handle(self, signum: int, frame: FrameType | None) -> None:
-        if self.reason is not None and signum == signal.SIGINT:
-            raise KeyboardInterrupt
-        self.reason = signal.Signals(signum).name
-        tqdm.write(f"received {self.reason}: finishing this step, then saving (Ctrl-C again aborts without saving)")
-
-
-def seed_everything(seed: int) -> None:
-    """Seed Python's, numpy's and torch's global RNGs (torch's on every CUDA device too)."""
-    random.seed(seed)
-    np.random.seed(seed)
-    torch.manual_seed(seed)
-
-
-def rank_seed(seed: int, rank: int, step: int | None = None) -> int:
-    """A seed for rank ``rank``'s RNGs: different per rank (dropout masks differ across ranks),
-    and, for a rank that did not exist when the checkpoint at ``step`` was written, derived from
-    ``(seed, step, rank)`` so an elastic resume is still reproducible."""
-    text = f"{seed}:{rank}" if step is None else f"{seed}:{step}:{rank}"
-    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:4], "little")

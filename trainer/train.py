@@ -131,10 +131,10 @@ def _train(config: TrainConfig, par: parallel.Parallel) -> TrainResult:
             )
 
         # -- Model, optimizer, schedule --
-        parallel.seed_everything(config.seed)  # the same initial weights on every rank
+        resumable_data.seed_everything(config.seed)  # the same initial weights on every rank
         model = GPT(model_config).to(par.device)
-        if par.rank > 0:
-            parallel.seed_everything(parallel.rank_seed(config.seed, par.rank))  # different dropout masks per rank
+        if par.rank > 0:  # different dropout masks per rank
+            resumable_data.seed_everything(resumable_data.rank_seed(config.seed, par.rank))
         wrapped = par.wrap(model)
         optimizer = torch.optim.AdamW(model.param_groups(config.weight_decay), lr=config.lr, betas=ADAM_BETAS)
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: config.lr_factor(s))
@@ -160,7 +160,10 @@ def _train(config: TrainConfig, par: parallel.Parallel) -> TrainResult:
                 "what the checkpoint recorded" + ("" if same_world else f"; {config.elastic}: {plan.describe()}")
             )
             # Last, because building the model above drew from the RNGs it restores.
-            rng = ckpt.restore_rng(checkpoint[ckpt.RNG], par, config.seed, state.step)
+            saved_rng = checkpoint[ckpt.RNG]  # by rank; a rank it lacks is seeded from (seed, step, rank)
+            resumable_data.restore_rank_rng_state(saved_rng, par.rank, seed=config.seed, step=state.step)
+            rng = f"ranks {len(saved_rng)}..{par.world_size - 1} seeded from (seed, step, rank)"
+            rng = rng if par.world_size > len(saved_rng) else "restored"
             resumed = {"step": state.step, "checkpoint": str(resume_path), "audit": "ok", "elastic": config.elastic}
             resumed |= {"changes": plan.changes, "rng": rng}
             checkpoint = None  # free the CPU copy of the weights
@@ -234,7 +237,7 @@ def _train(config: TrainConfig, par: parallel.Parallel) -> TrainResult:
         batches = _endless(loader)
         stack.callback(batches.close)  # shuts down DataLoader workers
         bar = stack.enter_context(Progress(config.max_steps, state.step, enabled=config.progress and par.is_main))
-        stop = stack.enter_context(parallel.GracefulStop())
+        stop = stack.enter_context(resumable_data.GracefulStop(announce=tqdm.write))
         # Under torchrun the ranks agree on the logged losses and on stopping in one all-reduce every
         # --sync-every steps and at every save, not every step; a single process waits for nobody.
         sync_every = config.sync_every if par.distributed else 1
