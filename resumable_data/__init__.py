@@ -8,7 +8,15 @@ the keyed permutation), ``map`` (sampler and loader), ``rng``, ``checkpoint``, `
 from .checkpoint import CheckpointLockedError, CheckpointManager, DcpStore, choose_checkpoint
 from .core.permutation import Permutation
 from .core.version import __version__
-from .distributed import DataLoaderState, check_world_size, dcp_errors, global_state, require_agreement
+from .distributed import (
+    DataLoaderState,
+    check_world_size,
+    dcp_errors,
+    decide_on_rank_zero,
+    fail_together,
+    global_state,
+    require_agreement,
+)
 from .errors import ResumeError, ResumeWarning, Stateful
 from .map import ResumableDataLoader, ResumableSampler, wrap
 from .rng import (
@@ -63,6 +71,8 @@ __all__ = [
     "check_world_size",
     "choose_checkpoint",
     "dcp_errors",
+    "decide_on_rank_zero",
+    "fail_together",
     "global_state",
     "mix",
     "rank_seed",

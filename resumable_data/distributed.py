@@ -27,8 +27,8 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
-from collections.abc import Iterator, Mapping
-from typing import Any
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -43,9 +43,13 @@ __all__ = [
     "DataLoaderState",
     "check_world_size",
     "dcp_errors",
+    "decide_on_rank_zero",
+    "fail_together",
     "global_state",
     "require_agreement",
 ]
+
+T = TypeVar("T")
 
 DATA_STATE_VERSION = 1
 STATE_JSON = "state_json"
@@ -63,6 +67,85 @@ def _collective_device(group: dist.ProcessGroup | None) -> torch.device:
     if dist.get_backend(group) == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
+
+
+def decide_on_rank_zero(choose: Callable[[], T]) -> T:
+    """Run ``choose`` on rank 0 only and give every rank its result, or its failure (a collective).
+
+    What must be decided once for the whole job (which checkpoint to resume from, taking the run
+    folder's lock) is decided by rank 0: ranks that each looked for themselves could disagree (a save
+    can land between two look-ups). When ``choose`` raises, every other rank raises too, instead of
+    waiting in the next collective until its timeout. Without a process group it just calls ``choose``.
+
+    Args:
+        choose: what rank 0 runs; its result must be picklable (``broadcast_object_list``).
+
+    Returns:
+        ``choose()``'s result, on every rank.
+
+    Raises:
+        Exception: on rank 0, whatever ``choose`` raised; on the others a :class:`ResumeError`
+            ``"rank 0 stopped the job: <its message>"``.
+
+    Example::
+
+        path = decide_on_rank_zero(lambda: choose_checkpoint(manager, "auto"))
+    """
+    if not (dist.is_available() and dist.is_initialized()):
+        return choose()
+    box: list[Any] = [None]
+    failure: Exception | None = None
+    if dist.get_rank() == 0:
+        try:
+            box[0] = ("ok", choose())
+        except Exception as e:  # re-raised below, after the others have been told
+            failure, box[0] = e, ("error", str(e))
+    dist.broadcast_object_list(box, src=0)
+    if failure is not None:
+        raise failure
+    if box[0][0] == "error":
+        raise ResumeError(f"rank 0 stopped the job: {box[0][1]}")
+    return box[0][1]
+
+
+def fail_together(what: str, attempt: Callable[[], T]) -> T:
+    """Run ``attempt`` on every rank; if it fails on any rank, raise on every rank (a collective: call it on all).
+
+    For a step that every rank does on its own and that all must survive, such as reading its copy
+    of a checkpoint: a rank that failed alone would leave the others waiting in a later collective
+    until its timeout.
+
+    Args:
+        what: the step, for the message (``"reading checkpoint runs/a/step-00000040"``).
+        attempt: what this rank does.
+
+    Returns:
+        ``attempt()``'s result, when it succeeded on every rank.
+
+    Raises:
+        ResumeError: ``"<what> failed on 1 of 4 ranks, so the job stops: rank 2: <its message>"``, on
+            every rank. Without a process group, whatever ``attempt`` raised.
+
+    Example::
+
+        state = fail_together(f"reading {path}", lambda: manager.load(path))
+    """
+    if not (dist.is_available() and dist.is_initialized()):
+        return attempt()
+    result: T | None = None
+    error: Exception | None = None
+    try:
+        result = attempt()
+    except Exception as e:  # re-raised below, on every rank
+        error = e
+    messages: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(messages, None if error is None else str(error))
+    failed = [f"rank {rank}: {message}" for rank, message in enumerate(messages) if message is not None]
+    if failed:
+        raise ResumeError(
+            f"{what} failed on {len(failed)} of {len(messages)} ranks, so the job stops: {'; '.join(failed)}"
+        ) from error
+    return result  # type: ignore[return-value]
 
 
 def require_agreement(state: Any, *, group: dist.ProcessGroup | None = None, what: str = "data state") -> None:

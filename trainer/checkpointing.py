@@ -69,20 +69,18 @@ class Checkpoints(contextlib.AbstractContextManager["Checkpoints"]):
             ResumeError: the folder is locked by another trainer, or ``--resume`` cannot be followed.
         """
 
-        def on_rank_zero() -> str | None:
+        def on_rank_zero() -> Path | None:
             folder = self.run_dir / CHECKPOINT_FOLDER
             self.manager = self._stack.enter_context(
                 CheckpointManager(folder, keep_last=self.keep_last, async_save=self.async_save)
             )
             if self.store is not None:
                 self.store.remove_leftovers()
-            path = resumable_data.choose_checkpoint(
+            return resumable_data.choose_checkpoint(
                 self.store.store if self.store else self.manager, resume, option="--resume"
             )
-            return None if path is None else str(path)
 
-        chosen = self.par.decide(on_rank_zero)
-        return None if chosen is None else Path(chosen)
+        return resumable_data.decide_on_rank_zero(on_rank_zero)
 
     def read(self, path: Path | None) -> dict[str, Any] | None:
         """This rank's copy of checkpoint ``path`` (under DCP its rank-0 part; the shards load in
@@ -91,13 +89,9 @@ class Checkpoints(contextlib.AbstractContextManager["Checkpoints"]):
         Raises:
             ResumeError: unreadable on some rank, or not written by this trainer.
         """
-        checkpoint, problem = None, None
-        try:
-            checkpoint = None if path is None else self._read(path)
-        except ResumeError as e:
-            problem = e
-        self.par.all_or_none(problem, f"reading checkpoint {path}")
-        return checkpoint
+        if path is None:  # the same on every rank: rank 0 chose for all
+            return None
+        return resumable_data.fail_together(f"reading checkpoint {path}", lambda: self._read(path))
 
     def _read(self, path: Path) -> dict[str, Any]:
         if self.store is not None:

@@ -11,7 +11,6 @@ import contextlib
 import datetime
 import gc
 import os
-from collections.abc import Callable
 from typing import Any, TypeVar
 
 import torch
@@ -19,7 +18,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from resumable_data import ResumeError, torchrun
+from resumable_data import torchrun
 
 T = TypeVar("T")
 # Long enough for a slow checkpoint write on rank 0 while the others wait, short enough that a
@@ -60,15 +59,6 @@ class Parallel:
         """Every rank's ``value``, indexed by rank, on every rank."""
         return [value]
 
-    def decide(self, choose: Callable[[], T]) -> T:
-        """Run ``choose`` on rank 0 only and give every rank its result, or its error (so none waits forever)."""
-        return choose()
-
-    def all_or_none(self, error: Exception | None, what: str) -> None:
-        """Stop every rank when any rank failed ``what``, naming each failure."""
-        if error is not None:
-            raise error
-
     def close(self, *, clean: bool) -> None:
         """Leave the process group, if any (``clean``: every rank got here normally)."""
 
@@ -87,28 +77,6 @@ class _ProcessGroup(Parallel):
         out: list[Any] = [None] * self.world_size
         dist.all_gather_object(out, value)
         return out
-
-    def decide(self, choose: Callable[[], T]) -> T:
-        box: list[Any] = [None]
-        failure: Exception | None = None
-        if self.is_main:
-            try:
-                box[0] = ("ok", choose())
-            except (ResumeError, ValueError) as e:
-                failure, box[0] = e, ("error", str(e))
-        dist.broadcast_object_list(box, src=0)
-        if failure is not None:
-            raise failure
-        if box[0][0] == "error":
-            raise ResumeError(f"rank 0 stopped the job: {box[0][1]}")
-        return box[0][1]
-
-    def all_or_none(self, error: Exception | None, what: str) -> None:
-        failed = [f"rank {r}: {e}" for r, e in enumerate(self.gather(None if error is None else str(error))) if e]
-        if failed:
-            raise ResumeError(
-                f"{what} failed on {len(failed)} of {self.world_size} ranks, so the job stops: {'; '.join(failed)}"
-            )
 
     def close(self, *, clean: bool) -> None:
         # A gloo group's C++ threads live as long as anything holds the group, and the DDP model

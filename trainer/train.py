@@ -12,11 +12,11 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import itertools
 import math
 import os
 import time
 import traceback
-from collections.abc import Generator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -67,18 +67,16 @@ def train(config: TrainConfig) -> TrainResult:
     """
     config.validate()
     par = parallel.start(config.device, config.fsdp)
-    clean = False
     try:
         result = _train(config, par)
-        clean = True
-        return result
     except BaseException as e:
         # The traceback holds the training frame, and with it the DDP model: free it before the
         # process group goes (see Parallel.close).
         traceback.clear_frames(e.__traceback__)
+        par.close(clean=False)
         raise
-    finally:
-        par.close(clean=clean)
+    par.close(clean=True)
+    return result
 
 
 def _train(config: TrainConfig, par: parallel.Parallel) -> TrainResult:
@@ -234,7 +232,8 @@ def _train(config: TrainConfig, par: parallel.Parallel) -> TrainResult:
             say(f"step 0: val loss {result.val_losses[0]:.4f}")
 
         # -- The loop --
-        batches = _endless(loader)
+        # Batches forever: each new iter() continues the loader's epoch, or starts the next.
+        batches = (batch for _ in itertools.count() for batch in loader)
         stack.callback(batches.close)  # shuts down DataLoader workers
         bar = stack.enter_context(Progress(config.max_steps, state.step, enabled=config.progress and par.is_main))
         stop = stack.enter_context(resumable_data.GracefulStop(announce=tqdm.write))
@@ -269,13 +268,11 @@ def _train(config: TrainConfig, par: parallel.Parallel) -> TrainResult:
             event = {"step": state.step, "lr": lr, "tokens": state.tokens_seen, "epoch": loader.epoch}
             pending.append((event, loss, par.local(grad_norm).detach()))
 
-            last_step = state.step == config.max_steps
-            evaluate_now = state.step % config.eval_every == 0 or last_step
+            evaluate_now = state.step % config.eval_every == 0 or state.step == config.max_steps
             # Checkpoints fall on optimizer-step boundaries only, so gradient accumulation never
             # has to be resumed halfway. --stop-at is the same on every rank: nothing to agree on.
             save_now = evaluate_now or state.step % config.checkpoint_every == 0 or state.step == config.stop_at
-            if state.step == config.stop_at:
-                stopped_by = f"--stop-at {state.step}"
+            stopped_by = f"--stop-at {config.stop_at}" if state.step == config.stop_at else None
             if save_now or state.step % sync_every == 0:
                 # The signal flag is read once (a later signal waits for the next sync) and reduced with
                 # the losses, so a SIGTERM to any one rank stops every rank after the same step.
@@ -320,22 +317,15 @@ def _train(config: TrainConfig, par: parallel.Parallel) -> TrainResult:
             say(f"stopped by {stopped_by}: saved {last_saved}; run the same command again to continue")
         else:
             # Each rank's weights, hashed: data-parallel ranks must end with identical ones.
-            digests = par.gather(_weights_digest(model, par))
             metrics.log(
                 "end",
                 step=state.step,
                 best_val_loss=state.best_val_loss,
                 tokens_per_second=tokens_per_second,
-                rank_weights=digests,
+                rank_weights=par.gather(_weights_digest(model, par)),
             )
             say(f"done: {state.step} steps, best val loss {state.best_val_loss:.4f}, checkpoints in {run_dir}")
     return result
-
-
-def _endless(loader: ResumableDataLoader) -> Generator[Any, None, None]:
-    """Batches forever: each new ``iter()`` continues the loader's epoch, or starts the next."""
-    while True:
-        yield from loader
 
 
 def _weights_digest(model: torch.nn.Module, par: parallel.Parallel) -> str:
