@@ -222,47 +222,6 @@ def test_fsdp2_with_dcp_on_cpu_resumes_bitwise_and_reshards_to_one_rank(tmp_path
     assert [e for e in read_metrics(one.run_dir) if e["event"] == "resume"][-1]["changes"]["world_size"] == [2, 1]
 
 
-def _decisions_main(rank: int, world_size: int, tmp: str) -> None:
-    import torch.distributed as dist
-
-    from dist_harness import finish, init_gloo
-    from trainer.parallel import DataParallel
-
-    init_gloo(rank, world_size, f"{tmp}/init")
-    ranks = DataParallel(torch.device("cpu"), rank, world_size)
-    outcome: dict[str, Any] = {"chosen": ranks.decide(lambda: "step-00000008")}
-
-    def locked() -> str:
-        raise ResumeError("run folder is locked by pid 42")
-
-    for name, call in (
-        ("rank0_error", lambda: ranks.decide(locked)),
-        (
-            "unreadable",
-            lambda: ranks.all_or_none(ResumeError("sha256 mismatch") if rank == 1 else None, "reading step-8"),
-        ),
-    ):
-        try:
-            call()
-            outcome[name] = None
-        except ResumeError as e:
-            outcome[name] = str(e)
-    dist.barrier()
-    finish(tmp, "decisions", rank, outcome)
-
-
-def test_rank_zero_decides_once_and_any_rank_that_cannot_read_stops_every_rank(tmp_path: Path) -> None:
-    from dist_harness import results, spawn
-
-    spawn(_decisions_main, 2, str(tmp_path))
-    zero, one = results(tmp_path, "decisions", 2)
-    assert zero["chosen"] == one["chosen"] == "step-00000008"
-    assert zero["rank0_error"] == "run folder is locked by pid 42"
-    assert one["rank0_error"] == "rank 0 stopped the job: run folder is locked by pid 42"
-    for rank in (zero, one):
-        assert rank["unreadable"] == "reading step-8 failed on 1 of 2 ranks, so the job stops: rank 1: sha256 mismatch"
-
-
 def _c_threads() -> list[str]:
     """The names of this process's OS threads (gloo's are ``gloo_tcp_loop`` and ``pt_gloo_runloop``)."""
     return sorted(Path(task, "comm").read_text().strip() for task in Path("/proc/self/task").iterdir())
