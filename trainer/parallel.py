@@ -1,8 +1,8 @@
 """A single process, DDP or FSDP2: what the loop does differently in each, behind :class:`Parallel`.
 
 Under ``torchrun`` (``RANK``/``WORLD_SIZE``/``LOCAL_RANK`` set) the trainer joins a process group,
-gloo on CPU or NCCL on CUDA; the base class is a single process, where nothing talks to anyone. Also
-here: the stop signal.
+gloo on CPU or NCCL on CUDA (``resumable_data.torchrun.init_process_group``); the base class is a
+single process, where nothing talks to anyone.
 """
 
 from __future__ import annotations
