@@ -289,8 +289,14 @@ def test_killing_the_torchrun_agent_takes_every_rank_and_dataloader_worker_down_
     process = torchrun(config, "--standalone", "--nproc_per_node=2")
     try:
         ranks = wait_for_step(config.run_dir, 6)
+        # 2 DataLoader workers per rank (plus any helper): they start with each pass over the data
+        # (and warm start serves a pass's first batch before they exist), so wait until they are up.
+        deadline = time.monotonic() + 60
         workers = [child for rank in ranks for child in children(rank)]
-        assert len(workers) >= 4, workers  # 2 DataLoader workers per rank (plus any helper)
+        while len(workers) < 4 and time.monotonic() < deadline:
+            time.sleep(0.05)
+            workers = [child for rank in ranks for child in children(rank)]
+        assert len(workers) >= 4, workers
         process.send_signal(signal.SIGKILL)  # the agent: no chance to stop its workers
         process.wait(timeout=10)
         deadline = time.monotonic() + 15
