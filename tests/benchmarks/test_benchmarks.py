@@ -136,7 +136,7 @@ def test_bench_checkpoint_quick(tmp_path: Path) -> None:
     assert (tmp_path / "checkpoint_step_time.png").stat().st_size > 0
 
 
-@pytest.mark.slow  # six Trainer runs in fresh processes: minutes on a loaded 2-core machine
+@pytest.mark.slow  # six Trainer runs in fresh processes: 40 s on the shared 2-core machine
 def test_bench_hf_trainer_quick(tmp_path: Path) -> None:
     pytest.importorskip("transformers", reason="the [transformers] extra is not installed")
     _run_quick("bench_hf_trainer.py", tmp_path)
