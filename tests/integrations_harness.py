@@ -33,8 +33,14 @@ def _command(script: str, processes: int, port: int) -> list[str]:
     return [*torchrun, f"--master_port={port}", path]
 
 
-def kill_and_resume(script: str, tmp_path: Path, kill_at: int, *args: str, processes: int = 1) -> None:
-    """SIGKILL ``script`` after step ``kill_at``, resume it, and compare every rank with an uninterrupted run."""
+def kill_and_resume(
+    script: str, tmp_path: Path, kill_at: int, *args: str, processes: int = 1, ranks: int | None = None
+) -> None:
+    """SIGKILL ``script`` after step ``kill_at``, resume it, and compare every rank with an uninterrupted run.
+
+    ``processes`` > 1 runs the script under torchrun; ``ranks`` is how many ranks log losses
+    (``processes`` unless the script launches its own, as Lightning's ddp does).
+    """
     run, reference = tmp_path / "run", tmp_path / "reference"
     port = 29400 + os.getpid() % 500
     env = {**os.environ, "PYTHONWARNINGS": "ignore"}
@@ -58,7 +64,7 @@ def kill_and_resume(script: str, tmp_path: Path, kill_at: int, *args: str, proce
         env=env,
     )
     assert resumed.returncode == 0, resumed.stderr[-3000:]
-    for rank in range(processes):
+    for rank in range(ranks or processes):
         got, want = read_losses(run, rank), read_losses(reference, rank)
         assert len(want) > before > 0, "the kill must fall inside the run"
         assert got == want, f"rank {rank}: first different step {min(s for s in want if got.get(s) != want[s])}"

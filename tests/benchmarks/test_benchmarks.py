@@ -11,6 +11,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "benchmarks"))
 
@@ -132,3 +134,17 @@ def test_bench_checkpoint_quick(tmp_path: Path) -> None:
     assert {row["mode"] for row in rows} == {"no checkpoints", "synchronous", "asynchronous"}
     assert all(row["restored"] == "ok" for row in rows if row["mode"] != "no checkpoints"), rows
     assert (tmp_path / "checkpoint_step_time.png").stat().st_size > 0
+
+
+@pytest.mark.slow  # six Trainer runs in fresh processes: 40 s on the shared 2-core machine
+def test_bench_hf_trainer_quick(tmp_path: Path) -> None:
+    pytest.importorskip("transformers", reason="the [transformers] extra is not installed")
+    _run_quick("bench_hf_trainer.py", tmp_path)
+    rows = _rows(tmp_path, "bench_hf_trainer", "method")
+    assert {(row["method"], row["checkpoint"]) for row in rows} == {
+        (method, checkpoint)
+        for method in ("Trainer (skip_first_batches)", "ResumableTrainer")
+        for checkpoint in ("fresh start", "90%")
+    }
+    assert all(not row["median"].startswith("error") for row in rows), rows
+    assert all(row["exact"] == "yes" for row in rows if row["method"] == "ResumableTrainer"), rows

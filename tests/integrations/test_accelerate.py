@@ -1,8 +1,8 @@
 """accelerate over a ResumableDataLoader: prepare, stateful save/load, register_for_checkpointing,
 skip_first_batches and two processes keep the batches, their augmentations and the position exact.
 
-The in-process tests are the specification in brief; the SIGKILLed user scripts (slow) run the
-whole matrix the way users train.
+The in-process tests are the specification in brief; the SIGKILLed user scripts (one case in the
+default suite, the rest slow) run the whole matrix the way users train.
 """
 
 from __future__ import annotations
@@ -121,10 +121,16 @@ def test_padding_without_the_batch_seeding_is_refused() -> None:
         list(rebuilt)
 
 
-# -- a user's script, SIGKILLed mid-epoch and resumed ---------------------------------------------------
+# -- a user's script, SIGKILLed mid-epoch and resumed (one case here, the matrix slow) ---------------
+def test_a_killed_stateful_accelerate_run_resumes_bitwise(tmp_path: Path) -> None:
+    # The representative in the default suite: prepare + use_stateful_dataloader, save_state/load_state.
+    kill_and_resume("accelerate_train.py", tmp_path, 7, "--mode", "stateful", "--workers", "0")
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("workers", [0, 2])
-@pytest.mark.parametrize("mode", ["stateful", "register", "skip"])
+@pytest.mark.parametrize(
+    ("mode", "workers"), [("stateful", 2), ("register", 0), ("register", 2), ("skip", 0), ("skip", 2)]
+)
 def test_a_killed_accelerate_run_resumes_bitwise(tmp_path: Path, mode: str, workers: int) -> None:
     kill_and_resume("accelerate_train.py", tmp_path, 7, "--mode", mode, "--workers", str(workers))
 

@@ -12,10 +12,19 @@ import argparse
 from pathlib import Path
 from typing import Any
 
+from toy import (
+    Augmented,
+    Net,
+    log_loss,
+    maybe_die,
+    save_weights,
+    seed_everything,
+)  # first: makes torchvision importable
+
+# isort: split
 from transformers import TrainerCallback, TrainingArguments
 
 from resumable_data.integrations.transformers import ResumableTrainer
-from toy import Augmented, Net, log_loss, maybe_die, save_weights, seed_everything
 
 
 class LoggingTrainer(ResumableTrainer):

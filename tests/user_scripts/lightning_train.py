@@ -25,8 +25,15 @@ import lightning
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
-from resumable_data import ResumableDataLoader
+from resumable_data import ResumableDataLoader, ShardedIterable, StreamLoader
 from resumable_data.integrations.lightning import ResumeCallback
+
+DATA = Augmented(48)
+SHARD = 12  # --stream: the 48 samples as 4 shards of 12 indices, fetched (and augmented) by a map
+
+
+def read_indices(shard: int, start: int) -> Any:
+    return iter(range(shard * SHARD + start, (shard + 1) * SHARD))
 
 
 class Regressor(lightning.LightningModule):
@@ -47,23 +54,36 @@ class Regressor(lightning.LightningModule):
         scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=3, gamma=0.5)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
-    def train_dataloader(self) -> ResumableDataLoader:
-        return ResumableDataLoader(Augmented(48), batch_size=4, seed=3, num_workers=self.workers)
+    def train_dataloader(self) -> ResumableDataLoader | StreamLoader:
+        if self.stream:
+            records = ShardedIterable(range(len(DATA) // SHARD), read_shard=read_indices, seed=3).map(DATA.__getitem__)
+            return StreamLoader(records, batch_size=4, num_workers=self.workers)
+        return ResumableDataLoader(DATA, batch_size=4, seed=3, num_workers=self.workers)
 
 
-def fit(run_dir: Path, workers: int, accumulation: int, kill_at: int, save_every: int, devices: int) -> None:
+def fit(
+    run_dir: Path,
+    workers: int,
+    accumulation: int,
+    kill_at: int,
+    save_every: int,
+    devices: int,
+    stream: bool,
+    max_epochs: int = 3,
+    callbacks: tuple[lightning.Callback, ...] = (),
+) -> None:
     seed_everything(0)
     model = Regressor(run_dir, kill_at)
-    model.workers = workers
+    model.workers, model.stream = workers, stream
     checkpoints = ModelCheckpoint(dirpath=run_dir, every_n_train_steps=save_every, save_top_k=-1, save_last=True)
     trainer = lightning.Trainer(
-        max_epochs=3,
+        max_epochs=max_epochs,
         accelerator="cpu",
         devices=devices,
         strategy="ddp" if devices > 1 else "auto",
         use_distributed_sampler=False,  # the ResumableDataLoader shards by rank itself
         accumulate_grad_batches=accumulation,
-        callbacks=[ResumeCallback(), checkpoints],
+        callbacks=[ResumeCallback(), checkpoints, *callbacks],
         logger=False,
         enable_progress_bar=False,
         enable_model_summary=False,
@@ -82,13 +102,14 @@ def main() -> None:
     parser.add_argument("--kill-at", type=int, default=0)
     parser.add_argument("--save-every", type=int, default=4)
     parser.add_argument("--devices", type=int, default=1)
+    parser.add_argument("--stream", action="store_true", help="a StreamLoader instead of a ResumableDataLoader")
     parser.add_argument("--reference", type=Path, default=None)
     args = parser.parse_args()
     args.run_dir.mkdir(parents=True, exist_ok=True)
-    fit(args.run_dir, args.workers, args.accumulation, args.kill_at, args.save_every, args.devices)
+    fit(args.run_dir, args.workers, args.accumulation, args.kill_at, args.save_every, args.devices, args.stream)
     if args.reference is not None:
         args.reference.mkdir(parents=True, exist_ok=True)
-        fit(args.reference, args.workers, args.accumulation, 0, args.save_every, args.devices)
+        fit(args.reference, args.workers, args.accumulation, 0, args.save_every, args.devices, args.stream)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,154 @@
+"""transformers.Trainer through ResumableTrainer: a run SIGKILLed mid-epoch and resumed with
+``resume_from_checkpoint`` logs every loss and ends with the weights of an uninterrupted run, bitwise.
+
+The user script (tests/user_scripts/hf_trainer_train.py) trains a model with dropout on data whose
+augmentation draws from the global RNGs. One case runs in the default suite; the matrix (workers,
+gradient accumulation, a save on an epoch's last step, ``max_steps``, two processes) is slow.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("transformers", reason="the [transformers] extra is not installed")
+
+from integrations_harness import kill_and_resume  # first: makes torchvision importable
+
+# isort: split
+from accelerate import skip_first_batches
+from torch.utils.data import DataLoader
+from transformers import Trainer, TrainerCallback, TrainingArguments
+
+from resumable_data import ResumableDataLoader, wrap
+from resumable_data.integrations.transformers import STATE_FILE, ResumableTrainer
+from resumable_data.testing import assert_same
+from toy import Augmented, Net, seed_everything
+
+pytestmark = pytest.mark.filterwarnings("ignore:'set_vital' is deprecated")
+
+
+def _args(out: Path, **overrides: object) -> TrainingArguments:
+    settings: dict[str, object] = {
+        "output_dir": str(out),
+        "per_device_train_batch_size": 4,
+        "num_train_epochs": 2,
+        "learning_rate": 0.01,
+        "save_strategy": "steps",
+        "save_steps": 3,
+        "logging_steps": 1000,
+        "report_to": [],
+        "use_cpu": True,
+        "seed": 0,
+        "disable_tqdm": True,
+    }
+    return TrainingArguments(**{**settings, **overrides})  # type: ignore[arg-type]
+
+
+class _Preempted(Exception):
+    """What the in-process run dies of (the SIGKILLed scripts below are the real thing)."""
+
+
+class _DieAt(TrainerCallback):
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if state.global_step == self.step:
+            raise _Preempted
+
+
+class _Logging(ResumableTrainer):
+    """Logs every micro-batch's loss, in order, with the optimizer step it belongs to."""
+
+    def compute_loss(self, model: Any, inputs: Any, *args: Any, **kwargs: Any) -> Any:
+        loss = super().compute_loss(model, inputs, *args, **kwargs)
+        self.losses.append((self.state.global_step, loss.item().hex()))
+        return loss
+
+
+def _fit(out: Path, die_at: int = 0, resume: bool = False, **overrides: object) -> _Logging:
+    callbacks = [_DieAt(die_at)] if die_at else []
+    seed_everything(0)  # the initial weights
+    trainer = _Logging(model=Net(), args=_args(out, **overrides), train_dataset=Augmented(40), callbacks=callbacks)
+    trainer.losses = []
+    trainer.train(resume_from_checkpoint=True if resume else None)
+    return trainer
+
+
+def test_a_trainer_run_stopped_mid_epoch_resumes_to_the_same_weights(tmp_path: Path) -> None:
+    # 40 samples, batches of 4, accumulation 2: 5 steps an epoch; saved at step 6, stopped at 7.
+    reference = _fit(tmp_path / "reference", gradient_accumulation_steps=2)
+    with pytest.raises(_Preempted):
+        _fit(tmp_path / "run", die_at=7, gradient_accumulation_steps=2)
+    assert (tmp_path / "run" / "checkpoint-6" / STATE_FILE).exists()
+    resumed = _fit(tmp_path / "run", resume=True, gradient_accumulation_steps=2)
+    assert resumed.losses == [(step, loss) for step, loss in reference.losses if step >= 6]
+    assert_same(reference.model.state_dict(), resumed.model.state_dict(), "final weights")
+
+
+def test_trainers_skip_over_a_resumable_loader_keeps_batches_and_augmentations(tmp_path: Path) -> None:
+    # Found on main: a Trainer whose get_train_dataloader() returned a ResumableDataLoader crashed
+    # on resume in accelerate's skip_first_batches (AttributeError: 'list' object has no attribute 'key').
+    class Own(Trainer):
+        def get_train_dataloader(self) -> DataLoader:
+            return self.accelerator.prepare(ResumableDataLoader(Augmented(40), batch_size=4, seed=3))
+
+    trainer = Own(model=Net(), args=_args(tmp_path), train_dataset=Augmented(40))
+    reference = list(trainer.get_train_dataloader())
+    assert_same(reference[3:], list(skip_first_batches(trainer.get_train_dataloader(), 3)), "batches after the skip")
+
+
+def test_wrap_takes_trainers_own_train_loader(tmp_path: Path) -> None:
+    # Found on main: wrap(super().get_train_dataloader()) raised "a custom batch_sampler decides
+    # batches itself" for the plain BatchSampler that accelerate passes as batch_sampler=.
+    class Wrapped(Trainer):
+        def get_train_dataloader(self) -> DataLoader:
+            return wrap(super().get_train_dataloader(), seed=0)
+
+    trainer = Wrapped(model=Net(), args=_args(tmp_path), train_dataset=Augmented(40))
+    loader = trainer.get_train_dataloader()
+    assert isinstance(loader, ResumableDataLoader) and loader.batch_size == 4
+    assert sum(len(batch["x"]) for batch in loader) == 40
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("accumulation", [1, 2])
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_killed_trainer_run_resumes_bitwise(tmp_path: Path, workers: int, accumulation: int) -> None:
+    kill_and_resume("hf_trainer_train.py", tmp_path, 5, "--workers", str(workers), "--accumulation", str(accumulation))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("accumulation", [1, 2])
+def test_a_killed_trainer_run_saved_on_an_epochs_last_step_resumes_bitwise(tmp_path: Path, accumulation: int) -> None:
+    # 44 samples in batches of 4: 11 micro-batches an epoch; a save every 11 (or 5 groups of 2 and a
+    # last group of 1: 6 steps) falls on the epoch's last step, and the kill comes in the next epoch.
+    steps_per_epoch = {1: 11, 2: 6}[accumulation]
+    kill_and_resume(
+        "hf_trainer_train.py",
+        tmp_path,
+        steps_per_epoch + 2,
+        "--accumulation",
+        str(accumulation),
+        "--save-steps",
+        str(steps_per_epoch),
+    )
+
+
+@pytest.mark.slow
+def test_a_killed_trainer_run_with_max_steps_resumes_bitwise(tmp_path: Path) -> None:
+    # max_steps=15 ends mid-epoch (11 steps an epoch) and overrides num_train_epochs.
+    kill_and_resume("hf_trainer_train.py", tmp_path, 9, "--max-steps", "15")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("accumulation", [1, 2])
+def test_a_killed_two_process_trainer_run_resumes_bitwise(tmp_path: Path, accumulation: int) -> None:
+    # 48 samples: 6 batches per process and epoch (an uneven split would make accelerate pad the
+    # last batch without its seeding, which the collate function refuses); saved at 4, killed at 5.
+    kill_and_resume(
+        "hf_trainer_train.py", tmp_path, 5, "--accumulation", str(accumulation), "--length", "48", processes=2
+    )
