@@ -288,19 +288,17 @@ class ShardedIterable(Stream):
         return shards[keep], offsets[keep]
 
     def _slot_layout(self, epoch: int, slot: Slot, dealt: Dealt) -> _Layout:
-        """The slot's shards in reading order, where each one starts, the offset it is read from, and
-        each shard's place in that order (cached: each batch asks for it)."""
+        """The slot's shards in reading order, where each one starts and the offset it is read from
+        (cached: each batch asks for it)."""
         layout = self._layouts.get((epoch, slot, dealt))
         if layout is None:
             shards, offsets = self._sequence(epoch, dealt)
             mine, firsts = shards[slot[0] :: slot[1]], offsets[slot[0] :: slot[1]]
             starts = np.zeros(len(mine) + 1, dtype=np.int64)
             np.cumsum(self._size_array[mine] - firsts, out=starts[1:])
-            place = np.full(len(self.shards), -1, dtype=np.int64)
-            place[mine] = np.arange(len(mine), dtype=np.int64)
             if len(self._layouts) >= _LAYOUTS_CACHED:
                 self._layouts.clear()
-            layout = self._layouts[epoch, slot, dealt] = _Layout(mine, starts, firsts, place)
+            layout = self._layouts[epoch, slot, dealt] = _Layout(mine, starts, firsts)
         return layout
 
     def slot_length(self) -> int | None:
@@ -352,11 +350,17 @@ class ShardedIterable(Stream):
 
     def _cursors(
         self, epoch: int, slot: Slot, remaining: list[list[int]], position: int | None, dealt: Dealt
-    ) -> Mapping[int, int]:
-        """The cursor of each shard this slot has yet to finish, by shard index."""
+    ) -> dict[int, int]:
+        """The cursor of each shard this slot has yet to finish, by shard index (with a position,
+        built from the layout's arrays: a restore checks every buffered key against it)."""
         if position is None:
             return {index: cursor for index, cursor in remaining}
-        return _Cursors(self._slot_layout(epoch, slot, dealt), position)
+        layout = self._slot_layout(epoch, slot, dealt)
+        first = int(np.searchsorted(layout.starts, position, side="right")) - 1
+        cursors = layout.firsts[first:].copy()
+        if len(cursors):
+            cursors[0] += position - int(layout.starts[first])
+        return dict(zip(layout.shards[first:].tolist(), cursors.tolist(), strict=True))
 
     def fetch(self, key: Key) -> Any:
         return self.fetch_many([key])[0]
@@ -606,7 +610,7 @@ class ShardedIterable(Stream):
     def key_checker(self, state: Mapping[str, Any] | None) -> Callable[[Key], None]:
         n = len(self.shards)
         epoch: int | None = None
-        cursors: Mapping[int, int] = {}
+        cursors: dict[int, int] = {}
         pending: set[tuple[int, int]] = set()
         if state is not None:
             epoch, slot, remaining, pending_list, position, _, dealt = self._parse_all(state)
@@ -727,39 +731,6 @@ class _Layout(NamedTuple):
     shards: np.ndarray  # shard indices in reading order
     starts: np.ndarray  # the position where each one starts, plus the slot's total
     firsts: np.ndarray  # the offset each one is read from (its cursor at a layout change, else 0)
-    place: np.ndarray  # per shard index: its place in ``shards`` (-1: not this slot's)
-
-
-class _Cursors(Mapping[int, int]):
-    """The cursor of each shard a slot at ``position`` has yet to finish, computed from its layout
-    (what a listed state holds as a dict): the slot's shards are never listed."""
-
-    def __init__(self, layout: _Layout, position: int) -> None:
-        self.layout = layout
-        self.first = int(np.searchsorted(layout.starts, position, side="right")) - 1
-        self.position = position
-
-    def _place(self, index: object) -> int:
-        if not is_int(index) or not 0 <= index < len(self.layout.place):
-            return -1
-        place = int(self.layout.place[index])
-        return place if place >= self.first else -1
-
-    def __contains__(self, index: object) -> bool:
-        return self._place(index) >= 0
-
-    def __getitem__(self, index: int) -> int:
-        place = self._place(index)
-        if place < 0:
-            raise KeyError(index)
-        cursor = int(self.layout.firsts[place])
-        return cursor + self.position - int(self.layout.starts[place]) if place == self.first else cursor
-
-    def __iter__(self) -> Iterator[int]:
-        return iter(self.layout.shards[self.first :].tolist())
-
-    def __len__(self) -> int:
-        return len(self.layout.shards) - self.first
 
 
 def _require_dealt(raw: Any) -> Dealt:
