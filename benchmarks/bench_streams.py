@@ -379,7 +379,7 @@ def main() -> None:
         f"## 4. Elastic: {num_shards:,} shards x 10 records, `shuffle_window({BUFFER:,})`, 2 ranks -> 3 at 30 %",
         "",
         f"merge_states + load_state_dict + first batch on rank 0: {spread(times)}; the merged state: {size:,} B "
-        "(a layout change lists the dealt shards' cursors for the rest of that epoch).",
+        "(each new slot's state is a position plus the old slots' positions: nothing is listed per shard).",
         "",
     ]
     # 5. mixing

@@ -80,7 +80,7 @@ from .batch import Batch
 from .foreign import CONSUMED
 from .mix import EXHAUSTED
 from .repeat import ROUND
-from .sharded import IDENTITIES, PENDING, POSITION, REMAINING, SLOT
+from .sharded import DEALT, IDENTITIES, PENDING, POSITION, REMAINING, SLOT
 from .shuffle import BUFFER
 from .take import TAKEN
 from .window import COUNT, POSITIONAL, WINDOW
@@ -100,7 +100,7 @@ _END = object()
 # is (seeds, shard list, sizes, weights, the number of slots), which all ranks must agree on.
 POSITION_FIELDS = frozenset(
     {EPOCH, REMAINING, PENDING, POSITION, IDENTITIES, SLOT, DRAWS, BUFFER, ROUND, TAKEN, EXHAUSTED, CONSUMED}
-    | {WINDOW, COUNT, POSITIONAL}
+    | {WINDOW, COUNT, POSITIONAL, DEALT}
 )
 # DataLoader arguments the loader decides itself.
 _OWNED = ("batch_size", "shuffle", "sampler", "batch_sampler", "generator", "collate_fn")

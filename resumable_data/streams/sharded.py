@@ -26,8 +26,10 @@ Known sizes. Given the shards' record counts (``sizes=``: from an index file, Pa
 ``TokenShardReader.num_records``), a slot's state is one number instead of a list: ``"position"``,
 the records this slot has read in its shards' order, from which the current shard and its cursor
 are computed (prefix sums of the sizes). The state is then a few hundred bytes at any number of
-shards. After a layout change the dealt shards no longer follow that order, so the rest of that
-epoch is listed in ``remaining`` as above; the next epoch is a position again.
+shards. After a layout change a slot reads the shards dealt to it (below); their order is computed
+from the old slots' positions, kept in ``"dealt"`` as ``[[old number of slots, [their positions]],
+...]`` (one entry per layout change in the epoch), so the state is still a position: a few bytes
+per old slot, not a cursor per shard.
 
 Shard identity. When a shard is opened at its start, a reader with ``identity(shard)`` (the
 ready-made ones: size plus a digest of the first and last 4 KiB, which holds a Parquet footer) is
@@ -42,15 +44,18 @@ the ``s``-th, ``s+S``-th, ... shard of that order.
 Layout change. :meth:`ShardedIterable.rebalance` pools the unfinished shards of every old slot
 with their cursors, sorts them back into the epoch order and deals them round-robin to the new
 slots (pending records likewise). Every record of the epoch is still read exactly once, but the
-order of the rest of the epoch differs from an uninterrupted run with the old layout.
+order of the rest of the epoch differs from an uninterrupted run with the old layout. With known
+sizes the pooled list is computed from the positions (array operations over the epoch's shards),
+never listed.
 """
 
 from __future__ import annotations
 
 import hashlib
 import itertools
+from collections import deque
 from collections.abc import Callable, Generator, Iterable, Iterator, Mapping, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -83,6 +88,9 @@ from .base import (
 
 __all__ = ["ShardedIterable"]
 
+Dealt = tuple[tuple[int, tuple[int, ...]], ...]
+"""The epoch's layout changes so far: (old number of slots, their positions) each (see DEALT)."""
+
 _WHAT = "ShardedIterable"
 NUM_SHARDS = "num_shards"
 SHARDS_DIGEST = "shards_digest"
@@ -93,6 +101,8 @@ PENDING = "pending"
 POSITION = "position"  # records read by this slot in its shards' order (with known sizes)
 SIZES_DIGEST = "sizes_digest"
 IDENTITIES = "identities"  # {shard index: fingerprint} of the shards partly read
+_LAYOUTS_CACHED = 8  # slot layouts kept: a restore reads the states of several slots in turn
+DEALT = "dealt"  # with sizes, after layout changes: [[old number of slots, [old slots' positions]], ...]
 
 
 class ShardedIterable(Stream):
@@ -153,6 +163,7 @@ class ShardedIterable(Stream):
         if not callable(read_shard) and not hasattr(read_shard, "read_from"):
             raise TypeError(f"read_shard must be callable, got {type(read_shard).__name__}")
         self.sizes: list[int] | None = None
+        self._size_array = np.zeros(0, dtype=np.int64)  # the sizes as an array (with sizes=)
         self._sizes_digest: str | None = None
         if sizes is not None:
             self.sizes = [check_int_arg("sizes[i]", size, minimum=0) for size in sizes]
@@ -165,30 +176,45 @@ class ShardedIterable(Stream):
                     f"sizes= needs a reader whose offsets are record numbers, but {type(read_shard).__name__} keeps "
                     "its own offsets (bytes); leave sizes=None for it"
                 )
-            self._sizes_digest = hashlib.sha256(np.asarray(self.sizes, dtype=np.int64).tobytes()).hexdigest()[:16]
+            self._size_array = np.asarray(self.sizes, dtype=np.int64)
+            self._sizes_digest = hashlib.sha256(self._size_array.tobytes()).hexdigest()[:16]
         self.allow_changed_shards = bool(allow_changed_shards)
         self._identity = getattr(read_shard, "identity", None)
         self._identities: dict[int, str] = {}
         self._unverified: set[int] = set()  # restored identities not compared with the shard yet
-        self._position: int | None = None  # with sizes, and the slot reads its own shards in order
-        self._starts: tuple[tuple[int, int, int], list[int], np.ndarray] | None = None  # cached slot layout
+        self._position: int | None = None  # with sizes: records this slot has read in its shards' order
+        self._dealt: Dealt = ()  # with sizes: the epoch's layout changes so far (see DEALT)
+        self._order: tuple[int, np.ndarray] | None = None  # the cached shard order of an epoch
+        self._layouts: dict[Any, _Layout] = {}  # cached layouts of the slots asked for lately
+        self._dealing: tuple[Any, tuple[np.ndarray, np.ndarray]] | None = None  # the cached _sequence
         self.read_shard = read_shard
         self.shuffle = bool(shuffle)
         self.seed = check_int_arg("seed", seed, minimum=-(2**63))
         self._names = [str(s) for s in self.shards]
         self._digest = hashlib.sha256("\n".join(self._names).encode()).hexdigest()[:16]
         self._slot: Slot = (0, 1)
-        self._remaining: list[list[int]] = []  # [shard index, cursor], the first one being read
-        self._pending: list[list[int]] = []
+        # [shard index, cursor], the first one being read; with a position only that one (the next
+        # ones follow from the position).
+        self._remaining: list[list[int]] = []
+        self._pending: deque[list[int]] = deque()  # handed out from the left: O(1) each
         self.reset(0, None)
 
     # -- order and reading ---------------------------------------------------------------------
     def shard_order(self, epoch: int) -> list[int]:
         """Shard indices in the order epoch ``epoch`` reads them (all slots together)."""
-        n = len(self.shards)
-        if not self.shuffle:
-            return list(range(n))
-        return Permutation(n, self.seed, epoch)(np.arange(n, dtype=np.int64)).tolist()
+        return self._order_array(epoch).tolist()
+
+    def _order_array(self, epoch: int) -> np.ndarray:
+        """The shard order as an array, cached for the last epoch asked for (a layout change needs it
+        again, and computing it costs in proportion to the number of shards)."""
+        if self._order is None or self._order[0] != epoch:
+            n = len(self.shards)
+            order = np.arange(n, dtype=np.int64)
+            if self.shuffle:
+                order = Permutation(n, self.seed, epoch)(order)
+            order.flags.writeable = False
+            self._order = (epoch, order)
+        return self._order[1]
 
     def _records(self, index: int, start: int) -> Generator[tuple[int, Any], None, None]:
         """``(next offset, record)`` of shard ``index`` from ``start``; OSError becomes ResumeError."""
@@ -222,21 +248,70 @@ class ShardedIterable(Stream):
             raise ResumeError(f"cannot read shard {index} {self._names[index]!r}: {exc}") from exc
 
     # -- known sizes: a slot's position <-> (shard, cursor) -------------------------------------------
-    def _slot_layout(self, epoch: int, slot: Slot) -> tuple[list[int], np.ndarray]:
-        """The slot's shards in reading order and the position where each one starts (plus the total)."""
-        if self._starts is None or self._starts[0] != (epoch, *slot):
-            order = self.shard_order(epoch)[slot[0] :: slot[1]]
-            starts = np.zeros(len(order) + 1, dtype=np.int64)
-            np.cumsum(np.asarray(self.sizes or [], dtype=np.int64)[order], out=starts[1:])
-            self._starts = ((epoch, *slot), order, starts)
-        return self._starts[1], self._starts[2]
+    def _sequence(self, epoch: int, dealt: Dealt) -> tuple[np.ndarray, np.ndarray]:
+        """The shards every slot of the current layout deals from, with the offset each one starts at:
+        the epoch order, or after layout changes what was unfinished at the last one (in epoch order).
+        Cached: a restore asks for it once per slot state."""
+        if self._dealing is None or self._dealing[0] != (epoch, dealt):
+            shards = self._order_array(epoch)
+            offsets = np.zeros(len(shards), dtype=np.int64)
+            for num_slots, positions in dealt:
+                shards, offsets = self._unfinished(shards, offsets, num_slots, positions)
+            self._dealing = ((epoch, dealt), (shards, offsets))
+        return self._dealing[1]
+
+    def _unfinished(
+        self, shards: np.ndarray, offsets: np.ndarray, num_slots: int, positions: Sequence[int]
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """What ``num_slots`` slots dealing from ``(shards, offsets)`` left unread at ``positions``:
+        array operations over the shards, whatever their number."""
+        lengths = self._size_array[shards] - offsets
+        heads = np.zeros(num_slots, dtype=np.int64)  # per old slot: its index of the shard it is in
+        cursors = np.zeros(num_slots, dtype=np.int64)  # and the records of that shard it has read
+        for s, position in enumerate(positions):
+            starts = np.zeros(len(lengths[s::num_slots]) + 1, dtype=np.int64)
+            np.cumsum(lengths[s::num_slots], out=starts[1:])
+            if position > starts[-1]:
+                raise ResumeError(
+                    f"{_WHAT} state field {DEALT!r}: old slot {s} of {num_slots} is at position {position}, but its "
+                    f"shards hold {int(starts[-1])} records; pass a state_dict() of this pipeline unchanged"
+                )
+            heads[s] = int(np.searchsorted(starts, position, side="right")) - 1
+            cursors[s] = position - starts[heads[s]]
+        keep = np.zeros(len(shards), dtype=bool)
+        offsets = offsets.copy()
+        for s in range(num_slots):
+            first = s + num_slots * int(heads[s])  # the old slot's shard being read, then the rest of its
+            keep[first::num_slots] = True
+            if first < len(shards):
+                offsets[first] += cursors[s]
+        return shards[keep], offsets[keep]
+
+    def _slot_layout(self, epoch: int, slot: Slot, dealt: Dealt) -> _Layout:
+        """The slot's shards in reading order, where each one starts and the offset it is read from
+        (cached: each batch asks for it)."""
+        layout = self._layouts.get((epoch, slot, dealt))
+        if layout is None:
+            shards, offsets = self._sequence(epoch, dealt)
+            mine, firsts = shards[slot[0] :: slot[1]], offsets[slot[0] :: slot[1]]
+            starts = np.zeros(len(mine) + 1, dtype=np.int64)
+            np.cumsum(self._size_array[mine] - firsts, out=starts[1:])
+            if len(self._layouts) >= _LAYOUTS_CACHED:
+                self._layouts.clear()
+            layout = self._layouts[epoch, slot, dealt] = _Layout(mine, starts, firsts)
+        return layout
 
     def slot_length(self) -> int | None:
-        """Records this slot reads in the current epoch, when the sizes are known and it reads its own
-        shards in order (not after a layout change); else None."""
-        if self._position is None:
+        """Records this slot reads from its shards in the current epoch, when the sizes are known and
+        no pending records come first (right after a layout change); else None."""
+        if self._position is None or self._pending:
             return None
-        return int(self._slot_layout(self._epoch, self._slot)[1][-1])
+        return int(self._slot_layout(self._epoch, self._slot, self._dealt).starts[-1])
+
+    @property
+    def pending_count(self) -> int:
+        """Records this slot reads before its shards: those a shuffle held at a layout change."""
+        return len(self._pending)
 
     @property
     def position(self) -> int | None:
@@ -249,28 +324,43 @@ class ShardedIterable(Stream):
         Needs :meth:`slot_length` to be known; positions must lie below it. With ``state`` (a
         checked state with a position), for that state's epoch and slot instead.
         """
-        epoch, slot = self._epoch, self._slot
+        epoch, slot, dealt = self._epoch, self._slot, self._dealt
         if state is not None:
-            epoch, slot = self._parse(state)[:2]
-        order, starts = self._slot_layout(epoch, slot)
-        which = np.searchsorted(starts, positions, side="right") - 1
-        shards = np.asarray(order, dtype=np.int64)[which]
-        offsets = positions - starts[which]
+            parsed = self._parse_all(state)
+            epoch, slot, dealt = parsed[0], parsed[1], parsed[6]
+        layout = self._slot_layout(epoch, slot, dealt)
+        which = np.searchsorted(layout.starts, positions, side="right") - 1
+        shards = layout.shards[which]
+        offsets = positions - layout.starts[which] + layout.firsts[which]
         return [(epoch, i, o) for i, o in zip(shards.tolist(), offsets.tolist(), strict=True)]
 
     def seek(self, position: int) -> None:
         """Continue this slot's epoch at ``position`` (records it has read), without reading anything."""
-        self._remaining = self._remaining_at(self._epoch, self._slot, position)
+        self._remaining = self._remaining_at(self._epoch, self._slot, position, self._dealt)
         self._position = position
         self._identities, self._unverified = {}, set()
 
-    def _remaining_at(self, epoch: int, slot: Slot, position: int) -> list[list[int]]:
-        order, starts = self._slot_layout(epoch, slot)
-        first = int(np.searchsorted(starts, position, side="right")) - 1
-        remaining = [[index, 0] for index in order[first:]]
-        if remaining:
-            remaining[0][1] = position - int(starts[first])
-        return remaining
+    def _remaining_at(self, epoch: int, slot: Slot, position: int, dealt: Dealt) -> list[list[int]]:
+        """``[[shard, cursor]]`` of the shard that ``position`` lies in (``[]`` at the slot's end)."""
+        layout = self._slot_layout(epoch, slot, dealt)
+        first = int(np.searchsorted(layout.starts, position, side="right")) - 1
+        if first >= len(layout.shards):
+            return []
+        return [[int(layout.shards[first]), int(layout.firsts[first] + position - layout.starts[first])]]
+
+    def _cursors(
+        self, epoch: int, slot: Slot, remaining: list[list[int]], position: int | None, dealt: Dealt
+    ) -> dict[int, int]:
+        """The cursor of each shard this slot has yet to finish, by shard index (with a position,
+        built from the layout's arrays: a restore checks every buffered key against it)."""
+        if position is None:
+            return {index: cursor for index, cursor in remaining}
+        layout = self._slot_layout(epoch, slot, dealt)
+        first = int(np.searchsorted(layout.starts, position, side="right")) - 1
+        cursors = layout.firsts[first:].copy()
+        if len(cursors):
+            cursors[0] += position - int(layout.starts[first])
+        return dict(zip(layout.shards[first:].tolist(), cursors.tolist(), strict=True))
 
     def fetch(self, key: Key) -> Any:
         return self.fetch_many([key])[0]
@@ -326,10 +416,13 @@ class ShardedIterable(Stream):
             # Records a shuffle buffer held before a layout change: re-read them together.
             records = self.fetch_many([(epoch, index, offset) for index, offset in self._pending])
             for record in records:
-                index, offset = self._pending[0]
-                del self._pending[0]
+                index, offset = self._pending.popleft()
                 yield (epoch, index, offset), record
-        while self._remaining:
+        while True:
+            if not self._remaining and self._position is not None:  # the next shard, from the position
+                self._remaining = self._remaining_at(epoch, self._slot, self._position, self._dealt)
+            if not self._remaining:
+                return
             entry = self._remaining[0]
             if entry[1] == 0 and self._identity is not None:
                 identity = self.identity(entry[0])
@@ -353,11 +446,11 @@ class ShardedIterable(Stream):
             self._slot = slot
         self._epoch = epoch
         s, num_slots = self._slot
-        self._pending, self._identities, self._unverified = [], {}, set()
+        self._pending, self._identities, self._unverified, self._dealt = deque(), {}, set(), ()
         if self.sizes is None:
             self._remaining = [[index, 0] for index in self.shard_order(epoch)[s::num_slots]]
         else:
-            self._remaining, self._position = self._remaining_at(epoch, self._slot, 0), 0
+            self._remaining, self._position = self._remaining_at(epoch, self._slot, 0, ()), 0
 
     def _state(
         self,
@@ -367,6 +460,7 @@ class ShardedIterable(Stream):
         pending: Sequence[Sequence[int]],
         identities: Mapping[int, str],
         position: int | None = None,
+        dealt: Dealt = (),
     ) -> dict[str, Any]:
         state: dict[str, Any] = {
             VERSION: STREAM_STATE_VERSION,
@@ -382,6 +476,8 @@ class ShardedIterable(Stream):
             state[SIZES_DIGEST] = self._sizes_digest
         if position is not None:
             state[POSITION] = position
+            if dealt:
+                state[DEALT] = [[num_slots, list(positions)] for num_slots, positions in dealt]
         else:
             state[REMAINING] = [[i, self._names[i], c] for i, c in remaining]
         state[PENDING] = [[i, o] for i, o in pending]
@@ -396,14 +492,18 @@ class ShardedIterable(Stream):
             head, cursor = self._remaining[0]
             if head in identities and cursor >= self.sizes[head]:
                 identities = {i: v for i, v in identities.items() if i != head}
-        return self._state(self._epoch, self._slot, self._remaining, self._pending, identities, self._position)
+        return self._state(
+            self._epoch, self._slot, self._remaining, self._pending, identities, self._position, self._dealt
+        )
 
     def _parse(self, state: Any) -> tuple[int, Slot, list[list[int]], list[list[int]]]:
         """Validate a state against this shard list: (epoch, slot, remaining, pending)."""
         return self._parse_all(state)[:4]
 
-    def _parse_all(self, state: Any) -> tuple[int, Slot, list[list[int]], list[list[int]], int | None, dict[int, str]]:
-        """Validate a state: (epoch, slot, remaining, pending, position or None, identities)."""
+    def _parse_all(
+        self, state: Any
+    ) -> tuple[int, Slot, list[list[int]], list[list[int]], int | None, dict[int, str], Dealt]:
+        """Validate a state: (epoch, slot, remaining, pending, position or None, identities, dealt)."""
         state = require_mapping(state, _WHAT)
         check_version(state, STREAM_STATE_VERSION, _WHAT)
         epoch = require_epoch(state, _WHAT)
@@ -424,6 +524,7 @@ class ShardedIterable(Stream):
         if slot >= num_slots:
             raise ResumeError(f"{_WHAT} state has slot {slot} but only {num_slots} slots")
         position: int | None = None
+        dealt: Dealt = ()
         remaining: list[list[int]] = []
         remaining_raw: Any = []
         if POSITION in state:
@@ -432,13 +533,14 @@ class ShardedIterable(Stream):
                     f"{_WHAT} state holds a {POSITION!r}, which needs the shards' sizes; pass the checkpoint's sizes="
                 )
             position = require_count(state, POSITION, _WHAT)
-            total = int(self._slot_layout(epoch, (slot, num_slots))[1][-1])
+            dealt = _require_dealt(state.get(DEALT, []))
+            total = int(self._slot_layout(epoch, (slot, num_slots), dealt).starts[-1])
             if position > total:
                 raise ResumeError(
                     f"{_WHAT} state is at position {position} of slot {slot}, but that slot's shards hold {total} "
                     "records; pass a state_dict() of this pipeline unchanged"
                 )
-            remaining = self._remaining_at(epoch, (slot, num_slots), position)  # computed: nothing to check
+            remaining = self._remaining_at(epoch, (slot, num_slots), position, dealt)  # computed: nothing to check
         else:
             remaining_raw = state.get(REMAINING)
         pending_raw = state.get(PENDING)
@@ -471,7 +573,7 @@ class ShardedIterable(Stream):
         )
         if len({i for i, _ in remaining}) != len(remaining):
             raise ResumeError(f"{_WHAT} state lists a shard twice in {REMAINING!r}: {brief(remaining_raw)}")
-        cursors = {index: cursor for index, cursor in remaining}
+        cursors = self._cursors(epoch, (slot, num_slots), remaining, position, dealt)
         pending: list[list[int]] = []
         for entry in pending_raw:
             if not (isinstance(entry, (list, tuple)) and len(entry) == 2 and all(is_int(v) for v in entry)):
@@ -492,7 +594,7 @@ class ShardedIterable(Stream):
                     f"have an identity (a string); pass a state_dict() of this pipeline unchanged"
                 )
             identities[index] = identity
-        return epoch, (slot, num_slots), remaining, pending, position, identities
+        return epoch, (slot, num_slots), remaining, pending, position, identities, dealt
 
     def _check_identity(self, index: int, cursor: int, saved: str) -> None:
         """Refuse a partly read shard that is not the file the checkpoint read."""
@@ -511,8 +613,8 @@ class ShardedIterable(Stream):
         cursors: dict[int, int] = {}
         pending: set[tuple[int, int]] = set()
         if state is not None:
-            epoch, _, remaining, pending_list = self._parse(state)
-            cursors = {index: cursor for index, cursor in remaining}
+            epoch, slot, remaining, pending_list, position, _, dealt = self._parse_all(state)
+            cursors = self._cursors(epoch, slot, remaining, position, dealt)
             pending = {(i, o) for i, o in pending_list}
 
         def check(key: Key) -> None:
@@ -536,11 +638,11 @@ class ShardedIterable(Stream):
         return [self._parse(state)[1]]
 
     def check(self, state: Any) -> Callable[[], None]:
-        epoch, slot, remaining, pending, position, identities = self._parse_all(state)
+        epoch, slot, remaining, pending, position, identities, dealt = self._parse_all(state)
 
         def apply() -> None:
-            self._epoch, self._slot, self._remaining, self._pending = epoch, slot, remaining, pending
-            self._position, self._identities = position, dict(identities)
+            self._epoch, self._slot, self._remaining, self._pending = epoch, slot, remaining, deque(pending)
+            self._position, self._identities, self._dealt = position, dict(identities), dealt
             # Compared when the shard is next read: a restore opens no shard it does not read.
             self._unverified = set() if self.allow_changed_shards else set(identities)
 
@@ -554,18 +656,26 @@ class ShardedIterable(Stream):
         epoch = parsed[0][0]
         if any(p[0] != epoch for p in parsed):
             raise ResumeError(f"{_WHAT}: the slots' states are from different epochs {sorted({p[0] for p in parsed})}")
-        remaining = [entry for p in parsed for entry in p[2]]
+        records = [entry for p in parsed for entry in p[3]]
+        for key in pending:
+            if key[0] != epoch or len(key) != 3:
+                raise ResumeError(f"{_WHAT}: pending record {brief(list(key))} is not a record of epoch {epoch}")
+            records.append([key[1], key[2]])
+        old = [(p[1], p[4], p[6]) for p in parsed]  # slot, position, dealt
+        dealt = old[0][2]
+        if all(position is not None and d == dealt for _, position, d in old) and [s for s, _, _ in old] == [
+            (s, len(old)) for s in range(len(old))
+        ]:
+            return self._deal_positions(
+                epoch, dealt, [position or 0 for _, position, _ in old], num_slots, records, identities
+            )
+        remaining = [entry for p in parsed for entry in self._listed(p[0], p[1], p[2], p[4], p[6])]
         if len({i for i, _ in remaining}) != len(remaining):
             raise ResumeError(
                 f"{_WHAT}: a shard is unfinished in two slots' states; were they saved at different times?"
             )
         rank = {index: position for position, index in enumerate(self.shard_order(epoch))}
         remaining.sort(key=lambda entry: rank[entry[0]])
-        records = [entry for p in parsed for entry in p[3]]
-        for key in pending:
-            if key[0] != epoch or len(key) != 3:
-                raise ResumeError(f"{_WHAT}: pending record {brief(list(key))} is not a record of epoch {epoch}")
-            records.append([key[1], key[2]])
         return [
             self._state(
                 epoch,
@@ -576,6 +686,73 @@ class ShardedIterable(Stream):
             )
             for s in range(num_slots)
         ]
+
+    def _listed(
+        self, epoch: int, slot: Slot, remaining: list[list[int]], position: int | None, dealt: Dealt
+    ) -> list[list[int]]:
+        """Every shard this slot has yet to finish with its cursor, listed (for a listed rebalance)."""
+        if position is None:
+            return remaining
+        layout = self._slot_layout(epoch, slot, dealt)
+        first = int(np.searchsorted(layout.starts, position, side="right")) - 1
+        listed = [[int(i), int(o)] for i, o in zip(layout.shards[first:], layout.firsts[first:], strict=True)]
+        if listed:
+            listed[0][1] += position - int(layout.starts[first])
+        return listed
+
+    def _deal_positions(
+        self,
+        epoch: int,
+        dealt: Dealt,
+        positions: list[int],
+        num_slots: int,
+        records: list[list[int]],
+        identities: Mapping[int, str],
+    ) -> list[dict[str, Any]]:
+        """States for ``num_slots`` new slots dealing what old slots at ``positions`` left unread: a
+        position each (0) plus the layout change, computed, not listed."""
+        dealt = (*dealt, (len(positions), tuple(positions)))
+        shards = self._sequence(epoch, dealt)[0]
+        held = np.fromiter(identities, dtype=np.int64, count=len(identities))
+        states = []
+        for s in range(num_slots):
+            mine = held[np.isin(held, shards[s::num_slots])].tolist()
+            states.append(
+                self._state(
+                    epoch, (s, num_slots), [], records[s::num_slots], {i: identities[i] for i in mine}, 0, dealt
+                )
+            )
+        return states
+
+
+class _Layout(NamedTuple):
+    """A slot's shards in reading order, with known sizes (see ``ShardedIterable._slot_layout``)."""
+
+    shards: np.ndarray  # shard indices in reading order
+    starts: np.ndarray  # the position where each one starts, plus the slot's total
+    firsts: np.ndarray  # the offset each one is read from (its cursor at a layout change, else 0)
+
+
+def _require_dealt(raw: Any) -> Dealt:
+    """Read the ``"dealt"`` field: ``[[old number of slots, [a position per old slot]], ...]``."""
+    if not isinstance(raw, list):
+        raise ResumeError(f"{_WHAT} state field {DEALT!r} must be a list, got {brief(raw)}")
+    dealt = []
+    for entry in raw:
+        if not (
+            isinstance(entry, (list, tuple))
+            and len(entry) == 2
+            and is_int(entry[0])
+            and isinstance(entry[1], (list, tuple))
+            and len(entry[1]) == entry[0] >= 1
+            and all(is_int(p) and 0 <= p <= MAX_COUNT for p in entry[1])
+        ):
+            raise ResumeError(
+                f"{_WHAT} state field {DEALT!r}: each layout change must be [number of slots, [a position per slot]], "
+                f"got {brief(entry)}; pass a state_dict() of this pipeline unchanged"
+            )
+        dealt.append((int(entry[0]), tuple(int(p) for p in entry[1])))
+    return tuple(dealt)
 
 
 def _check_record(index: int, offset: int, n: int, cursors: Mapping[int, int], what: Callable[[], str]) -> None:

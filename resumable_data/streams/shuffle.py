@@ -39,7 +39,9 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from operator import itemgetter
 from typing import Any
 
-from ..core.hash import hash_ints, hash_more
+import numpy as np
+
+from ..core.hash import hash_ints, hash_more_array
 from ..core.state import EPOCH, SEED, brief, check_int_arg
 from ..errors import ResumeError
 from .base import DRAWS, SOURCE, Key, Stream, Wrapper, check_same, record_key, require_count, require_key
@@ -56,6 +58,7 @@ class _Unread:
 
 FIRST_READ_AHEAD = 64  # draws covered by a restore's first re-read: a batch or two of records
 READ_AHEAD_GROWTH = 4  # each later re-read covers this many times more draws: few reads in all
+HASH_CHUNK = 256  # draws whose hashes are computed together (in numpy): a few batches' worth
 
 SIZE = "size"
 BUFFER = "buffer"
@@ -94,9 +97,19 @@ class ShuffleBuffer(Wrapper):
         # the next one, which is then the whole state); and the draw count at that update.
         self._entered: list[Key] | None = None
         self._since = 0
+        self._hashes: tuple[int, int, list[int]] = (-1, 0, [])  # (epoch, first draw, their hashes)
 
     def _choice(self) -> int:
-        return hash_ints(self.seed, self._epoch, self._draws) % len(self._buffer)
+        return self._draw_hash(self._draws) % len(self._buffer)
+
+    def _draw_hash(self, draw: int) -> int:
+        """``hash_ints(seed, epoch, draw)``, the draw's slot before ``% len(buffer)``, from a chunk of
+        draws hashed together: per draw, a list lookup instead of a chain of Python-int mixing."""
+        epoch, first, hashes = self._hashes
+        if epoch != self._epoch or not 0 <= draw - first < len(hashes):
+            first, hashes = draw, draw_hashes(self.seed, self._epoch, draw, draw + HASH_CHUNK)
+            self._hashes = (self._epoch, first, hashes)
+        return hashes[draw - first]
 
     def _reread_ahead(self, draining: bool) -> None:
         """Re-read the restored records that the next draws pick (the next one picks one).
@@ -110,15 +123,14 @@ class ShuffleBuffer(Wrapper):
         if self._read_ahead >= n:
             slots = [s for s in range(n) if self._buffer[s][1] is _Unread]
         else:
-            prefix = hash_ints(self.seed, self._epoch)
-            draws = range(self._draws, self._draws + self._read_ahead)
+            hashes = draw_hashes(self.seed, self._epoch, self._draws, self._draws + min(self._read_ahead, n))
             if not draining:
-                picked = {hash_more(prefix, d) % n for d in draws}
+                picked = {h % n for h in hashes}
             else:
                 where = list(range(n))  # where[i]: the slot whose record is at position i now
                 picked = set()
-                for d in draws[:n]:
-                    i = hash_more(prefix, d) % len(where)
+                for h in hashes:
+                    i = h % len(where)
                     picked.add(where[i])
                     where[i] = where[-1]
                     where.pop()
@@ -186,14 +198,13 @@ class ShuffleBuffer(Wrapper):
                 f"shuffle_buffer update is relative to draw {draw} of epoch {update[EPOCH]}, but the previous "
                 f"state is at draw {previous[DRAWS]} of epoch {previous[EPOCH]}"
             )
-        prefix = hash_ints(self.seed, update[EPOCH])
         fill = max(0, min(len(entered), self.size - len(buffer)))
         buffer.extend(entered[:fill])
-        for key in entered[fill:]:
-            buffer[hash_more(prefix, draw) % len(buffer)] = key
-            draw += 1
-        for drain in range(draw, update[DRAWS]):  # draining: the last record moves into the drawn slot
-            slot = hash_more(prefix, drain) % len(buffer)
+        hashes = draw_hashes(self.seed, update[EPOCH], draw, update[DRAWS])
+        for key, h in zip(entered[fill:], hashes, strict=False):
+            buffer[h % len(buffer)] = key
+        for h in hashes[len(entered) - fill :]:  # draining: the last record moves into the drawn slot
+            slot = h % len(buffer)
             buffer[slot] = buffer[-1]
             buffer.pop()
         del state[SINCE], state[ENTERED]
@@ -266,3 +277,10 @@ class ShuffleBuffer(Wrapper):
         # Buffered records go back to the sources as pending records, to be read again exactly once.
         held = [key for state in states for key in self._buffered_keys(state)]
         return super().rebalance(states, num_slots, pending + held)
+
+
+def draw_hashes(seed: int, epoch: int, start: int, stop: int) -> list[int]:
+    """``hash_ints(seed, epoch, d)`` for draws ``d`` in ``[start, stop)``, computed in bulk."""
+    if stop <= start:
+        return []
+    return hash_more_array(hash_ints(seed, epoch), np.arange(start, stop, dtype=np.int64)).tolist()

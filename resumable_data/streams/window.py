@@ -20,8 +20,10 @@ Two ways to read a window, chosen per window:
 State: ``{"seed", "size", "window": windows begun this epoch, "count": records in the open
 window (0: none open), "taken": records of it handed out, "positional": how it is read, "source":
 {...}}``. A layout change (another ``num_workers`` or world size) is exact for windows read by
-position: the open window's records not handed out yet go back to the sources as pending records.
-A window read by reading cannot be split; the state then must be taken between windows.
+position: the open window's records not handed out yet go back to the sources as pending records,
+which each new slot reads first, as windows of their own (by reading), and then its dealt shards
+by position again. A window read by reading cannot be split; the state then must be taken between
+windows.
 """
 
 from __future__ import annotations
@@ -85,6 +87,14 @@ class ShuffleWindow(Wrapper):
             return source
         return None
 
+    def _read_size(self) -> int:
+        """Records of the next window read by reading: a sharded source with sizes that has pending
+        records (held at a layout change) reads them as windows of their own, then by position."""
+        source = self.source
+        if isinstance(source, ShardedIterable) and source.position is not None and source.pending_count:
+            return min(self.size, source.pending_count)
+        return self.size
+
     def _order(self, start: int, stop: int) -> np.ndarray:
         """Positions inside the open window of its ``start``-th to ``stop``-th records handed out."""
         permutation = Permutation(self._count, hash_ints(self.seed, self._window - 1) >> 1, self._epoch)
@@ -105,7 +115,7 @@ class ShuffleWindow(Wrapper):
                 else:
                     start = self.source.state_dict()
                     records = self.source.iter_keyed() if records is None else records
-                    window = [(record_key(k, _WHAT), v) for k, v in _take(records, self.size)]
+                    window = [(record_key(k, _WHAT), v) for k, v in _take(records, self._read_size())]
                     if not window:
                         return
                     count, self._start, self._records = len(window), start, window
