@@ -14,15 +14,21 @@ For each, a fresh loader iterates to 90 % of the epoch: the time to the next bat
 built loader and timed from ``load_state_dict`` to the first batch in hand ("restore", median of 3, min–max),
 and that batch is checked to equal the uninterrupted run's. A restore reads the footer of the
 current shard and one row group; with a shuffle buffer, the row groups its rows come from.
-``bench_streams.py`` runs the same pipelines side by side with the token-shard ones.
 
 Run: ``python benchmarks/bench_parquet.py`` (``--quick``: a few seconds).
 """
 
 from __future__ import annotations
 
+import gc
+import itertools
+import json
+import pickle
+import statistics
 import tempfile
+import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -30,14 +36,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
-from _common import machine_header, markdown_table, parse_args, write_report
-from bench_streams import (  # the same timing as the token-shard rows
-    TABLE_HEADERS,
-    Pipeline,
-    checkpoint,
-    table_row,
-    time_rounds,
-)
+from _common import format_seconds, machine_header, markdown_table, parse_args, write_report
 
 from resumable_data.streams import ParquetReader, ShardedIterable, Stream, StreamLoader
 
@@ -46,6 +45,8 @@ ROW_GROUP = 1000
 BATCH = 32
 BUFFER = 1000
 FRACTION = 0.9
+RESTORES = 3
+HEADERS = ["pipeline", "position (batches)", "replay", "restore", "speed-up", "state (JSON)"]
 
 
 def write_shards(directory: Path, num_shards: int, rows: int) -> list[Path]:
@@ -76,38 +77,85 @@ def pipelines(paths: list[Path]) -> dict[str, Callable[[], StreamLoader]]:
     }
 
 
-RESTORES = 3
+@dataclass
+class Pipeline:
+    """One pipeline's checkpoint at ``position`` batches: the replay time there, its state, the next batch."""
+
+    make: Callable[[], StreamLoader]
+    position: int
+    of: int
+    replay: float
+    state: Any
+    expected: torch.Tensor
+    restores: list[float] = field(default_factory=list)
 
 
-def checkpoints(directory: Path, num_shards: int, rows: int) -> dict[str, Pipeline]:
-    """Write the shards into ``directory``; each pipeline replayed to 90 % of its epoch (timed), with its state there."""
+def checkpoint(make: Callable[[], StreamLoader], position: int, of: int) -> Pipeline:
+    """Replay a fresh loader to ``position`` (timed to the next batch in hand) and keep its state there."""
+    loader = make()
+    start = time.perf_counter()
+    batches = iter(loader)
+    for _ in itertools.islice(batches, position):
+        pass
+    state = pickle.loads(pickle.dumps(loader.state_dict()))
+    expected = next(batches)
+    replay = time.perf_counter() - start
+    return Pipeline(make, position, of, replay, state, expected)
+
+
+def restore_once(p: Pipeline) -> float:
+    loader = p.make()
+    gc.collect()
+    start = time.perf_counter()
+    loader.load_state_dict(p.state)
+    got = next(iter(loader))
+    elapsed = time.perf_counter() - start
+    if not torch.equal(got, p.expected):
+        raise SystemExit(f"restore at batch {p.position}: the first batch differs from the uninterrupted run's")
+    return elapsed
+
+
+def parquet_rows(num_shards: int, rows: int, rounds: int) -> list[list[str]]:
+    """One table row per pipeline: replay to 90 % vs restore there, restores interleaved over the pipelines."""
     batches_per_epoch = -(-num_shards * rows // BATCH)  # one slot: batches run across shard ends
     position = int(FRACTION * batches_per_epoch)
-    paths = write_shards(directory, num_shards, rows)
-    return {name: checkpoint(make, position, batches_per_epoch) for name, make in pipelines(paths).items()}
-
-
-def parquet_rows(num_shards: int, rows: int, rounds: int = RESTORES) -> list[list[str]]:
-    """One table row per pipeline (``bench_streams.TABLE_HEADERS``): replay to 90 % vs restore there."""
     with tempfile.TemporaryDirectory(prefix="bench-parquet-") as tmp:
-        measured = checkpoints(Path(tmp), num_shards, rows)
-        time_rounds(measured, rounds)
-    return [table_row(name, p) for name, p in measured.items()]
+        paths = write_shards(Path(tmp), num_shards, rows)
+        measured = {name: checkpoint(make, position, batches_per_epoch) for name, make in pipelines(paths).items()}
+        for _ in range(rounds):
+            for p in measured.values():
+                p.restores.append(restore_once(p))
+    table = []
+    for name, p in measured.items():
+        median = statistics.median(p.restores)
+        restore = f"{format_seconds(median)} ({format_seconds(min(p.restores))}–{format_seconds(max(p.restores))})"
+        table.append(
+            [
+                name,
+                f"{p.position:,} of {p.of:,}",
+                format_seconds(p.replay),
+                restore,
+                f"{p.replay / median:,.0f}x",
+                f"{len(json.dumps(p.state)):,} B",
+            ]
+        )
+    return table
 
 
 def main() -> None:
     args = parse_args(__doc__.splitlines()[0])
     num_shards, rows = (4, 2000) if args.quick else (20, 10_000)
-    table = parquet_rows(num_shards, rows, 1 if args.quick else RESTORES)
+    rounds = 1 if args.quick else RESTORES
+    table = parquet_rows(num_shards, rows, rounds)
     text = "\n".join(
         [
             machine_header(f"Parquet stream restore at {FRACTION:.0%} of {num_shards * rows:,} rows"),
             f"{num_shards} Parquet shards x {rows:,} rows of {TOKENS} int32 tokens, row groups of {ROW_GROUP:,} rows, "
             f"batches of {BATCH}. Replay: consume and discard up to the position, then the next batch. Restore: "
-            f"`load_state_dict` + first batch (median (min–max) of {RESTORES}, pipelines interleaved), checked equal to the "
-            "uninterrupted batch. Fresh start: a new loader's first batch from the epoch's beginning.",
+            f"`load_state_dict` + first batch (median (min–max) of {rounds}, pipelines interleaved), checked equal to "
+            "the uninterrupted batch.",
             "",
-            markdown_table(TABLE_HEADERS, table),
+            markdown_table(HEADERS, table),
         ]
     )
     print()
