@@ -52,6 +52,30 @@ class CountingReader:
             yield record
 
 
+class FetchLog:
+    """Wraps a stage's ``fetch_many`` to log each grouped re-read (a shuffle buffer's read-ahead pass,
+    a pack's carried record) as the list of keys it asked for."""
+
+    def __init__(self, stream: Any) -> None:
+        self.calls: list[list[Any]] = []
+        self._fetch_many = stream.fetch_many
+        stream.fetch_many = self
+
+    def __call__(self, keys: Sequence[Any]) -> list[Any]:
+        self.calls.append(list(keys))
+        return self._fetch_many(keys)
+
+    @property
+    def sizes(self) -> list[int]:
+        """Keys asked for per call."""
+        return [len(keys) for keys in self.calls]
+
+    @property
+    def all_keys(self) -> list[Any]:
+        """Every key asked for, in order."""
+        return [key for keys in self.calls for key in keys]
+
+
 def write_token_shards(directory: Path, sizes: Sequence[int], *, suffix: str = ".bin") -> list[Path]:
     """uint16 token shards: token ``j`` of shard ``s`` is ``s * 1000 + j`` (so sizes stay <= 1000)."""
     paths = []
@@ -99,3 +123,28 @@ def assert_exactly_once_across_layout_change(make_stream, all_records, old, new,
         loader.load_state_dict(merged)
     seen += consume_ranks(after, [None] * new[0])
     assert Counter(seen) == Counter(all_records)
+
+
+class TokenDocs:
+    """``read_shard`` over in-memory token documents; shard names are ``"d0"``, ``"d1"``, ...
+
+    Document ``i`` of shard ``s`` has ``lengths[s][i]`` (< 1000) tokens, token ``j`` being
+    ``1 + s * 10**6 + i * 1000 + j``: unique, never 0 (free for an eos or a pad id), and naming its
+    document. Even shards yield int32 tensors, odd ones lists: pack and batch_by_tokens take both.
+    """
+
+    def __init__(self, lengths: Sequence[Sequence[int]]) -> None:
+        self.names = [f"d{s}" for s in range(len(lengths))]
+        self.sizes = [len(docs) for docs in lengths]
+        self.docs = {
+            name: [[1 + s * 10**6 + i * 1000 + j for j in range(n)] for i, n in enumerate(docs)]
+            for s, (name, docs) in enumerate(zip(self.names, lengths, strict=True))
+        }
+
+    def __call__(self, shard: str, start: int) -> Iterator[Any]:
+        even = int(shard[1:]) % 2 == 0
+        for doc in self.docs[shard][start:]:
+            yield torch.tensor(doc, dtype=torch.int32) if even else list(doc)
+
+    def all_tokens(self) -> list[int]:
+        return [t for name in self.names for doc in self.docs[name] for t in doc]

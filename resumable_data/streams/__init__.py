@@ -18,6 +18,7 @@ from .foreign import IterableSource, ReplayWarning
 from .loader import StreamLoader
 from .map import Map
 from .mix import Mix, mix
+from .pack import Pack
 from .parquet import ParquetReader
 from .readers import TextLineReader, TokenShardReader
 from .repeat import Repeat
@@ -32,6 +33,7 @@ __all__ = [
     "IterableSource",
     "Map",
     "Mix",
+    "Pack",
     "ParquetReader",
     "Repeat",
     "ReplayWarning",

@@ -263,6 +263,14 @@ class Stream:
 
         return ShuffleWindow(self, size, seed=seed)
 
+    def pack(
+        self, block_size: int, *, eos: int | None = None, boundaries: bool = False, pad_id: int | None = None
+    ) -> Stream:
+        """Concatenate token records into windows of ``block_size`` tokens; the state is a record key."""
+        from .pack import Pack
+
+        return Pack(self, block_size, eos=eos, boundaries=boundaries, pad_id=pad_id)
+
     def take(self, n: int) -> Stream:
         """At most ``n`` records per epoch."""
         from .take import Take

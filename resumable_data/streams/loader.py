@@ -79,6 +79,7 @@ from .base import DRAWS, EPOCH, Stream, require_count
 from .batch import Batch
 from .foreign import CONSUMED
 from .mix import EXHAUSTED
+from .pack import CARRY, CARRY_OFFSETS
 from .repeat import ROUND
 from .sharded import DEALT, IDENTITIES, PENDING, POSITION, REMAINING, SLOT
 from .shuffle import BUFFER
@@ -100,7 +101,7 @@ _END = object()
 # is (seeds, shard list, sizes, weights, the number of slots), which all ranks must agree on.
 POSITION_FIELDS = frozenset(
     {EPOCH, REMAINING, PENDING, POSITION, IDENTITIES, SLOT, DRAWS, BUFFER, ROUND, TAKEN, EXHAUSTED, CONSUMED}
-    | {WINDOW, COUNT, POSITIONAL, DEALT}
+    | {WINDOW, COUNT, POSITIONAL, DEALT, CARRY, CARRY_OFFSETS}
 )
 # DataLoader arguments the loader decides itself.
 _OWNED = ("batch_size", "shuffle", "sampler", "batch_sampler", "generator", "collate_fn")

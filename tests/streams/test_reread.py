@@ -35,7 +35,7 @@ from resumable_data.streams import (
     mix,
     readers,
 )
-from streams_harness import CountingReader, MemoryShards, write_token_shards
+from streams_harness import CountingReader, FetchLog, MemoryShards, write_token_shards
 
 WINDOW = 4  # 250 windows per shard of 1000 tokens
 
@@ -56,19 +56,6 @@ class OpenCountingTokenReader(TokenShardReader):
     def read_records(self, shard: Any, offsets: Sequence[int]) -> list[torch.Tensor]:
         self.rereads.append((Path(shard).name, list(offsets)))
         return super().read_records(shard, offsets)
-
-
-class PassCounter:
-    """Wraps a source's ``fetch_many`` to count the grouped re-reads (one per read-ahead pass)."""
-
-    def __init__(self, stream: Stream) -> None:
-        self.passes: list[int] = []
-        self._fetch_many = stream.fetch_many
-        stream.fetch_many = self  # type: ignore[method-assign]
-
-    def __call__(self, keys: Sequence[Any]) -> list[Any]:
-        self.passes.append(len(keys))
-        return self._fetch_many(keys)
 
 
 def buffered_shards(state: dict[str, Any]) -> set[int]:
@@ -123,7 +110,7 @@ def test_token_buffer_restore_reads_ahead_of_the_draws_grouped_by_shard(tmp_path
     assert buffered == min(buffer, 6 * 1000 // WINDOW - cut)
     counting = OpenCountingTokenReader(WINDOW)
     restored = make(counting)
-    passes = PassCounter(restored.source)
+    passes = FetchLog(restored.source)
     restored.load_state_dict(state)
     assert not counting.opens  # nothing is read before the first next()
     items = iter(restored)
@@ -139,8 +126,8 @@ def test_token_buffer_restore_reads_ahead_of_the_draws_grouped_by_shard(tmp_path
     # reads (64, 256, 1024, ... draws, then the rest), each mapping a shard at most once.
     reread = Counter((name, offset) for name, offsets in counting.rereads for offset in offsets)
     assert reread == Counter((paths[key[1]].name, key[2]) for key in state["buffer"])
-    assert len(passes.passes) <= 2 + max(1, buffer // 64).bit_length() // 2
-    assert len(counting.rereads) <= len(passes.passes) * len(buffered_shards(state))
+    assert len(passes.sizes) <= 2 + max(1, buffer // 64).bit_length() // 2
+    assert len(counting.rereads) <= len(passes.sizes) * len(buffered_shards(state))
 
 
 def test_a_checkpoint_taken_before_every_record_was_reread_resumes_identically(tmp_path: Path) -> None:
@@ -215,7 +202,7 @@ def test_text_buffer_restore_opens_each_file_once_per_read(tmp_path: Path, monke
         return real_open(file, *args, **kwargs)
 
     restored = make()
-    passes = PassCounter(restored.source)
+    passes = FetchLog(restored.source)
     restored.load_state_dict(state)
     monkeypatch.setattr(readers, "open", counting_open, raising=False)
     got = list(itertools.islice(iter(restored), 150))
@@ -223,7 +210,7 @@ def test_text_buffer_restore_opens_each_file_once_per_read(tmp_path: Path, monke
     # 100 buffered lines: the first read covers 64 draws, the second the rest. Each read opens
     # each file it needs once; the source opens the files it continues reading, twice (once for
     # the shard's identity).
-    assert len(passes.passes) == 2 and sum(passes.passes) == 100
+    assert len(passes.sizes) == 2 and sum(passes.sizes) == 100
     continued = [Path(name).name for _, name, _ in state["source"]["remaining"]]
     rereads = Counter(opened) - Counter(continued + continued)
     assert set(rereads) == {paths[s].name for s in buffered_shards(state)}
