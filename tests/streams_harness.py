@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from resumable_data.streams import StreamLoader
+from resumable_data.streams import ShardedIterable, Stream, StreamLoader, mix
 
 
 class MemoryShards:
@@ -74,6 +74,23 @@ class FetchLog:
     def all_keys(self) -> list[Any]:
         """Every key asked for, in order."""
         return [key for keys in self.calls for key in keys]
+
+
+def restore_reads(make: Callable[[], Any], cut: int) -> tuple[dict[str, Any], Any, Any, FetchLog]:
+    """Stop a stream after ``cut`` items and restore a fresh one from its JSON state, logging what the
+    restored stage asks its source to re-read: ``(state, next item of the uninterrupted run, first
+    item of the restored one, the log)``. Asserts that nothing is re-read before that first item."""
+    stream = make()
+    items = iter(stream)
+    for _ in itertools.islice(items, cut):
+        pass
+    state = json.loads(json.dumps(stream.state_dict()))
+    following = next(items, None)
+    restored = make()
+    log = FetchLog(restored.source)
+    restored.load_state_dict(state)
+    assert log.all_keys == [], "a restore re-read records before the first next()"
+    return state, following, next(iter(restored), None), log
 
 
 def write_token_shards(directory: Path, sizes: Sequence[int], *, suffix: str = ".bin") -> list[Path]:
@@ -148,3 +165,26 @@ class TokenDocs:
 
     def all_tokens(self) -> list[int]:
         return [t for name in self.names for doc in self.docs[name] for t in doc]
+
+
+def crop(doc: Any, generator: torch.Generator) -> torch.Tensor:
+    """A per-record random crop: lengths change, so a re-read must go through the map again."""
+    tokens = torch.as_tensor(doc, dtype=torch.int64)
+    return tokens[: int(torch.randint(0, len(tokens) + 1, (1,), generator=generator))]
+
+
+def token_stream(docs: TokenDocs, kind: str, *, known: bool = False) -> Stream:
+    """A stream of token records: a sharded source, behind the stage ``kind``."""
+    source = ShardedIterable(docs.names, read_shard=docs, seed=1, sizes=docs.sizes if known else None)
+    if kind == "map":
+        return source.map(crop, seed=2)
+    if kind == "shuffle_buffer":
+        return source.shuffle_buffer(3, seed=2)
+    if kind == "shuffle_window":
+        return source.shuffle_window(3, seed=2)
+    if kind == "mix":
+        reversed_docs = ShardedIterable(docs.names, read_shard=docs, seed=3).map(
+            lambda d: torch.as_tensor(d, dtype=torch.int64).flip(0)
+        )
+        return mix([source, reversed_docs], weights=[1, 2], seed=4)
+    return source

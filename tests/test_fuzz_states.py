@@ -275,6 +275,11 @@ PIPELINES: dict[str, tuple[Callable[[dict[str, list[Path]]], Stream], bool]] = {
     ),
     "nested shuffle_buffers": (lambda f: memory().shuffle_buffer(3, seed=1).shuffle_buffer(2, seed=2), True),
     "IterableSource": (lambda f: IterableSource(list(range(12))), True),
+    "pack": (lambda f: memory().map(lambda x: [x] * (x % 4)).shuffle_buffer(3, seed=1).pack(3, eos=0), False),
+    "batch_by_tokens": (
+        lambda f: memory().map(lambda x: [x] * (x % 4)).shuffle_buffer(3, seed=1).batch_by_tokens(5),
+        False,
+    ),
     "composed": (
         lambda f: memory().filter(lambda x: x % 5 != 0).shuffle_buffer(4, seed=2).map(noisy, seed=1).batch(3),
         True,

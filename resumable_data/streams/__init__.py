@@ -25,10 +25,12 @@ from .repeat import Repeat
 from .sharded import ShardedIterable
 from .shuffle import ShuffleBuffer
 from .take import Take
+from .token_batch import BatchByTokens
 from .window import ShuffleWindow
 
 __all__ = [
     "Batch",
+    "BatchByTokens",
     "Filter",
     "IterableSource",
     "Map",

@@ -251,6 +251,20 @@ class Stream:
 
         return Batch(self, batch_size, drop_last=drop_last, collate_fn=collate_fn)
 
+    def batch_by_tokens(
+        self,
+        max_tokens: int,
+        *,
+        length: Callable[[Any], int] = len,
+        padded: bool = False,
+        oversized: str = "error",
+        collate_fn: Callable[[list[Any]], Any] | None = None,
+    ) -> Stream:
+        """Batches of consecutive records whose tokens (``length`` each) stay within ``max_tokens``."""
+        from .token_batch import BatchByTokens
+
+        return BatchByTokens(self, max_tokens, length=length, padded=padded, oversized=oversized, collate_fn=collate_fn)
+
     def shuffle_buffer(self, size: int, *, seed: int = 0) -> Stream:
         """Shuffle through a buffer of ``size`` records."""
         from .shuffle import ShuffleBuffer

@@ -24,40 +24,17 @@ from hypothesis import strategies as st
 
 from harness import assert_resumes_identically, consume, json_roundtrip
 from resumable_data import ResumeError
-from resumable_data.streams import IterableSource, ShardedIterable, Stream, StreamLoader, mix
+from resumable_data.streams import IterableSource, ShardedIterable, Stream, StreamLoader
 from resumable_data.testing import assert_same
-from streams_harness import FetchLog, TokenDocs
+from streams_harness import TokenDocs, restore_reads, token_stream
 
 UPSTREAMS = ["none", "map", "shuffle_buffer", "shuffle_window", "mix"]
 LENGTHS = st.lists(st.lists(st.integers(0, 12), max_size=5), min_size=1, max_size=4)
 
 
-def crop(doc: Any, generator: torch.Generator) -> torch.Tensor:
-    """A per-record random crop: lengths change, so a re-read must go through the map again."""
-    tokens = torch.as_tensor(doc, dtype=torch.int64)
-    return tokens[: int(torch.randint(0, len(tokens) + 1, (1,), generator=generator))]
-
-
-def upstream(docs: TokenDocs, kind: str, *, known: bool = False) -> Stream:
-    """A stream of token records: a sharded source, behind the stage ``kind``."""
-    source = ShardedIterable(docs.names, read_shard=docs, seed=1, sizes=docs.sizes if known else None)
-    if kind == "map":
-        return source.map(crop, seed=2)
-    if kind == "shuffle_buffer":
-        return source.shuffle_buffer(3, seed=2)
-    if kind == "shuffle_window":
-        return source.shuffle_window(3, seed=2)
-    if kind == "mix":
-        reversed_docs = ShardedIterable(docs.names, read_shard=docs, seed=3).map(
-            lambda d: torch.as_tensor(d, dtype=torch.int64).flip(0)
-        )
-        return mix([source, reversed_docs], weights=[1, 2], seed=4)
-    return source
-
-
 def pipeline(lengths: Sequence[Sequence[int]], kind: str, block: int, **pack: Any) -> Callable[[], Stream]:
     def make() -> Stream:
-        return upstream(TokenDocs(lengths), kind).pack(block, **pack)
+        return token_stream(TokenDocs(lengths), kind).pack(block, **pack)
 
     return make
 
@@ -96,7 +73,7 @@ def expected_windows(records: list[Any], block: int, eos: int | None, pad_id: in
     pad_id=st.sampled_from([None, 7]),
 )
 def test_windows_are_the_records_tokens_cut_every_block_size(lengths, kind, block, eos, pad_id) -> None:
-    records = list(upstream(TokenDocs(lengths), kind))
+    records = list(token_stream(TokenDocs(lengths), kind))
     got = list(pipeline(lengths, kind, block, eos=eos, pad_id=pad_id, boundaries=True)())
     expected = expected_windows(records, block, eos, pad_id)
     assert [{k: v.tolist() for k, v in window.items()} for window in got] == expected
@@ -129,16 +106,7 @@ def test_resumes_identically_anywhere(lengths, kind, block, eos, boundaries, pad
 )
 def test_a_restore_rereads_at_most_the_records_of_one_window(lengths, block, cut) -> None:
     make = pipeline(lengths, "none", block)
-    stream = make()
-    items = iter(stream)
-    list(itertools.islice(items, cut))
-    state = json_roundtrip(stream.state_dict())
-    following = next(items, None)
-    restored = make()
-    counter = FetchLog(restored.source)
-    restored.load_state_dict(state)
-    assert counter.all_keys == []  # nothing is read before the first next()
-    resumed = next(iter(restored), None)
+    state, following, resumed, counter = restore_reads(make, cut)
     assert_same(following, resumed)
     # Re-read: only the record the last window ended in, whose rest starts the next window.
     assert len(counter.all_keys) <= 1
@@ -171,14 +139,16 @@ def test_stream_loader_resumes_identically(num_workers: int, rank: int, world_si
     cut=st.integers(0, 4),
 )
 def test_a_layout_change_hands_out_every_token_exactly_once(lengths, block, kind, known, worlds, cut) -> None:
-    """Ranks without workers here (processes are the next test's): a layout change is the states' arithmetic."""
+    """Ranks without workers here (processes are the next test's): a layout change is the states' arithmetic.
+    (A shuffle window splits over a new layout only when read by position: with known sizes.)"""
     docs = TokenDocs(lengths)
+    known = known or kind == "shuffle_window"
     seen: list[int] = []
     merged: dict[str, Any] | None = None
     for i, world in enumerate(worlds):
         ranks = [
             StreamLoader(
-                upstream(docs, kind, known=known).pack(block, pad_id=0), batch_size=2, rank=r, world_size=world
+                token_stream(docs, kind, known=known).pack(block, pad_id=0), batch_size=2, rank=r, world_size=world
             )
             for r in range(world)
         ]
@@ -203,7 +173,7 @@ def test_a_layout_change_with_workers_hands_out_every_token_exactly_once() -> No
     docs = TokenDocs(lengths)
 
     def make(world: int, workers: int, rank: int) -> StreamLoader:
-        stream = upstream(docs, "shuffle_buffer").pack(6, eos=None, pad_id=0)
+        stream = token_stream(docs, "shuffle_buffer").pack(6, eos=None, pad_id=0)
         return StreamLoader(stream, batch_size=2, rank=rank, world_size=world, num_workers=workers)
 
     before = [make(1, 2, 0)]
@@ -253,7 +223,7 @@ def test_a_bad_state_is_refused_naming_the_field_and_changes_nothing(field: str,
 def test_a_carried_record_that_shrank_is_reported_as_changed_data() -> None:
     make = pipeline([[30, 4, 9]], "none", 4, eos=0)
     _, state = state_after(make, 3)  # 12 tokens of the 31-token first record handed out
-    shorter = upstream(TokenDocs([[10, 4, 9]]), "none").pack(4, eos=0)
+    shorter = token_stream(TokenDocs([[10, 4, 9]]), "none").pack(4, eos=0)
     shorter.load_state_dict(state)
     with pytest.raises(ResumeError, match="the data changed"):
         next(iter(shorter))
