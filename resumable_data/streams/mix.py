@@ -5,16 +5,30 @@ cumulative weights of the sources not yet exhausted. An exhausted source drops o
 weights are renormalized); the mix ends when every source has ended. Pairing it with
 ``repeat()`` gives an endless mixture at fixed proportions.
 
+Schedules. The weights may change as the mix goes: a list of ``(records drawn, weights)`` pieces
+(each piece's weights hold from its count on; the first count is 0), or a function of the number
+of records drawn that returns the weights. The count is this pipeline copy's (one per worker/rank
+slot) in the current epoch, which the state already holds (draws made, less one per exhausted
+source), so a schedule costs the state nothing. A schedule's weights may be 0 (a source off for
+a while); when every source still running has weight 0, the draw is uniform over them, so each
+source still yields each of its records once per epoch. A layout change (another number of
+workers or ranks) starts each new slot at the old slots' mean count: the schedule goes on where
+it stood.
+
 State: ``{"epoch", "seed", "weights", "draws", "exhausted": [bool, ...], "sources": [state, ...]}``:
-the per-source positions plus two small counters. A record's key gets its source index inserted
-after the epoch, ``(epoch, source, *where)``, so records of different sources never share a key.
+the per-source positions plus two small counters; ``"weights"`` is the fixed weights, the
+schedule's pieces, or None for a function (which a state cannot check). A record's key gets its
+source index inserted after the epoch, ``(epoch, source, *where)``, so records of different
+sources never share a key.
 """
 
 from __future__ import annotations
 
+import bisect
 import math
+import numbers
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import Any
+from typing import Any, TypeAlias
 
 from ..core.hash import hash_ints
 from ..core.state import SEED, VERSION, brief, check_int_arg, check_version, require_mapping
@@ -40,34 +54,89 @@ _WHAT = "mix"
 WEIGHTS = "weights"
 EXHAUSTED = "exhausted"
 
+Weights: TypeAlias = Sequence[float] | Sequence[tuple[int, Sequence[float]]] | Callable[[int], Sequence[float]]
+"""Fixed weights, ``(records drawn, weights)`` pieces, or a function of the records drawn."""
+
+
+class Schedule:
+    """The weights of a mix as a function of the records drawn, from any form of :data:`Weights`."""
+
+    def __init__(self, weights: Weights | None, n: int) -> None:
+        self.n = n
+        self._fn: Callable[[int], Sequence[float]] | None = None
+        self._starts: list[int] = []
+        self._pieces: list[list[float]] = []
+        if weights is None:
+            self.saved: Any = [1.0] * n
+            self._pieces = [self.saved]
+            self._starts = [0]
+        elif callable(weights):
+            self._fn, self.saved = weights, None
+        elif all(isinstance(w, numbers.Real) for w in weights):  # fixed weights
+            fixed = [float(w) for w in weights]  # type: ignore[arg-type]  # (all of them numbers)
+            if len(fixed) != n or not all(math.isfinite(w) and w > 0 for w in fixed):
+                raise ResumeError(f"weights must be {n} positive finite numbers, but got weights={fixed!r}")
+            self.saved, self._pieces, self._starts = fixed, [fixed], [0]
+        else:
+            self._piecewise(weights)
+
+    def _piecewise(self, pieces: Any) -> None:
+        starts: list[int] = []
+        for piece in pieces:
+            if not isinstance(piece, (tuple, list)) or len(piece) != 2:
+                raise ResumeError(f"a weight schedule is a list of (records drawn, weights) pairs, but got {piece!r}")
+            start = check_int_arg("a schedule piece's records drawn", piece[0], minimum=0)
+            if (starts and start <= starts[-1]) or (not starts and start != 0):
+                raise ResumeError(
+                    f"a weight schedule's counts must start at 0 and increase, but got {[p[0] for p in pieces]!r}"
+                )
+            starts.append(start)
+            self._pieces.append(self._checked(piece[1], f"the weights from {start} records on"))
+        self._starts = starts
+        self.saved = [[start, weights] for start, weights in zip(starts, self._pieces, strict=True)]
+
+    def _checked(self, weights: Any, what: str) -> list[float]:
+        try:
+            values = [float(w) for w in weights]
+        except (TypeError, ValueError):
+            values = []
+        if len(values) != self.n or not all(math.isfinite(w) and w >= 0 for w in values) or not sum(values) > 0:
+            raise ResumeError(f"{what} must be {self.n} finite numbers >= 0, not all 0, but got {weights!r}")
+        return values
+
+    def at(self, drawn: int) -> list[float]:
+        """The weights once ``drawn`` records are drawn."""
+        if self._fn is None:
+            return self._pieces[bisect.bisect_right(self._starts, drawn) - 1]
+        return self._checked(self._fn(drawn), f"the schedule's weights at {drawn} records drawn")
+
 
 class Mix(Stream):
     """Records from ``streams`` chosen at random in proportion to ``weights``.
 
     Args:
         streams: the streams to mix (at least one).
-        weights: one positive weight per stream; equal weights when None.
+        weights: one positive weight per stream (equal weights when None), or a schedule: a list
+            of ``(records drawn, weights)`` pieces starting at 0, or a function of the records
+            drawn returning the weights (see the module docstring).
         seed: seed of the choices; only ``(seed, epoch, draw number)`` decide each one.
 
     Example::
 
         data = mix([code, prose], weights=[1, 3], seed=0).batch(32)
         data.load_state_dict(saved)  # each source continues at its own cursor
+        # A schedule: code off for the first 10_000 records drawn, then at 1:3.
+        warmup = mix([code, prose], weights=[(0, [0, 1]), (10_000, [1, 3])], seed=0)
     """
 
-    def __init__(self, streams: Sequence[Stream], weights: Sequence[float] | None = None, *, seed: int = 0) -> None:
+    def __init__(self, streams: Sequence[Stream], weights: Weights | None = None, *, seed: int = 0) -> None:
         super().__init__()
         self.streams = list(streams)
         if not self.streams or not all(isinstance(s, Stream) for s in self.streams):
             raise TypeError(f"mix takes a non-empty list of Streams, got {streams!r}")
         if not all(s.keyed for s in self.streams):
             raise TypeError("mix takes record streams; batch after mixing, not before")
-        weights = [1.0] * len(self.streams) if weights is None else [float(w) for w in weights]
-        if len(weights) != len(self.streams) or not all(math.isfinite(w) and w > 0 for w in weights):
-            raise ResumeError(
-                f"weights must be {len(self.streams)} positive finite numbers, but got weights={weights!r}"
-            )
-        self.weights = weights
+        self.schedule = Schedule(weights, len(self.streams))
         self.seed = check_int_arg("seed", seed, minimum=-(2**63))
         self.fetchable = all(s.fetchable for s in self.streams)
         self._draws = 0
@@ -76,13 +145,17 @@ class Mix(Stream):
 
     def _choose(self) -> int:
         active = [i for i, done in enumerate(self._exhausted) if not done]
-        u = hash_ints(self.seed, self._epoch, self._draws) / 2.0**64 * sum(self.weights[i] for i in active)
+        # Records drawn so far: every draw but the one that found each exhausted source ended.
+        weights = self.schedule.at(self._draws - sum(self._exhausted))
+        if not any(weights[i] > 0 for i in active):
+            weights = [1.0] * len(weights)  # only sources at weight 0 are left: they still run out
+        u = hash_ints(self.seed, self._epoch, self._draws) / 2.0**64 * sum(weights[i] for i in active)
         self._draws += 1
         for i in active:
-            u -= self.weights[i]
+            u -= weights[i]
             if u < 0:
                 return i
-        return active[-1]  # float rounding at the very top of the range
+        return [i for i in active if weights[i] > 0][-1]  # float rounding at the very top of the range
 
     def iter_keyed(self) -> Iterator[tuple[Key | None, Any]]:
         iterators: dict[int, Iterator[tuple[Key | None, Any]]] = {}
@@ -147,7 +220,7 @@ class Mix(Stream):
             VERSION: STREAM_STATE_VERSION,
             EPOCH: self._epoch,
             SEED: self.seed,
-            WEIGHTS: list(self.weights),
+            WEIGHTS: self.schedule.saved,
             DRAWS: self._draws,
             EXHAUSTED: list(self._exhausted),
             SOURCES: sources,
@@ -174,7 +247,9 @@ class Mix(Stream):
         check_version(state, STREAM_STATE_VERSION, _WHAT)
         epoch = require_epoch(state, _WHAT)
         check_same(_WHAT, SEED, state.get(SEED), self.seed, "build the mix with the checkpoint's seed")
-        check_same(_WHAT, WEIGHTS, state.get(WEIGHTS), self.weights, "build the mix with the checkpoint's weights")
+        check_same(
+            _WHAT, WEIGHTS, state.get(WEIGHTS), self.schedule.saved, "build the mix with the checkpoint's weights"
+        )
         draws = require_count(state, DRAWS, _WHAT)
         exhausted = state.get(EXHAUSTED)
         if (
@@ -209,13 +284,15 @@ class Mix(Stream):
         for i, stream in enumerate(self.streams):
             routed = [(key[0], *key[2:]) for key in pending if key[1] == i]
             per_source.append(stream.rebalance([self._sources_of(s)[i] for s in states], num_slots, routed))
+        # Each new slot goes on at the old slots' mean count of records drawn (its schedule's place).
+        drawn = sum(s[DRAWS] - sum(s[EXHAUSTED]) for s in states) // len(states)
         return [
             {
                 VERSION: STREAM_STATE_VERSION,
                 EPOCH: states[0][EPOCH],
                 SEED: self.seed,
-                WEIGHTS: list(self.weights),
-                DRAWS: 0,
+                WEIGHTS: self.schedule.saved,
+                DRAWS: drawn,
                 EXHAUSTED: [False] * len(self.streams),
                 SOURCES: [rebalanced[s] for rebalanced in per_source],
             }
@@ -223,6 +300,6 @@ class Mix(Stream):
         ]
 
 
-def mix(streams: Sequence[Stream], weights: Sequence[float] | None = None, *, seed: int = 0) -> Mix:
-    """Mix ``streams`` with ``weights``; see :class:`Mix`."""
+def mix(streams: Sequence[Stream], weights: Weights | None = None, *, seed: int = 0) -> Mix:
+    """Mix ``streams`` with ``weights`` (fixed, or a schedule); see :class:`Mix`."""
     return Mix(streams, weights, seed=seed)
