@@ -21,6 +21,7 @@ TESTS = Path(__file__).resolve().parent
 EXAMPLES = {
     "train_loop.py": ((), None),
     "token_streaming.py": ((), None),
+    "llm_pretraining.py": ((), None),
     "hf_parquet.py": (("datasets", "pyarrow"), "hf"),
     "torchvision_augment.py": (("torchvision",), "vision"),
 }
