@@ -240,3 +240,23 @@ def test_pack_needs_keyed_rereadable_token_records() -> None:
         list(source.map(lambda d: torch.as_tensor(d, dtype=torch.float32)).pack(4))
     with pytest.raises(TypeError, match="re-read"):
         source.pack(4).shuffle_buffer(2)
+
+
+@pytest.mark.slow
+@settings(max_examples=25, deadline=None)
+@given(
+    lengths=st.lists(st.lists(st.integers(1, 30), min_size=1, max_size=8), min_size=1, max_size=5),
+    kind=st.sampled_from(["none", "shuffle_buffer", "shuffle_window", "mix"]),  # (map may crop all to 0)
+    block=st.integers(1, 12),
+    num_workers=st.sampled_from([0, 2]),
+    boundaries=st.booleans(),
+    cuts=st.lists(st.integers(0, 30), min_size=1, max_size=3),
+)
+def test_stream_loader_resumes_identically_anywhere(lengths, kind, block, num_workers, boundaries, cuts) -> None:
+    def make() -> StreamLoader:
+        stream = pipeline(lengths, kind, block, eos=0, boundaries=boundaries, pad_id=9)()
+        return StreamLoader(stream, batch_size=3, num_workers=num_workers)
+
+    epoch = len(list(make()))
+    total = 2 * epoch + 1
+    assert_resumes_identically(make, sorted(min(c, total) for c in cuts), total=total)

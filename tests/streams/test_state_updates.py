@@ -31,6 +31,9 @@ SHAPES = {
     "buffer then map": lambda sizes, buffer: source(sizes, 0).shuffle_buffer(buffer, seed=1).map(lambda x: x + 1),
     "repeated buffer": lambda sizes, buffer: source(sizes, 0).shuffle_buffer(buffer, seed=1).repeat(2),
     "nested buffers": lambda sizes, buffer: source(sizes, 0).shuffle_buffer(buffer).shuffle_buffer(buffer + 1),
+    "buffer then pack": lambda sizes, buffer: (
+        source(sizes, 0).map(lambda x: [x] * (x % 3 + 1)).shuffle_buffer(buffer, seed=1).pack(2, eos=0)
+    ),
     "mixed buffers": lambda sizes, buffer: mix(
         [source(sizes, 0).shuffle_buffer(buffer), source(sizes[::-1], 1)], seed=2
     ).shuffle_buffer(buffer, seed=3),
