@@ -280,6 +280,10 @@ PIPELINES: dict[str, tuple[Callable[[dict[str, list[Path]]], Stream], bool]] = {
         lambda f: memory().map(lambda x: [x] * (x % 4)).shuffle_buffer(3, seed=1).batch_by_tokens(5),
         False,
     ),
+    "batch_by_tokens (bucket)": (
+        lambda f: memory().map(lambda x: [x] * (x % 4)).shuffle_buffer(3, seed=1).batch_by_tokens(5, bucket=4),
+        False,
+    ),
     "composed": (
         lambda f: memory().filter(lambda x: x % 5 != 0).shuffle_buffer(4, seed=2).map(noisy, seed=1).batch(3),
         True,

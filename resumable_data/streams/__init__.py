@@ -25,12 +25,13 @@ from .repeat import Repeat
 from .sharded import ShardedIterable
 from .shuffle import ShuffleBuffer
 from .take import Take
-from .token_batch import BatchByTokens
+from .token_batch import BatchByTokens, BucketedBatchByTokens
 from .window import ShuffleWindow
 
 __all__ = [
     "Batch",
     "BatchByTokens",
+    "BucketedBatchByTokens",
     "Filter",
     "IterableSource",
     "Map",

@@ -259,11 +259,17 @@ class Stream:
         padded: bool = False,
         oversized: str = "error",
         collate_fn: Callable[[list[Any]], Any] | None = None,
+        bucket: int | None = None,
+        seed: int = 0,
     ) -> Stream:
-        """Batches of consecutive records whose tokens (``length`` each) stay within ``max_tokens``."""
-        from .token_batch import BatchByTokens
+        """Batches of consecutive records whose tokens (``length`` each) stay within ``max_tokens``;
+        with ``bucket``, of records of similar lengths within windows of ``bucket`` records."""
+        from .token_batch import BatchByTokens, BucketedBatchByTokens
 
-        return BatchByTokens(self, max_tokens, length=length, padded=padded, oversized=oversized, collate_fn=collate_fn)
+        options: dict[str, Any] = {"length": length, "padded": padded, "oversized": oversized, "collate_fn": collate_fn}
+        if bucket is None:
+            return BatchByTokens(self, max_tokens, **options)
+        return BucketedBatchByTokens(self, max_tokens, bucket=bucket, seed=seed, **options)
 
     def shuffle_buffer(self, size: int, *, seed: int = 0) -> Stream:
         """Shuffle through a buffer of ``size`` records."""

@@ -25,17 +25,23 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
-from ..core.state import check_int_arg, require_bool
-from ..errors import ResumeError
-from .base import SOURCE, Key, Stream, Wrapper, check_same, record_key
-from .pack import CARRY, carried_keys
+import numpy as np
 
-__all__ = ["BatchByTokens"]
+from ..core.hash import hash_ints
+from ..core.permutation import Permutation
+from ..core.state import SEED, brief, check_int_arg, require_bool
+from ..errors import ResumeError
+from .base import SOURCE, Key, Stream, Wrapper, check_same, record_key, require_count
+from .pack import CARRY, carried_keys
+from .window import COUNT, TAKEN, WINDOW, take_records
+
+__all__ = ["BatchByTokens", "BucketedBatchByTokens"]
 
 _WHAT = "batch_by_tokens"
 MAX_TOKENS = "max_tokens"
 PADDED = "padded"
 OVERSIZED = "oversized"
+BUCKET = "bucket"
 _OVERSIZED = ("error", "alone")
 
 
@@ -112,15 +118,28 @@ class BatchByTokens(Wrapper):
                     yield None, self._collate(batch)
                 return
             key, value, n = item
-            longest_with = max(longest, n)
-            cost = (len(batch) + 1) * longest_with if self.padded else total + n
-            if batch and cost > self.max_tokens:
+            if batch and not self._fits(len(batch), total, longest, n):
                 self._carry = key, value  # the next batch's first record: the state before the yield
                 yield None, self._collate(batch)
                 batch, total, longest = [], 0, 0
                 continue
             batch.append(value)
-            total, longest = total + n, longest_with
+            total, longest = total + n, max(longest, n)
+
+    def _fits(self, count: int, total: int, longest: int, n: int) -> bool:
+        """Whether a record of ``n`` tokens fits a batch of ``count`` records (``total`` tokens, the
+        longest ``longest``)."""
+        cost = (count + 1) * max(longest, n) if self.padded else total + n
+        return cost <= self.max_tokens
+
+    def _checked_length(self, key: Key, value: Any) -> int:
+        n = self.length(value)
+        if n > self.max_tokens and self.oversized == "error":
+            raise ValueError(
+                f"{_WHAT}: record {list(key)} has {n} tokens, more than max_tokens={self.max_tokens}; "
+                "truncate or filter such records first (map, filter), or pass oversized='alone'"
+            )
+        return n
 
     def _next(self, records: Iterator[tuple[Key | None, Any]]) -> tuple[Key, Any, int] | None:
         """The carried record (re-read after a restore), else the source's next; with its length."""
@@ -134,13 +153,7 @@ class BatchByTokens(Wrapper):
             if item is None:
                 return None
             key, value = record_key(item[0], _WHAT), item[1]
-        n = self.length(value)
-        if n > self.max_tokens and self.oversized == "error":
-            raise ValueError(
-                f"{_WHAT}: record {list(key)} has {n} tokens, more than max_tokens={self.max_tokens}; "
-                "truncate or filter such records first (map, filter), or pass oversized='alone'"
-            )
-        return key, value, n
+        return key, value, self._checked_length(key, value)
 
     def _collate(self, batch: list[Any]) -> Any:
         return batch if self.collate_fn is None else self.collate_fn(batch)
@@ -181,3 +194,127 @@ class BatchByTokens(Wrapper):
         # A carried record was read but is in no batch yet: the sources read it again, once.
         held = [key for state in states for key in carried_keys(state, CARRY, _WHAT)]
         return super().rebalance(states, num_slots, pending + held)
+
+
+class BucketedBatchByTokens(BatchByTokens):
+    """``batch_by_tokens(max_tokens, bucket=n)``: batches of records of similar lengths.
+
+    The stream is cut into windows of ``bucket`` records; each window's records are sorted by
+    length (ties in stream order) and cut into batches within the budget as above, and the
+    window's batches are yielded in the order of ``Permutation(number of batches, hash(seed,
+    window), epoch)`` (so lengths do not rise through each window). Sorting packs a padded batch
+    with little padding.
+
+    State: ``{..., "bucket", "seed", "window": windows begun this epoch, "count": batches of the
+    open window (0: none open), "taken": those handed out, "source": the source's state at the
+    open window's start}``. A restore re-reads that one window (at most ``bucket`` records) and
+    plans it again. A layout change is refused while a window is open (the state must be taken
+    between windows), as for ``shuffle_window`` over sources of unknown size.
+    """
+
+    def __init__(self, source: Stream, max_tokens: int, *, bucket: int, seed: int = 0, **options: Any) -> None:
+        super().__init__(source, max_tokens, **options)
+        self.bucket = check_int_arg("bucket", bucket, minimum=1)
+        self.seed = check_int_arg("seed", seed, minimum=-(2**63))
+        self._reset_own()
+
+    def _reset_own(self) -> None:
+        self._window = self._count = self._taken = 0
+        self._start: dict[str, Any] | None = None  # the source's state at the open window's start
+        self._batches: list[list[Any]] | None = None  # the open window's batches (None: re-read them)
+
+    def iter_keyed(self) -> Iterator[tuple[Key | None, Any]]:
+        records = self.source.iter_keyed()
+        while True:
+            if self._taken >= self._count:  # open the next window
+                start = self.source.state_dict()
+                batches = self._plan(self._window, _keyed(take_records(records, self.bucket)))
+                if not batches:
+                    return
+                self._window, self._count, self._taken = self._window + 1, len(batches), 0
+                self._start, self._batches = start, batches
+            elif self._batches is None:  # restored: the source stands at the window's start
+                batches = self._plan(self._window - 1, _keyed(take_records(records, self.bucket)))
+                if len(batches) != self._count:
+                    raise ResumeError(
+                        f"{_WHAT}: the restored window made {self._count} batches but its records now make "
+                        f"{len(batches)}; the data changed since the checkpoint"
+                    )
+                self._batches = batches
+            while self._taken < self._count:
+                self._taken += 1
+                yield None, self._collate(self._batches[self._taken - 1])
+
+    def _plan(self, window: int, records: list[tuple[Key, Any]]) -> list[list[Any]]:
+        """Window number ``window``'s batches, in the order they are yielded."""
+        lengths = [self._checked_length(key, value) for key, value in records]
+        batches: list[list[Any]] = []
+        total = longest = 0
+        for i in sorted(range(len(records)), key=lengths.__getitem__):
+            n = lengths[i]
+            if not batches or not self._fits(len(batches[-1]), total, longest, n):
+                batches.append([])
+                total = longest = 0
+            batches[-1].append(records[i][1])
+            total, longest = total + n, max(longest, n)
+        if not batches:
+            return []
+        order = Permutation(len(batches), hash_ints(self.seed, window) >> 1, self._epoch)
+        return [batches[i] for i in order(np.arange(len(batches), dtype=np.int64)).tolist()]
+
+    # -- state ---------------------------------------------------------------------------------
+    def _config(self) -> dict[str, Any]:
+        return {**super()._config(), BUCKET: self.bucket, SEED: self.seed}
+
+    def _own_state(self) -> dict[str, Any]:
+        count, taken = (self._count, self._taken) if self._taken < self._count else (0, 0)
+        return {**self._config(), WINDOW: self._window, COUNT: count, TAKEN: taken}
+
+    def _own_state_fresh(self) -> dict[str, Any]:
+        return {**self._config(), WINDOW: 0, COUNT: 0, TAKEN: 0}
+
+    def state_dict(self) -> dict[str, Any]:
+        state = super().state_dict()
+        if self._taken < self._count and self._start is not None:
+            state[SOURCE] = self._start  # an open window restores from its start and re-reads it
+        return state
+
+    def state_update(self) -> dict[str, Any]:
+        # The source's state is the window's start, not a change to the previous one.
+        return self.state_dict()
+
+    def apply_update(self, previous: dict[str, Any], update: dict[str, Any]) -> dict[str, Any]:
+        return update
+
+    def _check_own(self, state: Mapping[str, Any]) -> Callable[[], None]:
+        require_bool(state, PADDED, _WHAT)
+        for field, current in self._config().items():
+            check_same(_WHAT, field, state.get(field), current, "build batch_by_tokens with the checkpoint's arguments")
+        window, count, taken = (require_count(state, field, _WHAT) for field in (WINDOW, COUNT, TAKEN))
+        if count > self.bucket or taken > count or (count and not window):
+            raise ResumeError(
+                f"{_WHAT} state has {brief(taken)} of {brief(count)} batches taken from window {brief(window)} "
+                f"of {self.bucket} records; pass a state_dict() of this pipeline unchanged"
+            )
+        start = dict(state[SOURCE]) if count else None
+
+        def apply() -> None:
+            self._window, self._count, self._taken = window, count, taken
+            self._start, self._batches = start, None
+
+        return apply
+
+    def rebalance(
+        self, states: Sequence[Mapping[str, Any]], num_slots: int, pending: list[Key]
+    ) -> list[dict[str, Any]]:
+        if any(state[COUNT] for state in states):
+            raise ResumeError(
+                f"{_WHAT}(bucket=...) state field {COUNT!r}: a window's batches cannot be split over another number "
+                "of workers or ranks; resume with the checkpoint's num_workers and world_size, or save the state "
+                "between windows"
+            )
+        return Wrapper.rebalance(self, states, num_slots, pending)
+
+
+def _keyed(records: list[tuple[Key | None, Any]]) -> list[tuple[Key, Any]]:
+    return [(record_key(key, _WHAT), value) for key, value in records]

@@ -115,7 +115,7 @@ class ShuffleWindow(Wrapper):
                 else:
                     start = self.source.state_dict()
                     records = self.source.iter_keyed() if records is None else records
-                    window = [(record_key(k, _WHAT), v) for k, v in _take(records, self._read_size())]
+                    window = [(record_key(k, _WHAT), v) for k, v in take_records(records, self._read_size())]
                     if not window:
                         return
                     count, self._start, self._records = len(window), start, window
@@ -130,7 +130,7 @@ class ShuffleWindow(Wrapper):
             else:
                 if self._records is None:  # restored: the source stands at the window's start
                     records = self.source.iter_keyed() if records is None else records
-                    window = [(record_key(k, _WHAT), v) for k, v in _take(records, self._count)]
+                    window = [(record_key(k, _WHAT), v) for k, v in take_records(records, self._count)]
                     if len(window) != self._count:
                         raise ResumeError(
                             f"{_WHAT}: the restored window held {self._count} records but its source now yields "
@@ -246,7 +246,7 @@ class ShuffleWindow(Wrapper):
         return super().rebalance(states, num_slots, pending + held)
 
 
-def _take(records: Iterator[tuple[Key | None, Any]], n: int) -> list[tuple[Key | None, Any]]:
+def take_records(records: Iterator[tuple[Key | None, Any]], n: int) -> list[tuple[Key | None, Any]]:
     """The next ``n`` records (fewer at the end), without reading one more than needed."""
     window = []
     for item in records:

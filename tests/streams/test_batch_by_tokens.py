@@ -185,3 +185,102 @@ def test_batch_by_tokens_needs_rereadable_records() -> None:
         ShardedIterable(docs.names, read_shard=docs).batch(2).batch_by_tokens(4)
     with pytest.raises(ValueError, match="oversized"):
         ShardedIterable(docs.names, read_shard=docs).batch_by_tokens(4, oversized="truncate")
+
+
+# -- bucket=n: batches of similar lengths within windows of n records ------------------------------
+@settings(max_examples=40, deadline=None)
+@given(
+    lengths=LENGTHS,
+    kind=st.sampled_from(KINDS),
+    max_tokens=st.integers(12, 40),
+    padded=st.booleans(),
+    bucket=st.integers(1, 8),
+)
+def test_bucketed_batches_cut_each_window_sorted_by_length(lengths, kind, max_tokens, padded, bucket) -> None:
+    records = [torch.as_tensor(r).tolist() for r in token_stream(TokenDocs(lengths), kind)]
+    batches = as_lists(list(pipeline(lengths, kind, max_tokens, padded=padded, bucket=bucket, seed=3)()))
+    got = iter(batches)
+    for start in range(0, len(records), bucket):
+        window = records[start : start + bucket]
+        mine, count = [], 0
+        while count < len(window):
+            batch = next(got)
+            mine.append(batch)
+            count += len(batch)
+        assert sorted(r for batch in mine for r in batch) == sorted(window)  # the window's records, once
+        for batch in mine:
+            assert cost([len(r) for r in batch], padded) <= max_tokens
+        # Cut from the window sorted by length: ordered by their shortest record, the batches'
+        # lengths run through the sorted lengths.
+        ordered = sorted(mine, key=lambda b: (min(map(len, b)), max(map(len, b))))
+        assert [len(r) for batch in ordered for r in sorted(batch, key=len)] == sorted(map(len, window))
+    assert next(got, None) is None
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    lengths=LENGTHS,
+    kind=st.sampled_from(KINDS),
+    max_tokens=st.integers(12, 40),
+    bucket=st.integers(1, 8),
+    cuts=st.lists(st.integers(0, 30), min_size=1, max_size=3),
+)
+def test_bucketed_batches_resume_identically_anywhere(lengths, kind, max_tokens, bucket, cuts) -> None:
+    make = pipeline(lengths, kind, max_tokens, padded=True, bucket=bucket, seed=1)
+    total = len(consume(make(), epochs=2))
+    assert_resumes_identically(make, sorted(min(c, total) for c in cuts), epochs=2)
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_bucketed_batches_resume_identically_in_stream_loader(num_workers: int) -> None:
+    lengths = [[5, 17, 3, 9, 1, 30], [12, 4, 8], [7, 7, 7, 2], [25, 3]]
+
+    def make() -> StreamLoader:
+        stream = pipeline(lengths, "shuffle_buffer", 32, padded=True, collate_fn=collate, bucket=5)()
+        return StreamLoader(stream, num_workers=num_workers)
+
+    assert_resumes_identically(make, [1, 3, 4], total=12)
+
+
+def test_a_bucketed_layout_change_is_refused_inside_a_window_and_exact_between_windows() -> None:
+    docs = TokenDocs([[5, 17, 3, 9, 1, 30], [12, 4, 8], [7, 7, 7, 2], [25, 3]])
+
+    def loader(rank: int, world: int) -> StreamLoader:
+        return StreamLoader(token_stream(docs, "none").batch_by_tokens(30, bucket=4), rank=rank, world_size=world)
+
+    def tokens(each: StreamLoader, n: int | None) -> list[int]:
+        each.set_epoch(each.epoch)  # stay in this epoch
+        return [t for batch in itertools.islice(each, n) for r in batch for t in torch.as_tensor(r).tolist()]
+
+    def merged(ranks: list[StreamLoader]) -> dict[str, Any]:
+        return json.loads(json.dumps(StreamLoader.merge_states([each.state_dict() for each in ranks])))
+
+    ranks = [loader(r, 2) for r in range(2)]
+    seen = [t for each in ranks for t in tokens(each, 1)]
+    inside = merged(ranks)
+    assert any(slot["count"] for slot in inside["slots"].values())  # a window partly handed out
+    with pytest.raises(ResumeError, match=r"'count'.*between windows"):
+        loader(0, 3).load_state_dict(inside)
+    for r, each in enumerate(ranks):  # on to the end of each slot's open window
+        while each.state_dict()["slots"][str(r)]["count"]:
+            seen += tokens(each, 1)
+    after = [loader(r, 3) for r in range(3)]
+    between = merged(ranks)
+    for each in after:
+        each.load_state_dict(between)
+        seen += tokens(each, None)
+    assert Counter(seen) == Counter(docs.all_tokens())
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "message"),
+    [("count", 99, "batches taken"), ("taken", 5, "batches taken"), ("bucket", 3, "bucket"), ("seed", 1, "seed")],
+)
+def test_a_bad_bucketed_state_is_refused_naming_the_field(field: str, value: Any, message: str) -> None:
+    make = pipeline([[5, 4, 9, 3, 3], [6, 6, 6]], "none", 10, bucket=4)
+    stream = make()
+    next(iter(stream))
+    state = json_roundtrip(stream.state_dict())
+    assert state["count"] >= 2
+    with pytest.raises(ResumeError, match=message):
+        make().load_state_dict(dict(state, **{field: value}))
