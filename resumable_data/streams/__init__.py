@@ -18,7 +18,7 @@ from .foreign import IterableSource, ReplayWarning
 from .loader import StreamLoader
 from .map import Map
 from .mix import Mix, mix
-from .pack import Pack
+from .pack import Pack, cu_seqlens
 from .parquet import ParquetReader
 from .readers import TextLineReader, TokenShardReader
 from .repeat import Repeat
@@ -48,5 +48,6 @@ __all__ = [
     "Take",
     "TextLineReader",
     "TokenShardReader",
+    "cu_seqlens",
     "mix",
 ]

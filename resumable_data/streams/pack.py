@@ -28,8 +28,9 @@ handed out exactly once.
 
 Boundaries. With ``boundaries=True`` a window is ``{"input_ids": tokens, "position_ids": p}``,
 where ``p`` counts from 0 at the window's start and again at each document's first token (the
-convention of packed-sequence attention: ``position_ids == 0`` marks where a document starts, so
-``torch.nonzero(p == 0)`` gives the cumulative lengths a variable-length attention kernel takes).
+convention of packed-sequence attention: ``position_ids == 0`` marks where a document starts, and
+:func:`cu_seqlens` turns a batch of them into the cumulative lengths a variable-length attention
+kernel takes).
 
 The end of an epoch. The last window of an epoch (of each worker/rank slot) is usually short: it is
 dropped, or padded to ``block_size`` with ``pad_id`` when one is given (padding is a document of
@@ -60,7 +61,7 @@ from .base import (
     require_key,
 )
 
-__all__ = ["Pack", "token_tensor"]
+__all__ = ["Pack", "cu_seqlens", "token_tensor"]
 
 _WHAT = "pack"
 BLOCK_SIZE = "block_size"
@@ -309,3 +310,19 @@ def token_tensor(record: Any, what: str) -> torch.Tensor:
             f"{tokens.dtype} of shape {tuple(tokens.shape)}"
         )
     return tokens.to(torch.int64)
+
+
+def cu_seqlens(position_ids: torch.Tensor) -> torch.Tensor:
+    """The cumulative sequence lengths of a batch of packed windows, from their ``position_ids``.
+
+    Each window and each document in it starts a sequence (where ``position_ids`` is 0), over the
+    batch flattened: what a variable-length attention kernel (``flash_attn_varlen_func``) takes as
+    ``cu_seqlens``, as int32.
+
+    Example:
+        >>> cu_seqlens(torch.tensor([[0, 1, 2, 0], [0, 0, 1, 2]])).tolist()
+        [0, 3, 4, 5, 8]
+    """
+    flat = position_ids.reshape(-1)
+    starts = torch.nonzero(flat == 0).reshape(-1)
+    return torch.cat([starts, torch.tensor([flat.numel()])]).to(torch.int32)

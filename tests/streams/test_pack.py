@@ -24,7 +24,7 @@ from hypothesis import strategies as st
 
 from harness import assert_resumes_identically, consume, json_roundtrip
 from resumable_data import ResumeError
-from resumable_data.streams import IterableSource, ShardedIterable, Stream, StreamLoader
+from resumable_data.streams import IterableSource, ShardedIterable, Stream, StreamLoader, cu_seqlens
 from resumable_data.testing import assert_same
 from streams_harness import TokenDocs, restore_reads, token_stream
 
@@ -260,3 +260,36 @@ def test_stream_loader_resumes_identically_anywhere(lengths, kind, block, num_wo
     epoch = len(list(make()))
     total = 2 * epoch + 1
     assert_resumes_identically(make, sorted(min(c, total) for c in cuts), total=total)
+
+
+@pytest.mark.parametrize(
+    "compose",
+    [
+        lambda docs: token_stream(docs, "shuffle_buffer").repeat(2).pack(7, eos=0),
+        lambda docs: token_stream(docs, "shuffle_buffer").pack(7, eos=0).repeat(2),
+        lambda docs: token_stream(docs, "none").filter(lambda d: len(d) % 2).pack(3, boundaries=True),
+        lambda docs: (
+            token_stream(docs, "map").pack(5).map(lambda w, g: w + torch.randint(0, 2, w.shape, generator=g), seed=1)
+        ),
+    ],
+    ids=["repeat then pack", "pack then repeat", "filter then pack", "pack then map(seed=)"],
+)
+def test_pack_composes_with_repeat_filter_and_a_seeded_map(compose: Callable[[TokenDocs], Stream]) -> None:
+    def make() -> Stream:
+        return compose(TokenDocs([[5, 17, 3, 9, 1, 30], [12, 4, 8]]))
+
+    total = len(consume(make(), epochs=2))
+    for cut in range(0, total, 4):
+        assert_resumes_identically(make, [cut], epochs=2)
+
+
+def test_cu_seqlens_are_where_documents_and_windows_start() -> None:
+    docs = TokenDocs([[3, 6, 2], [5]])
+    batch = torch.stack([w["position_ids"] for w in token_stream(docs, "none").pack(4, boundaries=True)])
+    seqlens = cu_seqlens(batch)
+    assert seqlens.dtype == torch.int32
+    lengths = (seqlens[1:] - seqlens[:-1]).tolist()
+    # 16 tokens of documents 3, 6, 2, 5 (in the epoch's shard order) cut into windows of 4.
+    assert sum(lengths) == batch.numel() == 16
+    starts = {0, 4, 8, 12} | set(itertools.accumulate([len(d) for d in token_stream(docs, "none")][:-1]))
+    assert seqlens[:-1].tolist() == sorted(starts)
