@@ -9,6 +9,7 @@ are slow.
 
 from __future__ import annotations
 
+import types
 from pathlib import Path
 
 import pytest
@@ -108,8 +109,8 @@ def test_a_stream_loader_among_several_train_loaders_warns() -> None:
     from resumable_data.integrations.lightning import ResumeCallback
     from resumable_data.streams import ShardedIterable, StreamLoader
 
-    class _Trainer:  # what on_train_start reads: Trainer.train_dataloader, the fit's train loaders as given
-        train_dataloader = {"a": StreamLoader(ShardedIterable(["x"], read_shard=lambda s, i: iter(()))), "b": [1, 2]}
-
+    stream = StreamLoader(ShardedIterable(["x"], read_shard=lambda s, i: iter(())))
+    # What on_train_start reads: Trainer.train_dataloader, the fit's train loaders as given.
+    trainer = types.SimpleNamespace(train_dataloader={"a": stream, "b": [1, 2]})
     with pytest.warns(ResumeWarning, match="among several train loaders"):
-        ResumeCallback().on_train_start(_Trainer(), None)  # type: ignore[arg-type]
+        ResumeCallback().on_train_start(trainer, None)  # type: ignore[arg-type]
