@@ -9,6 +9,15 @@ first training step after the resume, where the uninterrupted run stood. It also
 resumable loader, which would otherwise silently start the epoch over while Lightning's ``batch_idx``
 goes on.
 
+A train loader without ``len`` (a :class:`~resumable_data.StreamLoader`) is fetched one batch ahead by
+Lightning (to know when the epoch ends), so the ``state_dict()`` Lightning saves is one batch past the
+steps taken and a resume would skip that batch. The callback counts the batches the fit has trained
+on in the epoch and, when the loader has handed out one more, replaces the saved loader state with
+``loader.state_dict(unconsumed=1)``: the position before the fetched-ahead batch. No public Lightning
+hook exposes that state: it is written at ``checkpoint["loops"]["fit_loop"]["state_dict"]["combined_loader"]``
+(the list of the train loaders' states, one here), the layout Lightning 2.x uses, pinned by
+``tests/integrations/test_lightning.py``.
+
 Under ``strategy="ddp"`` pass ``Trainer(use_distributed_sampler=False)``: the ResumableDataLoader
 shards itself by rank (a DistributedSampler injected by Lightning is refused with a ResumeError).
 """
@@ -47,6 +56,7 @@ class ResumeCallback(Callback):
     def __init__(self) -> None:
         self._pending: dict[str, Any] | None = None  # this rank's RNG state, put back before the next step
         self._loader_state_found: bool | None = None  # None: not a resumed fit
+        self._trained = 0  # batches of the current epoch the fit has trained on (batch_idx + 1)
 
     def on_save_checkpoint(self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]) -> None:
         # Every rank builds the checkpoint; rank 0 writes it, so the states are gathered there.
@@ -56,6 +66,25 @@ class ResumeCallback(Callback):
             states = [{} for _ in range(dist.get_world_size())]
             dist.all_gather_object(states, state)
         checkpoint[_KEY] = {_VERSION: STATE_VERSION, _RANKS: states}
+        self._take_back_fetched_ahead(trainer, checkpoint)
+
+    def _take_back_fetched_ahead(self, trainer: Trainer, checkpoint: dict[str, Any]) -> None:
+        """Save a StreamLoader's state before the batch Lightning fetched ahead and has not trained on."""
+        loader = trainer.train_dataloader
+        saved = checkpoint.get("loops", {}).get("fit_loop", {}).get("state_dict", {}).get("combined_loader")
+        if not isinstance(loader, StreamLoader) or not saved:
+            return
+        ahead = loader.batches_yielded - self._trained
+        if ahead == 1:
+            saved[0] = loader.state_dict(unconsumed=1)
+        elif ahead != 0:
+            warnings.warn(
+                f"the StreamLoader has handed out {loader.batches_yielded} batches of this epoch and the fit "
+                f"has trained on {self._trained}; its saved state is {ahead} batches off, so a resume from "
+                "this checkpoint is not exact",
+                ResumeWarning,
+                stacklevel=2,
+            )
 
     def on_load_checkpoint(self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]) -> None:
         saved = checkpoint.get(_KEY)
@@ -77,6 +106,17 @@ class ResumeCallback(Callback):
         self._loader_state_found = bool(fit_loop.get("state_dict", {}).get("combined_loader"))
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        loaders = trainer.train_dataloader
+        if not isinstance(loaders, StreamLoader) and any(
+            isinstance(loader, StreamLoader) for loader in _resumable_loaders(loaders)
+        ):
+            warnings.warn(
+                "a StreamLoader among several train loaders: Lightning fetches it one batch ahead and "
+                "ResumeCallback corrects the saved state of a single train loader only, so a resume "
+                "may skip a batch; train on the StreamLoader alone (mix streams with resumable_data.mix)",
+                ResumeWarning,
+                stacklevel=2,
+            )
         if self._loader_state_found is False and any(_resumable_loaders(trainer.train_dataloader)):
             warnings.warn(
                 "this fit resumes from a checkpoint that holds no state for its "
@@ -87,10 +127,18 @@ class ResumeCallback(Callback):
                 stacklevel=2,
             )
 
+    def on_train_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._trained = 0
+
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
         if self._pending is not None:
             restore_rng_state(self._pending)
             self._pending = None
+
+    def on_train_batch_end(
+        self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        self._trained = batch_idx + 1
 
 
 def _resumable_loaders(loaders: Any) -> Iterator[Any]:

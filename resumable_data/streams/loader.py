@@ -192,6 +192,10 @@ class StreamLoader:
         self._next_worker = 0
         self._states: list[dict[str, Any]] = []
         self._yielded: list[int] = []  # per local slot, batches yielded in the epoch (global_rng keys)
+        # The last batch handed out, (slot, its batch count, its state update), folded into the
+        # three fields above only when the caller asks for the next batch or stops: until then
+        # state_dict(unconsumed=1) can still describe the position before it.
+        self._pending: tuple[int, int, dict[str, Any]] | None = None
         # The slot whose state ``self._stream`` (this process's pipeline) holds right now, exactly as
         # ``self._states`` records it, or None. With 0 workers that pipeline then iterates without
         # loading the state again: a restored state is validated once, in load_state_dict, and a
@@ -205,6 +209,11 @@ class StreamLoader:
         return self._cursor.epoch
 
     @property
+    def batches_yielded(self) -> int:
+        """Batches this rank has handed out in the current epoch (restored ones included)."""
+        return sum(self._yielded) + (self._pending[1] - self._yielded[self._pending[0]] if self._pending else 0)
+
+    @property
     def num_slots(self) -> int:
         """Global (rank, worker) slots."""
         return self.world_size * self._local
@@ -216,6 +225,7 @@ class StreamLoader:
             states.append(self._stream.state_dict())
         self._states, self._next_worker, self._fresh = states, 0, True
         self._yielded = [0] * self._local
+        self._pending = None
         self._holds = self._local - 1
 
     def set_epoch(self, epoch: int) -> None:
@@ -239,22 +249,33 @@ class StreamLoader:
         # hold a recorded state until a batch arrives.
         holds, self._holds = self._holds, None
         for local, count, update, batch in self._batches(segment.epoch, holds):
-            self._states[local] = self._stream.apply_update(self._states[local], update)
-            self._yielded[local] = count
-            self._next_worker = (local + 1) % self._local
+            self._pending = (local, count, update)
             self._fresh, yielded = False, True
             self._cursor.advance(segment, 0, False)
             if self.num_workers == 0:
                 # The pipeline stopped right after this batch: it holds the state just recorded,
                 # and keeps holding it if the caller stops here (the generator closes at the yield).
                 self._holds = local
-            yield batch
-            self._holds = None  # the caller wants the next batch: the pipeline moves again
+            try:
+                yield batch
+            finally:
+                # The caller wants the next batch, or stopped: fold this one in before the pipeline moves.
+                self._settle()
+            self._holds = None  # the pipeline moves again
         self._cursor.advance(segment, 0, True)
         if not yielded and not fresh and not pinned:
             # Restored right after the epoch's last batch: go on with the next epoch rather than
             # hand the caller an empty one.
             yield from self
+
+    def _settle(self) -> None:
+        """Fold the last batch handed out into the slot states."""
+        if self._pending is not None:
+            local, count, update = self._pending
+            self._pending = None
+            self._states[local] = self._stream.apply_update(self._states[local], update)
+            self._yielded[local] = count
+            self._next_worker = (local + 1) % self._local
 
     def _batches(self, epoch: int, holds: int | None) -> Iterator[tuple[int, int, dict[str, Any], Any]]:
         """``(slot, batches it has yielded, state update, batch)`` of this pass: the first from this
@@ -297,17 +318,39 @@ class StreamLoader:
         )
 
     # -- state ---------------------------------------------------------------------------------
-    def state_dict(self) -> dict[str, Any]:
-        """This rank's slots, each as the pipeline state after its last batch handed out."""
+    def state_dict(self, *, unconsumed: int = 0) -> dict[str, Any]:
+        """This rank's slots, each as the pipeline state after its last batch handed out.
+
+        Args:
+            unconsumed: 1 describes the position before the last batch handed out, for a caller
+                that fetched a batch ahead and has not used it (Lightning's fetcher does so with a
+                loader without ``len``: ``ResumeCallback`` passes 1 then); a restore yields that
+                batch again. 0 (the default) or 1.
+
+        Raises:
+            ResumeError: ``unconsumed`` is 1 but no batch of this pass is still held back (none
+                was handed out since the last restore or epoch start, or the caller has asked
+                for the next one since).
+        """
+        check_int_arg("unconsumed", unconsumed, minimum=0)
+        if unconsumed > 1 or (unconsumed and self._pending is None):
+            held = "1" if self._pending is not None else "0 (no batch handed out is held back)"
+            raise ResumeError(f"state_dict(unconsumed={unconsumed}): can take back at most {held}")
+        states, yielded, next_worker = _copy(self._states), list(self._yielded), self._next_worker
+        if self._pending is not None and not unconsumed:
+            local, count, update = self._pending
+            # On a copy: self._states stays as it is, so a later call can still take the batch back.
+            states[local] = _copy([self._stream.apply_update(states[local], update)])[0]
+            yielded[local], next_worker = count, (local + 1) % self._local
         return {
             VERSION: LOADER_STATE_VERSION,
             EPOCH: self._cursor.epoch,
             EPOCH_DONE: self._cursor.done,
             WORLD_SIZE: self.world_size,
             NUM_WORKERS: self.num_workers,
-            NEXT_WORKER: {str(self.rank): self._next_worker},
-            SLOTS: {str(self.rank * self._local + local): s for local, s in enumerate(_copy(self._states))},
-            BATCHES: {str(self.rank * self._local + local): n for local, n in enumerate(self._yielded)},
+            NEXT_WORKER: {str(self.rank): next_worker},
+            SLOTS: {str(self.rank * self._local + local): s for local, s in enumerate(states)},
+            BATCHES: {str(self.rank * self._local + local): n for local, n in enumerate(yielded)},
         }
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
@@ -388,6 +431,7 @@ class StreamLoader:
             states.append(self._stream.state_dict())
         self._states, self._next_worker, self._fresh = states, next_worker, False
         self._yielded = yielded
+        self._pending = None
         self._holds = self._local - 1
         self._cursor.restore(epoch, 0, epoch_done)
 

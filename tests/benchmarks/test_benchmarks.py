@@ -51,6 +51,7 @@ def _rows(out: Path, name: str, first_header: str) -> list[dict[str, str]]:
     return _common.parse_markdown_rows(text, first_header)
 
 
+@pytest.mark.slow  # 25-35 s on 2 cores: CI's 5 minutes keep the cheaper benchmarks' smoke tests
 def test_bench_resume_quick(tmp_path: Path) -> None:
     _run_quick("bench_resume.py", tmp_path)
     text = (tmp_path / "bench_resume.md").read_text()
@@ -87,6 +88,7 @@ def test_bench_resume_quick(tmp_path: Path) -> None:
         assert (tmp_path / "replot" / plot).stat().st_size > 0
 
 
+@pytest.mark.slow  # 25-35 s on 2 cores: CI's 5 minutes keep the cheaper benchmarks' smoke tests
 def test_bench_overhead_quick(tmp_path: Path) -> None:
     _run_quick("bench_overhead.py", tmp_path)
     rows = _rows(tmp_path, "bench_overhead", "method")

@@ -365,7 +365,7 @@ def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> tuple[list[float]
 @pytest.mark.parametrize(
     ("before", "after"),
     [
-        ([], []),
+        pytest.param([], [], marks=pytest.mark.slow),  # the default suite keeps w2-to-w0 (CI's time)
         pytest.param(["--workers", "2"], ["--workers", "2"], marks=pytest.mark.slow),
         pytest.param(["--workers", "2", "--persistent"], ["--workers", "2", "--persistent"], marks=pytest.mark.slow),
         (["--workers", "2"], []),  # in the default suite: workers, and a num_workers change across the kill

@@ -21,6 +21,7 @@ from hypothesis import strategies as st
 from harness import assert_resumes_identically, checkpoint_roundtrip
 from resumable_data import ResumeError
 from resumable_data.streams import ShardedIterable, ShuffleBuffer, Stream, StreamLoader, TokenShardReader, mix
+from resumable_data.testing import assert_same
 from streams_harness import (
     MemoryShards,
     assert_exactly_once_across_layout_change,
@@ -274,3 +275,51 @@ def test_warm_start_serves_a_passs_first_batch_from_the_main_process(warm_start:
     warm = warm_start is None
     assert in_main == [warm, False, False, warm] + [False] * (len(rest) - 1)
     assert sorted(ids([b[0] for b in batches + rest])) == shards.all_records()
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+@settings(max_examples=6, deadline=None)
+@given(cut=st.integers(min_value=1, max_value=30))
+def test_a_state_without_the_last_batch_handed_out_resumes_at_that_batch(
+    token_paths: list[Path], num_workers: int, cut: int
+) -> None:
+    """``state_dict(unconsumed=1)`` after ``cut`` batches: a caller that fetched one batch ahead
+    (Lightning's fetcher over a loader without len) resumes at the batch it did not use, and the
+    rest of the run (the next epoch too) is the uninterrupted one's, bitwise."""
+
+    def make() -> StreamLoader:
+        return StreamLoader(realistic(token_paths), batch_size=4, num_workers=num_workers)
+
+    n = epoch_batches(make)
+    reference = list(itertools.islice(endless_batches(make()), cut + 12))
+    loader = make()
+    batches = endless_batches(loader)
+    list(itertools.islice(batches, cut))
+    assert loader.batches_yielded == (cut % n or n)  # at an epoch's end: still that epoch's n
+    plain = loader.state_dict()  # Lightning saves this first; the take-back must still work after it
+    taken_back = checkpoint_roundtrip(loader.state_dict(unconsumed=1))
+    assert plain != taken_back
+    resumed = make()
+    resumed.load_state_dict(taken_back)
+    got = list(itertools.islice(endless_batches(resumed), 13))
+    assert_same(reference[cut - 1 : cut + 12], got, "the batches after the restore")
+
+
+def test_taking_back_more_than_the_last_batch_is_refused(token_paths: list[Path]) -> None:
+    loader = StreamLoader(realistic(token_paths), batch_size=4)
+    with pytest.raises(ResumeError, match="unconsumed=1"):
+        loader.state_dict(unconsumed=1)  # nothing handed out yet
+    batches = iter(loader)
+    next(batches)
+    with pytest.raises(ResumeError, match="unconsumed=2"):
+        loader.state_dict(unconsumed=2)
+    assert loader.state_dict(unconsumed=1) == StreamLoader(realistic(token_paths), batch_size=4).state_dict()
+    next(batches)  # asking for the next batch folds the first in: it can no longer be taken back
+    assert loader.batches_yielded == 2
+    loader.state_dict(unconsumed=1)  # (the second one can)
+
+
+def endless_batches(loader: StreamLoader):
+    """Every batch of epoch after epoch, as a training loop iterates a loader."""
+    while True:
+        yield from loader
