@@ -51,7 +51,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import Any
+from typing import Any, Literal
 
 from ..core.state import (
     EPOCH,
@@ -257,7 +257,7 @@ class Stream:
         *,
         length: Callable[[Any], int] = len,
         padded: bool = False,
-        oversized: str = "error",
+        oversized: Literal["error", "alone"] = "error",
         collate_fn: Callable[[list[Any]], Any] | None = None,
         bucket: int | None = None,
         seed: int = 0,

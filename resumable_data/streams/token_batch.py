@@ -23,7 +23,7 @@ it in a batch of its own instead.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 
@@ -87,7 +87,7 @@ class BatchByTokens(Wrapper):
         *,
         length: Callable[[Any], int] = len,
         padded: bool = False,
-        oversized: str = "error",
+        oversized: Literal["error", "alone"] = "error",
         collate_fn: Callable[[list[Any]], Any] | None = None,
     ) -> None:
         super().__init__(source)
