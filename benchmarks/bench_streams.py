@@ -21,6 +21,10 @@ yields every record once; each restore's first batch equals the uninterrupted ru
    and 99th percentile of |output position - input position|) and the share of batches whose 32
    records all come from one shard.
 
+6. LLM data: 10^6 token documents in two in-memory sources, each through ``shuffle_buffer(1000)``,
+   ``mix`` with a schedule, ``pack(1024)``: restore at 90 % (``load_state_dict`` plus the first batch,
+   checked equal); and the steady-state cost per token of ``pack`` next to reading stored windows.
+
 Run: ``python benchmarks/bench_streams.py`` (``--quick``: small sizes, one round: a smoke test of
 every method and check, not a measurement). The peers need the ``[peers]`` extra; without it their
 rows say "not installed". They do not install beside the ``[hf]`` extra (Mosaic pins numpy < 2.2
@@ -45,7 +49,7 @@ import numpy as np
 import torch
 from _common import busy_work, calibrate_work, format_seconds, machine_header, markdown_table, parse_args, write_report
 
-from resumable_data.streams import ShardedIterable, Stream, StreamLoader, TokenShardReader
+from resumable_data.streams import ShardedIterable, Stream, StreamLoader, TokenShardReader, mix
 
 BATCH = 32
 BUFFER = 10_000
@@ -231,6 +235,109 @@ def mixing(num_shards: int, per_shard: int) -> dict[str, tuple[float, float, flo
     return out
 
 
+# -- 6. LLM data: packed documents (issue 22) ------------------------------------------------------
+BLOCK = 1024
+LLM_BATCH = 8
+
+
+class DocShards:
+    """``read_shard`` of in-memory shards ``d0, d1, ...`` of ``per_shard`` token documents (plus ``base``):
+    document ``i`` is ``i, i + 1, ...`` (mod 50,000) and 8 to 119 tokens long, fixed by ``i``."""
+
+    def __init__(self, per_shard: int, base: int = 0) -> None:
+        self.per_shard, self.base = per_shard, base
+
+    @staticmethod
+    def length(i: int) -> int:
+        return 8 + (i * 2654435761) % 112
+
+    def doc(self, i: int) -> np.ndarray:
+        return np.arange(i, i + self.length(i), dtype=np.int64) % 50_000
+
+    def __call__(self, shard: str, start: int) -> Iterator[np.ndarray]:
+        first = self.base + int(shard[1:]) * self.per_shard
+        return (self.doc(first + o) for o in range(start, self.per_shard))
+
+    def read_records(self, shard: str, offsets: list[int]) -> list[np.ndarray]:
+        first = self.base + int(shard[1:]) * self.per_shard
+        return [self.doc(first + o) for o in offsets]
+
+
+def doc_source(num_shards: int, per_shard: int, base: int, seed: int) -> ShardedIterable:
+    names = [f"d{i}" for i in range(num_shards)]
+    return ShardedIterable(names, read_shard=DocShards(per_shard, base), seed=seed, sizes=[per_shard] * num_shards)
+
+
+def packed_tokens(num_docs: int) -> int:
+    """Tokens of documents ``0 .. num_docs - 1`` with one EOS after each."""
+    i = np.arange(num_docs, dtype=np.int64)
+    return int((8 + (i * 2654435761) % 112).sum()) + num_docs
+
+
+def llm_loader(num_docs: int) -> StreamLoader:
+    """Two sources of ``num_docs / 2`` documents, each through ``shuffle_buffer(1000)``, mixed 70/30 and
+    then 50/50 after a quarter of the documents, packed into windows of 1024 tokens, batches of 8."""
+    half, shards = num_docs // 2, 16
+    web = doc_source(shards, half // shards, 0, seed=3).shuffle_buffer(1000, seed=4)
+    code = doc_source(shards, half // shards, half, seed=5).shuffle_buffer(1000, seed=6)
+    schedule = [(0, [0.7, 0.3]), (num_docs // 4, [0.5, 0.5])]
+    stream = mix([web, code], weights=schedule, seed=7).pack(BLOCK, eos=0)
+    return StreamLoader(stream, batch_size=LLM_BATCH)
+
+
+def llm_restore(num_docs: int, rounds: int) -> tuple[list[float], int, int]:
+    """Restore at 90 % of an epoch of the packed, mixed, buffered stream: times, state bytes, position."""
+    position = int(0.9 * packed_tokens(num_docs) // BLOCK // LLM_BATCH)
+    loader = llm_loader(num_docs)
+    batches = iter(loader)
+    for _ in itertools.islice(batches, position):
+        pass
+    state = json.loads(json.dumps(loader.state_dict()))
+    expected = next(batches)
+    del batches, loader
+    times = []
+    for _ in range(rounds):
+        fresh = llm_loader(num_docs)
+        gc.collect()
+        start = time.perf_counter()
+        fresh.load_state_dict(state)
+        got = next(iter(fresh))
+        times.append(time.perf_counter() - start)
+        if not torch.equal(got, expected):
+            times[-1] = float("nan")
+    return times, len(json.dumps(state)), position
+
+
+class WindowShards(DocShards):
+    """The same kind of shards as fixed windows of ``BLOCK + 1`` tokens: a plain windowed read."""
+
+    def doc(self, i: int) -> np.ndarray:
+        return np.arange(i, i + BLOCK + 1, dtype=np.int64) % 50_000
+
+
+def per_token(tokens: int, rounds: int) -> dict[str, list[float]]:
+    """ns per token of one epoch through StreamLoader (0 workers): windows read as they are stored, and
+    documents packed into windows of the same size; the two interleaved in each round."""
+    windows, docs = tokens // (BLOCK + 1), tokens // 64  # 64.5 tokens a document with its EOS, on average
+    makes = {
+        f"windowed read ({BLOCK + 1}-token records)": lambda: StreamLoader(
+            ShardedIterable(["d0"], read_shard=WindowShards(windows), seed=0, sizes=[windows]), batch_size=LLM_BATCH
+        ),
+        f"pack({BLOCK}) of 8–119-token documents": lambda: StreamLoader(
+            ShardedIterable(["d0"], read_shard=DocShards(docs), seed=0, sizes=[docs]).pack(BLOCK, eos=0),
+            batch_size=LLM_BATCH,
+        ),
+    }
+    out: dict[str, list[float]] = {name: [] for name in makes}
+    for _ in range(rounds):
+        for name, make in makes.items():
+            loader = make()
+            start = time.perf_counter()
+            seen = sum(batch.numel() for batch in loader)
+            out[name].append((time.perf_counter() - start) / seen * 1e9)
+    return out
+
+
 # -- report ----------------------------------------------------------------------------------------
 def spread(values: list[float], fmt: Callable[[float], str] = format_seconds) -> str:
     good = [v for v in values if v == v]
@@ -390,6 +497,23 @@ def main() -> None:
         markdown_table(
             ["shuffle", "mean |moved|", "99th percentile |moved|", f"batches of {BATCH} from one shard"],
             [[name, f"{m:,.0f}", f"{p:,.0f}", f"{one:.1%}"] for name, (m, p, one) in mixed.items()],
+        ),
+        "",
+    ]
+    # 6. LLM data
+    num_docs = 20_000 if quick else 1_000_000
+    times, size, position = llm_restore(num_docs, restore_rounds)
+    costs = per_token(10**5 if quick else 2 * 10**7, rounds)
+    lines += [
+        f"## 6. LLM data: {num_docs:,} documents (8–119 tokens), two sources through `shuffle_buffer(1000)`, "
+        f"`mix` with a schedule (70/30, then 50/50), `pack({BLOCK}, eos=0)`, batches of {LLM_BATCH}",
+        "",
+        f"Restore at 90 % (batch {position:,}): load_state_dict + first batch {spread(times)}, checked equal to "
+        f"the uninterrupted batch; the state: {size:,} B (JSON).",
+        "",
+        markdown_table(
+            ["one epoch, 0 workers", f"ns per token, median (min–max) of {rounds}"],
+            [[name, spread(v, lambda x: f"{x:.0f}")] for name, v in costs.items()],
         ),
         "",
         f"Total run time: {time.perf_counter() - started:.0f} s.",
