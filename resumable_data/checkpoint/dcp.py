@@ -48,7 +48,7 @@ from ..core.state import VERSION, is_int
 from ..core.version import __version__
 from ..errors import ResumeError
 from . import durable
-from .manifest import MANIFEST_NAME, STEP_RE, file_digest, read_json_object, step_name, step_of
+from .manifest import MANIFEST_NAME, STEP_RE, file_digest, name_problem, read_json_object, step_name, step_of
 from .weights_only import is_mapping, load_weights_only, snapshot
 
 __all__ = ["DCP_METADATA", "DcpManifest", "DcpStore", "dcp_checkpoint_problem", "read_dcp_manifest"]
@@ -175,13 +175,8 @@ def dcp_checkpoint_problem(folder: Path, *, verify: bool, check_name: bool = Tru
         manifest = read_dcp_manifest(folder)
     except ResumeError as e:
         return str(e)
-    if check_name:
-        try:
-            folder_step = step_of(folder)
-        except ResumeError as e:
-            return str(e)
-        if manifest.step != folder_step:
-            return f"manifest says step {manifest.step} but the folder is {folder.name}"
+    if check_name and (problem := name_problem(folder, manifest.step)) is not None:
+        return problem
     for name, (size, _) in manifest.files.items():
         try:
             info = (folder / name).lstat()
@@ -301,11 +296,7 @@ class DcpStore:
         try:
             self._publish(step, tmp, checked, target)
         except OSError as e:
-            message = (
-                f"cannot write checkpoint {target}: {e.strerror or e}; the earlier checkpoints are intact "
-                f"(free space, fix permissions, or use another folder)"
-            )
-            raise (OSError(message) if e.errno is None else OSError(e.errno, message)) from e
+            raise durable.write_error(target, e, "the earlier checkpoints are intact") from e
         self._prune(keep=target)
         return target
 

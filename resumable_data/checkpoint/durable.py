@@ -19,7 +19,7 @@ from typing import IO, Any, BinaryIO, cast
 
 import torch
 
-__all__ = ["durable_file", "fsync_dir", "fsync_file", "make_dirs", "remove_tree", "write_payload"]
+__all__ = ["durable_file", "fsync_dir", "fsync_file", "make_dirs", "remove_tree", "write_error", "write_payload"]
 
 
 @contextlib.contextmanager
@@ -69,16 +69,16 @@ def write_payload(state: dict[str, Any], path: Path) -> None:
 
 def fsync_dir(path: Path) -> None:
     """Make a rename or a new entry in ``path`` durable: fsync the folder itself."""
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    _fsync_path(path)
 
 
 def fsync_file(path: Path) -> None:
     """Flush a file that another process (or library) wrote to disk: fsync makes the inode's data
     durable whichever descriptor wrote it."""
+    _fsync_path(path)
+
+
+def _fsync_path(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     try:
         os.fsync(fd)
@@ -119,3 +119,13 @@ def remove_tree(path: Path) -> None:
         path.unlink(missing_ok=True)
     else:
         shutil.rmtree(path)
+
+
+def write_error(target: Path, error: OSError, outcome: str) -> OSError:
+    """The ``OSError`` a failed checkpoint write raises: ``target``, the OS's reason and ``outcome``
+    (what is left on disk), keeping the ``errno`` so a caller can still tell ENOSPC from EIO."""
+    message = (
+        f"cannot write checkpoint {target}: {error.strerror or error}; {outcome} "
+        "(free space, fix permissions, or use another folder)"
+    )
+    return OSError(message) if error.errno is None else OSError(error.errno, message)

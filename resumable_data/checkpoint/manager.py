@@ -230,11 +230,7 @@ class CheckpointManager:
         try:
             self._publish(step, state, metric, target)
         except OSError as e:
-            message = (
-                f"cannot write checkpoint {target}: {e.strerror or e}; nothing was written and the "
-                f"earlier checkpoints are intact (free space, fix permissions, or use another folder)"
-            )
-            raise (OSError(message) if e.errno is None else OSError(e.errno, message)) from e
+            raise durable.write_error(target, e, "nothing was written and the earlier checkpoints are intact") from e
         self._prune(keep=target)
         return target
 

@@ -257,6 +257,17 @@ def file_digest(path: Path) -> tuple[str, int]:
     return digest.hexdigest(), size
 
 
+def name_problem(folder: Path, step: int) -> str | None:
+    """Why the folder's ``step-N`` name does not match the manifest's ``step``, or None."""
+    try:
+        folder_step = step_of(folder)
+    except ResumeError as e:
+        return str(e)
+    if step != folder_step:
+        return f"manifest says step {step} but the folder is {folder.name}"
+    return None
+
+
 def checkpoint_problem(folder: Path, *, verify: bool, check_name: bool = True) -> str | None:
     """What is wrong with a checkpoint folder, or None if it is complete (and, with ``verify``, its
     payload's sha256 matches the manifest). Never raises for anything found on disk.
@@ -271,13 +282,8 @@ def checkpoint_problem(folder: Path, *, verify: bool, check_name: bool = True) -
         manifest = read_manifest(folder)
     except ResumeError as e:
         return str(e)
-    if check_name:
-        try:
-            folder_step = step_of(folder)
-        except ResumeError as e:
-            return str(e)
-        if manifest.step != folder_step:
-            return f"manifest says step {manifest.step} but the folder is {folder.name}"
+    if check_name and (problem := name_problem(folder, manifest.step)) is not None:
+        return problem
     payload = folder / PAYLOAD_NAME
     try:
         info = payload.stat()

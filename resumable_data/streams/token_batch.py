@@ -279,12 +279,10 @@ class BucketedBatchByTokens(BatchByTokens):
             state[SOURCE] = self._start  # an open window restores from its start and re-reads it
         return state
 
-    def state_update(self) -> dict[str, Any]:
-        # The source's state is the window's start, not a change to the previous one.
-        return self.state_dict()
-
-    def apply_update(self, previous: dict[str, Any], update: dict[str, Any]) -> dict[str, Any]:
-        return update
+    # Whole states (Stream's default, not Wrapper's change to the source's state): the source's
+    # state is the window's start, not a change to the previous one.
+    state_update = Stream.state_update
+    apply_update = Stream.apply_update
 
     def _check_own(self, state: Mapping[str, Any]) -> Callable[[], None]:
         require_bool(state, PADDED, _WHAT)

@@ -179,12 +179,10 @@ class ShuffleWindow(Wrapper):
             state[SOURCE] = self._start  # a read window restores from its start and re-reads it
         return state
 
-    def state_update(self) -> dict[str, Any]:
-        # A few ints and the source's state (itself small with known sizes): no change to send.
-        return self.state_dict()
-
-    def apply_update(self, previous: dict[str, Any], update: dict[str, Any]) -> dict[str, Any]:
-        return update
+    # Whole states (Stream's default, not Wrapper's change to the source's state): a few ints and
+    # the source's state, itself small with known sizes, so there is no change to send.
+    state_update = Stream.state_update
+    apply_update = Stream.apply_update
 
     def _own_state_fresh(self) -> dict[str, Any]:
         return {SEED: self.seed, SIZE: self.size, WINDOW: 0, COUNT: 0, TAKEN: 0, POSITIONAL: False}

@@ -273,6 +273,21 @@ def _events(run_dir: str) -> list[dict[str, Any]]:
     return read_metrics(run_dir) if (Path(run_dir) / "metrics.jsonl").is_file() else []
 
 
+def check_losses(name: str, events: list[dict[str, Any]], expected: dict[int, float], report: ChaosReport) -> None:
+    """Every step's loss equals the uninterrupted run's, and no step is missing."""
+    for event in events:
+        if event["event"] == "step":
+            report.losses_compared += 1
+            if event["loss"] != expected.get(event["step"]):
+                report.loss_mismatches += 1
+                report.failures.append(
+                    f"{name}: step {event['step']} loss {event['loss']!r}, uninterrupted {expected.get(event['step'])!r}"
+                )
+    missing = set(expected) - {e["step"] for e in events if e["event"] == "step"}
+    if missing:
+        report.failures.append(f"{name}: steps {sorted(missing)} were never logged")
+
+
 def _check_run(
     run: TrainConfig,
     launches: list[Launch],
@@ -297,17 +312,7 @@ def _check_run(
             _check_resume_point(name, i, own, launches[i - 1].snapshot, report)
         if launch.snapshot is not None:
             floor = _check_kill(name, i, launch, launch.snapshot, own, floor, reference_state, report)
-    for event in events:
-        if event["event"] == "step":
-            report.losses_compared += 1
-            if event["loss"] != expected_losses.get(event["step"]):
-                report.loss_mismatches += 1
-                report.failures.append(
-                    f"{name}: step {event['step']} loss {event['loss']!r}, uninterrupted {expected_losses.get(event['step'])!r}"
-                )
-    missing = set(expected_losses) - {e["step"] for e in events if e["event"] == "step"}
-    if missing:
-        report.failures.append(f"{name}: steps {sorted(missing)} were never logged")
+    check_losses(name, events, expected_losses, report)
     final = _load(Path(run.run_dir) / CHECKPOINT_FOLDER / f"step-{run.max_steps:08d}")
     difference = first_difference(reference_state(run.max_steps), final)
     if difference is not None:

@@ -47,7 +47,7 @@ from ..checkpointing import DCP_FOLDER
 from ..config import TrainConfig
 from ..dcp_store import EXTRAS_NAME
 from ..metrics import read_metrics
-from .chaos import CHAOS_DEFAULTS, CORPUS_BYTES, ChaosReport
+from .chaos import CHAOS_DEFAULTS, CORPUS_BYTES, ChaosReport, check_losses
 from .verify import child_env, config_to_argv
 
 __all__ = ["DISTRIBUTED_PLAN", "chaos_distributed"]
@@ -307,7 +307,7 @@ def _check_run(
             _check_resume_point(name, i, own, launches[i - 1], report)
         if launch.snapshot is not None:
             floor = _check_snapshot(name, i, run, launch, launch.snapshot, own, floor, reference_state, report)
-    _check_losses(name, events, expected_losses, report)
+    check_losses(name, events, expected_losses, report)
     final = first_difference(
         reference_state(run.max_steps), _state(Path(run.run_dir) / DCP_FOLDER / f"step-{run.max_steps:08d}")
     )
@@ -364,21 +364,6 @@ def _check_snapshot(
                 f"{name}: checkpoint {folder} verifies but differs from the reference at {difference}"
             )
     return newest
-
-
-def _check_losses(name: str, events: list[dict[str, Any]], expected: dict[int, float], report: ChaosReport) -> None:
-    """Every step's loss equals the uninterrupted run's, and no step is missing."""
-    for event in events:
-        if event["event"] == "step":
-            report.losses_compared += 1
-            if event["loss"] != expected.get(event["step"]):
-                report.loss_mismatches += 1
-                report.failures.append(
-                    f"{name}: step {event['step']} loss {event['loss']!r}, uninterrupted {expected.get(event['step'])!r}"
-                )
-    missing = set(expected) - {e["step"] for e in events if e["event"] == "step"}
-    if missing:
-        report.failures.append(f"{name}: steps {sorted(missing)} were never logged")
 
 
 def _newest_valid(folder: Path) -> int | None:
