@@ -14,7 +14,6 @@ Every job runs with its own timeout. Only the first test is in the default suite
 
 from __future__ import annotations
 
-import contextlib
 import os
 import random
 import signal
@@ -31,6 +30,7 @@ import pytest
 
 from resumable_data import CheckpointManager
 from trainer.config import TrainConfig
+from trainer.harness.chaos_distributed import alive, children
 from trainer.harness.verify import config_to_argv
 from trainer.metrics import read_metrics
 
@@ -111,23 +111,6 @@ def losses(run_dir: str) -> dict[int, float]:
 
 def end_weights(run_dir: str) -> list[str]:
     return [e for e in read_metrics(run_dir) if e["event"] == "end"][-1]["rank_weights"]
-
-
-def alive(pid: int) -> bool:
-    """Whether ``pid`` runs (a zombie counts as gone: it no longer runs or holds anything)."""
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state != "Z"
-
-
-def children(pid: int) -> list[int]:
-    found = []
-    for task in Path(f"/proc/{pid}/task").glob("*"):
-        with contextlib.suppress(OSError):
-            found += [int(c) for c in (task / "children").read_text().split()]
-    return found
 
 
 STALE_ROUND = textwrap.dedent(

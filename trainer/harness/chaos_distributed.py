@@ -238,15 +238,15 @@ def _kill_later(process: subprocess.Popen[bytes], run_dir: str, launch: _Launch,
     if process.poll() is not None:
         return ""
     if launch.killpoint == "agent-at-seconds":
-        ranks = _children(process.pid)
+        ranks = children(process.pid)
         process.send_signal(signal.SIGKILL)
         # Its ranks exit by themselves (their watchdog); the folder is judged once they are gone.
         deadline = time.monotonic() + ORPHAN_GRACE_S
-        while time.monotonic() < deadline and any(_alive(pid) for pid in ranks):
+        while time.monotonic() < deadline and any(alive(pid) for pid in ranks):
             time.sleep(0.05)
-        launch.orphans = [pid for pid in ranks if _alive(pid)]
+        launch.orphans = [pid for pid in ranks if alive(pid)]
         return "agent"
-    ranks = sorted(_children(process.pid))
+    ranks = sorted(children(process.pid))
     if not ranks:
         return ""
     target = rng.randrange(min(nproc, len(ranks)))
@@ -263,15 +263,16 @@ def _rank_sigkilled(run_dir: str) -> bool:
     return "(exitcode: -9)" in text.rsplit("\n$ ", 1)[-1]
 
 
-def _alive(pid: int) -> bool:
-    """Whether ``pid`` still runs (a zombie does not)."""
+def alive(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie counts as gone: it no longer runs or holds anything)."""
     try:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
     except OSError:
         return False
 
 
-def _children(pid: int) -> list[int]:
+def children(pid: int) -> list[int]:
+    """The child processes of every thread of ``pid`` (Linux ``/proc``)."""
     found = []
     for task in Path(f"/proc/{pid}/task").glob("*"):
         with contextlib.suppress(OSError):
