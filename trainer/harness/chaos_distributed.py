@@ -264,9 +264,12 @@ def _rank_sigkilled(run_dir: str) -> bool:
 
 
 def alive(pid: int) -> bool:
-    """Whether ``pid`` runs (a zombie counts as gone: it no longer runs or holds anything)."""
+    """Whether ``pid`` runs or still holds its files. A zombie whose threads have all exited counts
+    as gone; a leader that is a zombie while another of its threads is still exiting does not: the
+    threads share the file table, so its descriptors (and a lock on one) live until the last exits."""
     try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        return state != "Z" or len(list(Path(f"/proc/{pid}/task").iterdir())) > 1
     except OSError:
         return False
 
