@@ -15,7 +15,6 @@ Every job runs with its own timeout. Only the first test is in the default suite
 from __future__ import annotations
 
 import os
-import random
 import signal
 import socket
 import subprocess
@@ -28,6 +27,7 @@ from typing import Any
 
 import pytest
 
+from dist_harness import tiny
 from resumable_data import CheckpointManager
 from trainer.config import TrainConfig
 from trainer.harness.chaos_distributed import alive, children
@@ -36,19 +36,6 @@ from trainer.metrics import read_metrics
 
 REPO = Path(__file__).resolve().parents[2]
 JOB_TIMEOUT = 240
-TINY = dict(
-    n_layer=1, n_head=2, n_embd=16, block_size=16, dropout=0.1, batch_size=4, max_steps=20,
-    lr=1e-2, min_lr=1e-3, warmup_steps=3, eval_every=6, eval_batches=1, checkpoint_every=4, progress=False,
-)  # fmt: skip
-
-
-def tiny(base: Path, name: str, **overrides: Any) -> TrainConfig:
-    corpus = base / "text.txt"
-    if not corpus.exists():
-        corpus.write_bytes(Path(random.__file__).read_bytes()[:2000])
-    return TrainConfig(
-        run_dir=str(base / name), data=str(corpus), cache_dir=str(base / "cache"), **{**TINY, **overrides}
-    )
 
 
 def env() -> dict[str, str]:

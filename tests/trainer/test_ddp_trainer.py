@@ -10,7 +10,6 @@ from __future__ import annotations
 import collections
 import json
 import os
-import random
 import shutil
 import signal
 import subprocess
@@ -23,6 +22,7 @@ from typing import Any
 import pytest
 import torch
 
+from dist_harness import tiny
 from resumable_data import CheckpointManager, ResumeError
 from resumable_data.testing import assert_same
 from trainer.checkpointing import CHECKPOINT_FOLDER, DCP_FOLDER
@@ -34,32 +34,7 @@ from trainer.train_state import elastic_plan
 
 REPO = Path(__file__).resolve().parents[2]
 JOB_TIMEOUT = 120
-TINY = dict(
-    n_layer=1,
-    n_head=2,
-    n_embd=16,
-    block_size=16,
-    dropout=0.1,
-    batch_size=4,
-    max_steps=20,
-    lr=1e-2,
-    min_lr=1e-3,
-    warmup_steps=3,
-    eval_every=6,
-    eval_batches=1,
-    checkpoint_every=4,
-    progress=False,
-)
 KILL_AT = 15
-
-
-def tiny(base: Path, name: str, **overrides: Any) -> TrainConfig:
-    corpus = base / "text.txt"
-    if not corpus.exists():
-        corpus.write_bytes(Path(random.__file__).read_bytes()[:2000])
-    return TrainConfig(
-        run_dir=str(base / name), data=str(corpus), cache_dir=str(base / "cache"), **{**TINY, **overrides}
-    )
 
 
 def torchrun(
