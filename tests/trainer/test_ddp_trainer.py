@@ -85,6 +85,10 @@ def verified(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, bool]:
     return base, ok
 
 
+# Five torchrun jobs (72 s of one test process on CI's 2 cores, where the suite reached 309 s): slow.
+# The default suite keeps the library's DCP state on 2 torchrun ranks (test_distributed_dcp.py), DDP
+# teardown on 2 gloo ranks and the single-process trainer killed and resumed (test_trainer.py).
+@pytest.mark.slow
 def test_torchrun_two_ranks_killed_and_resumed_equals_uninterrupted_and_elastic_reads_exactly_once(
     verified: tuple[Path, bool], capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -301,7 +305,7 @@ def _sigterm_main(rank: int, world_size: int, tmp: str, config: TrainConfig) -> 
     Path(tmp, f"sigterm.rank{rank}.json").write_text(json.dumps(outcome))
 
 
-@pytest.mark.slow  # 3 runs on 2 spawned ranks (52 s on the shared machine); the default suite has verify --nproc 2
+@pytest.mark.slow  # 3 runs on 2 spawned ranks (52 s on the shared machine); so is verify --nproc 2 (above)
 def test_a_sigterm_to_one_rank_stops_both_at_the_next_sync_and_the_resume_is_exact(tmp_path: Path) -> None:
     """2 gloo ranks, 12 steps, --sync-every 5, no checkpoint before the end: the ranks all-reduce at
     steps 5, 10 and 12 only (plus the data state's check at the save), not at every step. Rank 1 is
