@@ -61,7 +61,7 @@ from .base import (
     require_key,
 )
 
-__all__ = ["Pack", "cu_seqlens", "token_tensor"]
+__all__ = ["Pack", "cu_seqlens", "token_array"]
 
 _WHAT = "pack"
 BLOCK_SIZE = "block_size"
@@ -81,7 +81,7 @@ class _Carried:
 
     key: Key
     offset: int
-    tokens: torch.Tensor | None
+    tokens: np.ndarray | None  # without the eos
 
 
 class Pack(Wrapper):
@@ -143,58 +143,67 @@ class Pack(Wrapper):
         self.pad_id = None if pad_id is None else check_int_arg("pad_id", pad_id, minimum=0)
         self.boundaries = bool(boundaries)
         self._carry: list[_Carried] = []
+        self._arange = np.arange(self.block_size, dtype=np.int64)  # position ids are slices of it
 
     # -- iteration -----------------------------------------------------------------------------
     def iter_keyed(self) -> Iterator[tuple[Key | None, Any]]:
         records = self.source.iter_keyed()
         while True:
             self._reread()
-            pieces = self._fill(records)
-            if not pieces:
+            window = self._fill(records)
+            if window is None:
                 return
-            filled = sum(len(tokens) for _, _, tokens in pieces)
-            if filled < self.block_size:
-                if self.pad_id is None:
-                    return  # the epoch's short last window
-                pieces.append(((), 0, torch.full((self.block_size - filled,), self.pad_id, dtype=torch.int64)))
-            key, offset, _ = pieces[0]
-            yield (*key, offset), self._window([tokens for _, _, tokens in pieces])
+            key, tokens, positions = window
+            yield key, tokens if positions is None else {INPUT_IDS: tokens, POSITION_IDS: positions}
 
-    def _fill(self, records: Iterator[tuple[Key | None, Any]]) -> list[tuple[Key, int, torch.Tensor]]:
-        """The next window's pieces ``(record key, offset, tokens)``: fewer tokens at the epoch's end."""
-        pieces = []
-        need = self.block_size
-        while need:
-            if not self._carry:
+    def _fill(self, records: Iterator[tuple[Key | None, Any]]) -> tuple[Key, torch.Tensor, torch.Tensor | None] | None:
+        """The next window: its key, its tokens and (with ``boundaries``) its position ids; None at
+        the epoch's end, or for its short last window unless ``pad_id`` pads it.
+
+        Tokens are copied into one preallocated array (numpy: a small copy there costs a fraction
+        of a ``torch.cat``), and a record's ``eos`` is written after its tokens rather than appended
+        to each record.
+        """
+        size, eos, carry = self.block_size, self.eos, self._carry
+        window = np.empty(size, dtype=np.int64)
+        positions = np.empty(size, dtype=np.int64) if self.boundaries else None
+        filled, first = 0, None
+        while filled < size:
+            if not carry:
                 item = next(records, None)
                 if item is None:
                     break
                 key = record_key(item[0], _WHAT)
-                self._carry.append(_Carried(key, 0, self._tokens(item[1], key)))
+                carry.append(_Carried(key, 0, self._tokens(item[1], key)))
                 continue
-            head = self._carry[0]
-            assert head.tokens is not None  # re-read by _reread
-            take = min(need, len(head.tokens) - head.offset)
+            head = carry[0]
+            tokens = head.tokens
+            assert tokens is not None  # re-read by _reread
+            length = len(tokens) + (eos is not None)
+            take = min(size - filled, length - head.offset)
             if take:
-                pieces.append((head.key, head.offset, head.tokens[head.offset : head.offset + take]))
-            need -= take
+                if first is None:
+                    first = (*head.key, head.offset)
+                real = min(head.offset + take, len(tokens)) - head.offset
+                window[filled : filled + real] = tokens[head.offset : head.offset + real]
+                if eos is not None and real < take:  # the piece ends with the record's eos
+                    window[filled + real] = eos
+                if positions is not None:
+                    positions[filled : filled + take] = self._arange[:take]
+                filled += take
             head.offset += take
-            if head.offset == len(head.tokens):
-                self._carry.pop(0)
-        return pieces
+            if head.offset == length:
+                carry.pop(0)
+        if first is None or (filled < size and self.pad_id is None):
+            return None  # nothing left, or the epoch's short last window
+        if filled < size and self.pad_id is not None:
+            window[filled:] = self.pad_id
+            if positions is not None:
+                positions[filled:] = self._arange[: size - filled]
+        return first, torch.from_numpy(window), None if positions is None else torch.from_numpy(positions)
 
-    def _window(self, pieces: list[torch.Tensor]) -> Any:
-        tokens = torch.cat(pieces)
-        if not self.boundaries:
-            return tokens
-        positions = torch.cat([torch.arange(len(piece), dtype=torch.int64) for piece in pieces])
-        return {INPUT_IDS: tokens, POSITION_IDS: positions}
-
-    def _tokens(self, record: Any, key: Key) -> torch.Tensor:
-        tokens = token_tensor(record, f"pack: record {list(key)}")
-        if self.eos is None:
-            return tokens
-        return torch.cat([tokens, torch.tensor([self.eos], dtype=torch.int64)])
+    def _tokens(self, record: Any, key: Key) -> np.ndarray:
+        return token_array(record, f"pack: record {list(key)}")
 
     def _reread(self) -> None:
         """Re-read the carried records of a restored state (one grouped read), before anything moves."""
@@ -204,10 +213,11 @@ class Pack(Wrapper):
         records = self.source.fetch_many([carried.key for carried in unread])
         tokens = [self._tokens(record, carried.key) for carried, record in zip(unread, records, strict=True)]
         for carried, t in zip(unread, tokens, strict=True):
-            if carried.offset >= len(t):
+            length = len(t) + (self.eos is not None)
+            if carried.offset >= length:
                 raise ResumeError(
                     f"{_WHAT}: the checkpoint handed out {carried.offset} tokens of record {list(carried.key)}, "
-                    f"which now has {len(t)}; the data changed since the checkpoint"
+                    f"which now has {length}; the data changed since the checkpoint"
                 )
         for carried, t in zip(unread, tokens, strict=True):
             carried.tokens = t
@@ -293,23 +303,21 @@ def carried_keys(state: Mapping[str, Any], field: str, what: str) -> list[Key]:
     return keys
 
 
-def token_tensor(record: Any, what: str) -> torch.Tensor:
-    """A token record (1-D int tensor, numpy array or list of ints) as a 1-D int64 tensor."""
+def token_array(record: Any, what: str) -> np.ndarray:
+    """A token record (1-D int tensor, numpy array or list of ints) as a 1-D int64 array."""
     if isinstance(record, torch.Tensor):
-        tokens = record
-    else:
-        array = np.asarray(record)
-        if array.size == 0:
-            array = array.astype(np.int64)
-        if array.dtype.kind not in "iu":
-            raise TypeError(f"{what}: a token record must hold ints, but got dtype {array.dtype}")
-        tokens = torch.from_numpy(array.astype(np.int64, copy=False))
-    if tokens.dim() != 1 or tokens.dtype.is_floating_point or tokens.dtype.is_complex or tokens.dtype == torch.bool:
+        if record.dtype.is_floating_point or record.dtype.is_complex or record.dtype == torch.bool:
+            raise TypeError(f"{what}: a token record must hold ints, but got {record.dtype}")
+        record = record.detach().cpu().numpy()
+    array = np.asarray(record)
+    if array.size == 0:
+        array = array.astype(np.int64)
+    if array.dtype.kind not in "iu" or array.ndim != 1:
         raise TypeError(
             f"{what}: a token record must be a 1-D int tensor, array or list, but got "
-            f"{tokens.dtype} of shape {tuple(tokens.shape)}"
+            f"{array.dtype} of shape {array.shape}"
         )
-    return tokens.to(torch.int64)
+    return array.astype(np.int64, copy=False)
 
 
 def cu_seqlens(position_ids: torch.Tensor) -> torch.Tensor:
