@@ -181,6 +181,19 @@ class Stream:
         """
         return _accept_any
 
+    def keys_checker(self, state: Mapping[str, Any] | None) -> Callable[[Sequence[Key]], None]:
+        """:meth:`key_checker` for a whole list of keys (a shuffle buffer's restore checks thousands).
+
+        The same refusals, key by key here; a source that can check them in bulk overrides it.
+        """
+        check = self.key_checker(state)
+
+        def check_all(keys: Sequence[Key]) -> None:
+            for key in keys:
+                check(key)
+
+        return check_all
+
     def saved_slots(self, state: Mapping[str, Any]) -> list[Slot]:
         """The ``(slot, num_slots)`` that the sources in a checked ``state`` were saved for.
 
@@ -394,6 +407,13 @@ class Wrapper(Stream):
 
     def key_checker(self, state: Mapping[str, Any] | None) -> Callable[[Key], None]:
         return self.source.key_checker(None if state is None else state[SOURCE])
+
+    def keys_checker(self, state: Mapping[str, Any] | None) -> Callable[[Sequence[Key]], None]:
+        # A stage whose keys are its source's (map, filter) hands the bulk check on; one with a
+        # key_checker of its own (shuffle_buffer, mix, repeat, ...) checks key by key through it.
+        if type(self).key_checker is Wrapper.key_checker:
+            return self.source.keys_checker(None if state is None else state[SOURCE])
+        return super().keys_checker(state)
 
     def saved_slots(self, state: Mapping[str, Any]) -> list[Slot]:
         return self.source.saved_slots(state[SOURCE])

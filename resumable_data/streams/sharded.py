@@ -634,6 +634,29 @@ class ShardedIterable(Stream):
 
         return check
 
+    def keys_checker(self, state: Mapping[str, Any] | None) -> Callable[[Sequence[Key]], None]:
+        check = self.key_checker(state)
+        n = len(self.shards)
+        epoch: int | None = None
+        cursor_of = np.full(n, np.iinfo(np.int64).max, dtype=np.int64)  # no cursor: any offset
+        pending: set[tuple[int, int]] = set()
+        if state is not None:
+            epoch, slot, remaining, pending_list, position, _, dealt = self._parse_all(state)
+            for index, cursor in self._cursors(epoch, slot, remaining, position, dealt).items():
+                cursor_of[index] = cursor
+            pending = {(i, o) for i, o in pending_list}
+
+        def check_all(keys: Sequence[Key]) -> None:
+            # The keys as one array, checked with a few vector comparisons; anything unusual (a
+            # key of another shape or type, an int beyond int64, a refusal) goes key by key
+            # through ``check``, which decides and names the first bad key.
+            array = _as_array(keys)
+            if array is None or not _plausible(array, epoch, n, cursor_of, pending):
+                for key in keys:
+                    check(key)
+
+        return check_all
+
     def saved_slots(self, state: Mapping[str, Any]) -> list[Slot]:
         return [self._parse(state)[1]]
 
@@ -753,6 +776,35 @@ def _require_dealt(raw: Any) -> Dealt:
             )
         dealt.append((int(entry[0]), tuple(int(p) for p in entry[1])))
     return tuple(dealt)
+
+
+def _as_array(keys: Sequence[Key]) -> np.ndarray | None:
+    """``keys`` as an ``(n, 3)`` int64 array, or None unless every key is three plain ints that fit."""
+    if set(map(len, keys)) != {3}:
+        return None
+    flat = list(itertools.chain.from_iterable(keys))
+    if set(map(type, flat)) != {int}:
+        return None
+    try:
+        return np.fromiter(flat, dtype=np.int64, count=len(flat)).reshape(-1, 3)
+    except OverflowError:
+        return None
+
+
+def _plausible(
+    keys: np.ndarray, epoch: int | None, n: int, cursor_of: np.ndarray, pending: set[tuple[int, int]]
+) -> bool:
+    """Whether every ``[epoch, shard, offset]`` row of ``keys`` passes the checks of ``key_checker``."""
+    if not len(keys):
+        return True
+    epochs, index, offset = keys[:, 0], keys[:, 1], keys[:, 2]
+    if epoch is not None and not (epochs == epoch).all():
+        return False
+    if not ((index >= 0) & (index < n) & (offset >= 0)).all():
+        return False
+    if not (offset < cursor_of[index]).all():
+        return False
+    return not pending or pending.isdisjoint(zip(index.tolist(), offset.tolist(), strict=True))
 
 
 def _check_record(index: int, offset: int, n: int, cursors: Mapping[int, int], what: Callable[[], str]) -> None:

@@ -230,9 +230,7 @@ class ShuffleBuffer(Wrapper):
             raise ResumeError(f"{what} state holds a record twice in {BUFFER!r}: {brief(state[BUFFER])}")
         # Every key must be a record the source has already read in this state: the source's state
         # was checked first (Wrapper.check), so its checker knows the epoch, shards and cursors.
-        check_key = self.source.key_checker(state[SOURCE])
-        for key in keys:
-            check_key(key)
+        self.source.keys_checker(state[SOURCE])(keys)
 
         def apply() -> None:
             self._buffer = [(key, _Unread) for key in keys]
