@@ -13,6 +13,9 @@ yields every record once; each restore's first batch equals the uninterrupted ru
    restored into a freshly built loader, timed from ``load_state_dict`` to the first batch in hand
    (with workers also to the second: warm start moves the workers' start there). Restores are
    interleaved over the methods in each round.
+
+Every epoch of 1. and every method's checkpoints and restores of 2. run in a process of their own: a
+peer's threads and shared memory outlive its loader and would slow down whatever ran next beside them.
 3. State size: the JSON (ours) or pickled (peers) state at 50 %, and ``shuffle_window`` over 10^4 shards.
 4. Elastic: ``shuffle_window(10_000)`` over 10^5 shards of known sizes (in memory), a state of two
    ranks at 30 % merged and loaded by rank 0 of three: ``load_state_dict`` plus the first batch.
@@ -47,7 +50,16 @@ from typing import Any
 import _peers
 import numpy as np
 import torch
-from _common import busy_work, calibrate_work, format_seconds, machine_header, markdown_table, parse_args, write_report
+from _common import (
+    busy_work,
+    calibrate_work,
+    format_seconds,
+    machine_header,
+    markdown_table,
+    parse_args,
+    run_isolated,
+    write_report,
+)
 
 from resumable_data.streams import ShardedIterable, Stream, StreamLoader, TokenShardReader, mix
 
@@ -118,30 +130,45 @@ def record_ids(batch: Any) -> list[int]:
     return batch[:, 0].tolist()
 
 
-# -- 1. throughput ---------------------------------------------------------------------------------
-def throughput(methods: dict[str, Callable[[int], Any]], n: int, rounds: int) -> dict[tuple[str, int], list[float]]:
-    seconds: dict[tuple[str, int], list[float]] = {}
-    for round_ in range(rounds):
-        for workers in (0, 2):
-            for name, make in methods.items():
-                loader = make(workers)
-                gc.collect()
-                start = time.perf_counter()
-                seen = [i for batch in loader for i in record_ids(batch)]
-                elapsed = time.perf_counter() - start
-                del loader
-                if sorted(seen) != list(range(n)):
-                    raise SystemExit(f"{name}, {workers} workers: an epoch did not yield every record once")
-                seconds.setdefault((name, workers), []).append(elapsed)
-                print(f"round {round_ + 1}: throughput {name}, {workers} workers: {elapsed:.2f} s", flush=True)
-        _peers.release_mosaic()
-    return seconds
+# -- the methods, built by name in a cell process -----------------------------------------------------
+PLAIN = "DataLoader (map-style, shuffled)"
+OURS_BUFFER = f"StreamLoader, shuffle_buffer({BUFFER:,})"
+OURS_WINDOW = f"StreamLoader, shuffle_window({BUFFER:,})"
+PEERS = {"litdata": "litdata 0.2.76", "mosaic": "Mosaic Streaming 0.13.0"}
 
 
-# -- 2. restore ------------------------------------------------------------------------------------
-def checkpoints(make: Callable[[], Any], epoch_batches: int) -> list[tuple[int, Any, list[int], list[int]]]:
-    """One pass: at each fraction, (batches consumed, the state, the next two batches' ids)."""
-    loader = make()
+def build(method: str, data: dict[str, Any], iterations: int, workers: int) -> Any:
+    """The loader ``method`` names over ``data`` (``paths`` and ``per_shard``, and each peer's folder)."""
+    paths, per_shard = [Path(p) for p in data["paths"]], data["per_shard"]
+    if method == PLAIN:
+        dataset = MapStyle(paths, per_shard, iterations)
+        return torch.utils.data.DataLoader(dataset, batch_size=BATCH, shuffle=True, num_workers=workers)
+    if method in (OURS_BUFFER, OURS_WINDOW):
+        return ours(paths, per_shard, "buffer" if method == OURS_BUFFER else "window", iterations)(workers)
+    peer = next(p for p, name in PEERS.items() if name == method)
+    make = _peers.litdata_loader if peer == "litdata" else _peers.mosaic_loader
+    return make(Path(data[peer]), batch_size=BATCH, workers=workers, transform=Busy(iterations) if iterations else None)
+
+
+# Each cell runs in a process of its own (``run_isolated``): a peer's threads and shared memory
+# outlive its loader, and in a shared process they would slow down whatever is timed next.
+def epoch_cell(method: str, data: dict[str, Any], iterations: int, workers: int) -> dict[str, Any]:
+    """1. Throughput: the seconds of one epoch, checked to yield every record once."""
+    torch.set_num_threads(1)
+    loader = build(method, data, iterations, workers)
+    gc.collect()
+    start = time.perf_counter()
+    seen = [i for batch in loader for i in record_ids(batch)]
+    elapsed = time.perf_counter() - start
+    if sorted(seen) != list(range(len(data["paths"]) * data["per_shard"])):
+        return {"error": "an epoch did not yield every record once"}
+    return {"seconds": elapsed}
+
+
+def checkpoints_cell(method: str, data: dict[str, Any], workers: int, epoch_batches: int) -> dict[str, Any]:
+    """2. One pass: at each fraction, (batches consumed, the pickled state, the next two batches' ids)."""
+    torch.set_num_threads(1)
+    loader = build(method, data, 0, workers)
     batches = iter(loader)
     out = []
     consumed = 0
@@ -150,28 +177,40 @@ def checkpoints(make: Callable[[], Any], epoch_batches: int) -> list[tuple[int, 
         for _ in itertools.islice(batches, target - consumed):
             pass
         consumed = target
-        state = pickle.loads(pickle.dumps(loader.state_dict()))
+        state = pickle.dumps(loader.state_dict())
         first, second = next(batches), next(batches)
         consumed += 2
         out.append((target, state, record_ids(first), record_ids(second)))
-    del batches, loader
-    return out
+    return {"taken": out}
 
 
-def restore_once(make: Callable[[], Any], state: Any, first: list[int], second: list[int]) -> tuple[float, float]:
-    loader = make()
-    gc.collect()
-    start = time.perf_counter()
-    loader.load_state_dict(state)
-    batches = iter(loader)
-    got_first = record_ids(next(batches))
-    t_first = time.perf_counter() - start
-    got_second = record_ids(next(batches))
-    t_second = time.perf_counter() - start
-    del batches, loader
-    if (got_first, got_second) != (first, second):
-        return float("nan"), float("nan")
-    return t_first, t_second
+def restore_cell(method: str, data: dict[str, Any], workers: int, taken: list[Any]) -> dict[str, Any]:
+    """2. Each checkpoint restored into a freshly built loader: seconds to the first and second
+    batch (NaN where a restored batch differs from the uninterrupted run's)."""
+    torch.set_num_threads(1)
+    times = []
+    for _, state, first, second in taken:
+        loader = build(method, data, 0, workers)
+        gc.collect()
+        start = time.perf_counter()
+        loader.load_state_dict(pickle.loads(state))
+        batches = iter(loader)
+        got_first = record_ids(next(batches))
+        t_first = time.perf_counter() - start
+        got_second = record_ids(next(batches))
+        t_second = time.perf_counter() - start
+        del batches, loader
+        _peers.release_mosaic()
+        exact = (got_first, got_second) == (first, second)
+        times.append((t_first, t_second) if exact else (float("nan"), float("nan")))
+    return {"times": times}
+
+
+def isolated(fn: Callable[..., dict[str, Any]], **kwargs: Any) -> dict[str, Any]:
+    result = run_isolated(fn, kwargs, timeout_s=1200)
+    if "error" in result:
+        raise SystemExit(f"{fn.__name__} {kwargs.get('method')}: {result['error']}")
+    return result
 
 
 # -- 4. elastic and 5. mixing over in-memory shards ---------------------------------------------------
@@ -369,31 +408,23 @@ def main() -> None:
             if found[peer] is None:
                 peers_t[peer], peers_r[peer] = write(root / "t", n_t), write(root / "r", n_r)
                 print(f"wrote {peer} data", flush=True)
-        busy = Busy(iterations)
+        data_t = {"paths": [str(p) for p in t_paths], "per_shard": per_t, **{k: str(v) for k, v in peers_t.items()}}
+        data_r = {"paths": [str(p) for p in r_paths], "per_shard": per_r, **{k: str(v) for k, v in peers_r.items()}}
 
         # 1. throughput
-        methods: dict[str, Callable[[int], Any]] = {
-            "DataLoader (map-style, shuffled)": lambda w: torch.utils.data.DataLoader(
-                MapStyle(t_paths, per_t, iterations), batch_size=BATCH, shuffle=True, num_workers=w
-            ),
-            f"StreamLoader, shuffle_buffer({BUFFER:,})": ours(t_paths, per_t, "buffer", iterations),
-            f"StreamLoader, shuffle_window({BUFFER:,})": ours(t_paths, per_t, "window", iterations),
-        }
-        if "litdata" in peers_t:
-            methods["litdata 0.2.76"] = lambda w: _peers.litdata_loader(
-                peers_t["litdata"], batch_size=BATCH, workers=w, transform=busy
-            )
-        if "mosaic" in peers_t:
-            methods["Mosaic Streaming 0.13.0"] = lambda w: _peers.mosaic_loader(
-                peers_t["mosaic"], batch_size=BATCH, workers=w, transform=busy
-            )
-        seconds = throughput(methods, n_t, rounds)
-        plain = next(iter(methods))
+        methods = [PLAIN, OURS_BUFFER, OURS_WINDOW, *(PEERS[p] for p in peers_t)]
+        seconds: dict[tuple[str, int], list[float]] = {}
+        for round_ in range(rounds):
+            for workers in (0, 2):
+                for name in methods:
+                    elapsed = isolated(epoch_cell, method=name, data=data_t, iterations=iterations, workers=workers)
+                    seconds.setdefault((name, workers), []).append(elapsed["seconds"])
+                    print(f"round {round_ + 1}: {name}, {workers} workers: {elapsed['seconds']:.2f} s", flush=True)
         rows = []
         for name in methods:
             row = [name]
             for workers in (0, 2):
-                mine, ref = seconds[(name, workers)], seconds[(plain, workers)]
+                mine, ref = seconds[(name, workers)], seconds[(PLAIN, workers)]
                 ratios = [r / m for m, r in zip(mine, ref, strict=True)]
                 row += [spread(mine), spread(ratios, lambda x: f"{x:.2f}")]
             rows.append(row)
@@ -403,8 +434,8 @@ def main() -> None:
         lines += [
             f"## 1. Throughput: one epoch of {n_t:,} records, {WORK_US:.0f} µs of work each, batches of {BATCH}",
             "",
-            f"Median (min–max) over {rounds} round(s), methods interleaved; the ratio is the plain DataLoader's epoch "
-            "time over the method's, per round (≥ 1: as fast or faster).",
+            f"Median (min–max) over {rounds} round(s), methods interleaved, each epoch in a process of its own; the "
+            "ratio is the plain DataLoader's epoch time over the method's, per round (≥ 1: as fast or faster).",
             "",
             markdown_table(["method", "0 workers", "÷ DataLoader", "2 workers", "÷ DataLoader"], rows),
             "",
@@ -412,30 +443,23 @@ def main() -> None:
 
         # 2. restore
         epoch_batches = n_r // BATCH
-        restorers: dict[str, Callable[[], Any]] = {}
-        for workers in (0, 2):
-            restorers[f"StreamLoader, shuffle_window({BUFFER:,}), {workers} workers"] = lambda w=workers: ours(
-                r_paths, per_r, "window"
-            )(w)
-        restorers[f"StreamLoader, shuffle_buffer({BUFFER:,}), 0 workers"] = lambda: ours(r_paths, per_r, "buffer")(0)
-        for peer, make_peer in (("litdata", _peers.litdata_loader), ("mosaic", _peers.mosaic_loader)):
-            if peer in peers_r:
-                for workers in (0, 2):
-                    restorers[f"{peer}, {workers} workers"] = lambda p=peer, m=make_peer, w=workers: m(
-                        peers_r[p], batch_size=BATCH, workers=w
-                    )
+        restorers: dict[str, tuple[str, int]] = {
+            f"{OURS_WINDOW}, 0 workers": (OURS_WINDOW, 0),
+            f"{OURS_WINDOW}, 2 workers": (OURS_WINDOW, 2),
+            f"{OURS_BUFFER}, 0 workers": (OURS_BUFFER, 0),
+            **{f"{peer}, {w} workers": (PEERS[peer], w) for peer in peers_r for w in (0, 2)},
+        }
         taken = {}
-        for name, make in restorers.items():
-            taken[name] = checkpoints(make, epoch_batches)
-            _peers.release_mosaic()
+        for name, (method, workers) in restorers.items():
+            cell = isolated(checkpoints_cell, method=method, data=data_r, workers=workers, epoch_batches=epoch_batches)
+            taken[name] = cell["taken"]
             print(f"checkpoints taken: {name}", flush=True)
         timings: dict[tuple[str, int], list[tuple[float, float]]] = {}
         for _ in range(restore_rounds):
-            for f in range(len(FRACTIONS)):
-                for name, make in restorers.items():
-                    _, state, first, second = taken[name][f]
-                    timings.setdefault((name, f), []).append(restore_once(make, state, first, second))
-                    _peers.release_mosaic()
+            for name, (method, workers) in restorers.items():
+                cell = isolated(restore_cell, method=method, data=data_r, workers=workers, taken=taken[name])
+                for f, t in enumerate(cell["times"]):
+                    timings.setdefault((name, f), []).append(t)
             print("restore round done", flush=True)
         rows = []
         for name in restorers:
@@ -443,7 +467,7 @@ def main() -> None:
             for f in range(len(FRACTIONS)):
                 row.append(spread([t[0] for t in timings[(name, f)]]))
             row.append(spread([t[1] for t in timings[(name, len(FRACTIONS) - 1)]]))
-            state = taken[name][1][1]
+            state = pickle.loads(taken[name][1][1])
             try:
                 size = f"{len(json.dumps(state)):,} B (JSON)"
             except TypeError:
