@@ -2,6 +2,7 @@
 
 python -m trainer                              # train the default model; Ctrl-C saves; rerun continues
 python -m trainer train --max-steps 1000 --data notes.txt
+python -m trainer train --data corpus/         # a folder of .jsonl or .parquet documents, streamed (--text-field)
 python -m trainer verify-resume                # killed + resumed == uninterrupted, bitwise
 python -m trainer verify-resume --nproc 2      # the same under torchrun, plus elastic 2->1 and 2->3
 torchrun --nproc_per_node 2 -m trainer train   # data-parallel training (DDP; gloo on CPU, NCCL on CUDA)

@@ -21,10 +21,11 @@ import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 import resumable_data
-from resumable_data import CheckpointManager, DataLoaderState, ResumableDataLoader, ResumeError
+from resumable_data import CheckpointManager, DataLoaderState, ResumeError, Stateful
 
 from . import parallel
 from .config import TrainConfig
+from .data import TrainingData
 from .dcp_store import DcpCheckpoints
 from .metrics import METRICS_FILE, format_lr
 
@@ -108,7 +109,7 @@ class Checkpoints(contextlib.AbstractContextManager["Checkpoints"]):
             )
         return checkpoint
 
-    def track(self, wrapped: torch.nn.Module, optimizer: torch.optim.Optimizer, loader: ResumableDataLoader) -> None:
+    def track(self, wrapped: torch.nn.Module, optimizer: torch.optim.Optimizer, loader: Stateful) -> None:
         """The model (as the loop calls it), optimizer and loader that :meth:`restore` and :meth:`save` serve."""
         self.wrapped, self.optimizer, self.loader = wrapped, optimizer, loader
 
@@ -160,9 +161,9 @@ class Checkpoints(contextlib.AbstractContextManager["Checkpoints"]):
         return {MODEL: model_state, OPTIMIZER: optimizer_state, DATALOADER: DataLoaderState(self.loader)}
 
 
-def next_step_fingerprint(loader: ResumableDataLoader, grad_accum: int, par: parallel.Parallel) -> str:
-    """A short hash of the next optimizer step's batch indices, of all ranks in rank order (a collective)."""
-    indices = par.gather(loader.peek_indices(grad_accum))
+def next_step_fingerprint(data: TrainingData, grad_accum: int, par: parallel.Parallel) -> str:
+    """A short hash of what the next optimizer step reads (``TrainingData.peek``), all ranks' in rank order (a collective)."""
+    indices = par.gather(data.peek(grad_accum))
     return hashlib.sha256(json.dumps(indices if par.distributed else indices[0]).encode()).hexdigest()[:16]
 
 
@@ -190,7 +191,7 @@ def audit(
         problems.append(
             f"after step {step} it expects the next batch {recorded[NEXT_BATCH]}, but this run would read {next_batch}: "
             "the data order changed (most likely --batch-size, --grad-accum or --seed differs, or the corpus: "
-            "--data, --block-size)"
+            "--data, --text-field, --block-size)"
         )
     # The schedule as this run's flags define it, not the scheduler's restored value: a changed
     # --lr, --min-lr, --warmup-steps or --max-steps shows up only here.

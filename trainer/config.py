@@ -41,7 +41,10 @@ class TrainConfig:
     """
 
     run_dir: str = _option("runs/default", "folder for checkpoints and metrics")
-    data: str | None = _option(None, "text file or folder (default: Python's stdlib source)")
+    data: str | None = _option(
+        None, "text file or folder, or .jsonl/.parquet documents (default: Python's stdlib source)"
+    )
+    text_field: str = _option("text", "the field of each .jsonl/.parquet document that holds its text")
     cache_dir: str | None = _option(None, "where tokenized corpora are cached")
     resume: str = _option("auto", "'auto' (newest valid checkpoint, if any), 'never', or a checkpoint path")
     # Architecture: None means "from the checkpoint on resume, else ModelConfig's default".
@@ -110,15 +113,16 @@ class TrainConfig:
         if self.stop_at is not None and not 1 <= self.stop_at <= self.max_steps:
             raise ValueError(f"--stop-at should be between 1 and --max-steps {self.max_steps}, but got {self.stop_at}")
 
-    def model_config(self, saved: Mapping[str, Any] | None) -> ModelConfig:
-        """The architecture: the checkpoint's on resume (flags may only repeat it), else the flags'.
+    def model_config(self, saved: Mapping[str, Any] | None, vocab_size: int = ModelConfig.vocab_size) -> ModelConfig:
+        """The architecture: the checkpoint's on resume (flags may only repeat it), else the flags'
+        with the data's ``vocab_size``.
 
         Raises:
             ResumeError: a flag conflicts with the checkpoint, or the checkpoint's config is invalid.
         """
         requested = {name: getattr(self, name) for name in ARCHITECTURE_FIELDS if getattr(self, name) is not None}
         if saved is None:
-            return ModelConfig(**requested)
+            return ModelConfig(vocab_size=vocab_size, **requested)
         try:
             restored = ModelConfig(**saved)
         except (TypeError, ValueError) as e:

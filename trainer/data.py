@@ -1,4 +1,5 @@
-"""Token data: a corpus of bytes in two memmapped files (train, val), and fixed-size windows over it.
+"""Token data: a corpus of bytes in two memmapped files (train, val), fixed-size windows over it, and
+what the loop reads (:class:`TrainingData`; ``documents.py`` streams ``.jsonl``/``.parquet`` documents instead).
 
 The default corpus needs no download: the Python standard library's own source, in sorted order and
 capped, so it is the same on every run on a machine. Tokens are bytes, written once to ``train.bin``
@@ -8,19 +9,25 @@ and ``val.bin`` in a cache folder named by a hash of the inputs; later runs only
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import os
 import shutil
 import sysconfig
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
+
+from resumable_data import ResumableDataLoader
+
+from .config import TrainConfig
+from .parallel import Parallel
 
 # Byte-level tokens: one byte each, so uint8 holds the whole vocabulary (256).
 TOKEN_DTYPE = np.uint8
@@ -53,7 +60,7 @@ def default_cache_dir() -> Path:
     return Path(base) / "resumable_data" / "trainer"
 
 
-def _user_files(path: Path) -> list[Path]:
+def user_files(path: Path) -> list[Path]:
     """A text file, or every non-hidden file under a folder, sorted by relative path.
 
     Raises:
@@ -85,7 +92,7 @@ def prepare_data(data: str | os.PathLike[str] | None, cache_dir: Path, say: Call
         stdlib = sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py"))
         files, cap, source = stdlib, DEFAULT_CORPUS_BYTES, "Python standard library source"
     else:
-        files, cap, source = _user_files(Path(data)), None, str(data)
+        files, cap, source = user_files(Path(data)), None, str(data)
     # The key covers everything the tokens depend on; mtime catches edits that keep the size.
     listing = [(str(f.resolve()), f.stat().st_size, f.stat().st_mtime_ns) for f in files]
     key = hashlib.sha256(json.dumps([CACHE_FORMAT, cap, VAL_FRACTION, listing]).encode()).hexdigest()[:16]
@@ -184,3 +191,58 @@ class TokenWindows(torch.utils.data.Dataset):
     def __getstate__(self) -> dict[str, Any]:
         # Workers started with "spawn" get the path, not a pickled copy of the mapped file.
         return {**self.__dict__, "_tokens": None}
+
+
+@dataclass
+class TrainingData:
+    """What the loop reads: a loader of ``(x, y)`` batches, fixed validation pairs, a line for the log."""
+
+    loader: Any  # a ResumableDataLoader here, a StreamLoader in documents.StreamData
+    val: list[tuple[torch.Tensor, torch.Tensor]]
+    description: str
+
+    def batches(self) -> Iterator[Any]:
+        """Batches forever: each new ``iter()`` continues the loader's epoch, or starts the next."""
+        return (batch for _ in itertools.count() for batch in self.loader)
+
+    def epoch_length(self, grad_accum: int) -> str:
+        return f"{len(self.loader) // grad_accum} optimizer steps per epoch"
+
+    def done(self) -> str:
+        """How far into its epoch the loader is, for the resume log."""
+        done = self.loader.position // (self.loader.batch_size * self.loader.sampler.world_size)
+        return f"{done} of {len(self.loader)} batches done"
+
+    def peek(self, n: int) -> list[Any]:
+        """What the next ``n`` batches are, for the resume audit (changes nothing): their window indices."""
+        return self.loader.peek_indices(n)
+
+
+def training_data(config: TrainConfig, block_size: int, par: Parallel, say: Callable[[str], None]) -> TrainingData:
+    """``--data``'s text corpus (:func:`prepare_data`) as windows in a resumable order, and as many
+    validation windows as an evaluation takes, spread over the split.
+
+    Raises:
+        ValueError: the training split holds less than one batch per rank.
+    """
+    data = prepare_data(config.data, Path(config.cache_dir or default_cache_dir()), say)
+    train_windows, val_windows = TokenWindows(data.train, block_size), TokenWindows(data.val, block_size)
+    loader = ResumableDataLoader(
+        train_windows,
+        batch_size=config.batch_size,
+        shuffle=True,
+        seed=config.seed,
+        rank=par.rank,
+        world_size=par.world_size,
+        drop_last=True,  # every step sees the same number of tokens
+        num_workers=config.num_workers,
+        pin_memory=par.device.type == "cuda",
+    )
+    if len(loader) == 0:  # drop_last with fewer windows than a batch: an endless empty loop
+        raise ValueError(
+            f"the training split has {len(train_windows)} windows of {block_size} bytes, fewer "
+            f"than one batch of {config.batch_size} per rank on {par.world_size} ranks; use a smaller "
+            "--batch-size or --block-size, or more data"
+        )
+    val = [val_windows[i] for i in val_windows.spread(config.eval_batches * config.batch_size)]
+    return TrainingData(loader, val, data.describe())

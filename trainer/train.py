@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import itertools
 import math
 import os
 import time
@@ -26,12 +25,12 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from tqdm import tqdm
 
 import resumable_data
-from resumable_data import ResumableDataLoader
 
 from . import checkpointing as ckpt
 from . import parallel
 from .config import TrainConfig
-from .data import TokenWindows, default_cache_dir, prepare_data
+from .data import training_data
+from .documents import EOS, document_data, document_files
 from .metrics import METRICS_FILE, Metrics, Progress, format_lr
 from .model import GPT
 from .train_state import TrainState
@@ -95,7 +94,9 @@ def _train(config: TrainConfig, par: parallel.Parallel) -> TrainResult:
         resume_path = checkpoints.choose(config.resume)
         say(f"{run_dir}: resuming from {resume_path}" if resume_path else f"{run_dir}: training from scratch")
         checkpoint = checkpoints.read(resume_path)
-        model_config = config.model_config(checkpoint[ckpt.MODEL_CONFIG] if checkpoint else None)
+        documents = document_files(config.data)  # None: text, cut into fixed windows of bytes
+        vocab_size = EOS + 1 if documents else 256  # bytes, and documents' end-of-document token
+        model_config = config.model_config(checkpoint[ckpt.MODEL_CONFIG] if checkpoint else None, vocab_size)
         state = TrainState(world_size=par.world_size, batch_size=config.batch_size, grad_accum=config.grad_accum)
         if checkpoint is not None:
             state.load_state_dict(checkpoint[ckpt.TRAIN_STATE])  # with the batch layout that wrote it
@@ -104,29 +105,10 @@ def _train(config: TrainConfig, par: parallel.Parallel) -> TrainResult:
         grad_accum = plan.grad_accum
         tokens_per_step = config.batch_size * grad_accum * par.world_size * model_config.block_size
 
-        # -- Data: the training windows in a resumable order, fixed validation windows --
-        data = prepare_data(config.data, Path(config.cache_dir or default_cache_dir()), say)
-        train_windows = TokenWindows(data.train, model_config.block_size)
-        val_windows = TokenWindows(data.val, model_config.block_size)
-        # The same validation windows at every evaluation, so evaluations compare with each other.
-        val_indices = val_windows.spread(config.eval_batches * config.batch_size)
-        loader = ResumableDataLoader(
-            train_windows,
-            batch_size=config.batch_size,
-            shuffle=True,
-            seed=config.seed,
-            rank=par.rank,
-            world_size=par.world_size,
-            drop_last=True,  # every step sees the same number of tokens
-            num_workers=config.num_workers,
-            pin_memory=par.device.type == "cuda",
-        )
-        if len(loader) == 0:  # drop_last with fewer windows than a batch: an endless empty loop
-            raise ValueError(
-                f"the training split has {len(train_windows)} windows of {model_config.block_size} bytes, fewer "
-                f"than one batch of {config.batch_size} per rank on {par.world_size} ranks; use a smaller "
-                "--batch-size or --block-size, or more data"
-            )
+        # -- Data: batches in a resumable order, and the same validation windows at every evaluation --
+        block = model_config.block_size
+        data = document_data(config, block, documents, par) if documents else training_data(config, block, par, say)
+        loader = data.loader
 
         # -- Model, optimizer, schedule --
         resumable_data.seed_everything(config.seed)  # the same initial weights on every rank
@@ -139,7 +121,7 @@ def _train(config: TrainConfig, par: parallel.Parallel) -> TrainResult:
         checkpoints.track(wrapped, optimizer, loader)
         say(
             f"{model.num_parameters() / 1e6:.2f}M parameters on {par.device} x {par.world_size} | "
-            f"{data.describe()} | {len(loader) // grad_accum} optimizer steps per epoch"
+            f"{data.description} | {data.epoch_length(grad_accum)}"
         )
 
         # -- Resume: put everything back, check the next step, restore the RNGs last --
@@ -149,11 +131,11 @@ def _train(config: TrainConfig, par: parallel.Parallel) -> TrainResult:
             scheduler.load_state_dict(checkpoint[ckpt.LR_SCHEDULER])
             # After a world-size change the batches are cut differently: only the learning rate compares.
             same_world = "world_size" not in plan.changes
-            next_batch = ckpt.next_step_fingerprint(loader, grad_accum, par) if same_world else None
+            next_batch = ckpt.next_step_fingerprint(data, grad_accum, par) if same_world else None
             ckpt.audit(checkpoint[ckpt.AUDIT], next_batch, optimizer, config, state.step, resume_path)
-            done, lr = loader.position // (config.batch_size * par.world_size), optimizer.param_groups[0]["lr"]
+            lr = optimizer.param_groups[0]["lr"]
             say(
-                f"resuming at step {state.step}: epoch {loader.epoch}, {done} of {len(loader)} batches done; "
+                f"resuming at step {state.step}: epoch {loader.epoch}, {data.done()}; "
                 f"the next step's {'batch indices and ' if same_world else ''}learning rate {format_lr(lr)} match "
                 "what the checkpoint recorded" + ("" if same_world else f"; {config.elastic}: {plan.describe()}")
             )
@@ -177,7 +159,7 @@ def _train(config: TrainConfig, par: parallel.Parallel) -> TrainResult:
             parameters=model.num_parameters(),
             config=asdict(config),
             model_config=asdict(model_config),
-            data=data.describe(),
+            data=data.description,
         )
         if resumed:
             metrics.log("resume", **resumed)
@@ -196,8 +178,8 @@ def _train(config: TrainConfig, par: parallel.Parallel) -> TrainResult:
             # a DataLoader, whose iterators draw a seed), so evaluating never changes the training run.
             evaluate_with.eval()
             losses = []
-            for start in range(0, len(val_indices), config.batch_size):
-                pairs = [val_windows[i] for i in val_indices[start : start + config.batch_size]]
+            for start in range(0, len(data.val), config.batch_size):
+                pairs = data.val[start : start + config.batch_size]
                 x, y = (torch.stack(t).to(par.device) for t in zip(*pairs, strict=True))
                 with autocast:
                     losses.append(evaluate_with(x, y)[1].item())
@@ -215,7 +197,7 @@ def _train(config: TrainConfig, par: parallel.Parallel) -> TrainResult:
                 ckpt.LIBRARY_VERSION: resumable_data.__version__,
                 # What the next step will use, checked after a resume (see checkpointing.audit).
                 ckpt.AUDIT: {
-                    ckpt.NEXT_BATCH: ckpt.next_step_fingerprint(loader, grad_accum, par),
+                    ckpt.NEXT_BATCH: ckpt.next_step_fingerprint(data, grad_accum, par),
                     ckpt.NEXT_LR: optimizer.param_groups[0]["lr"],
                 },
             }
@@ -232,8 +214,7 @@ def _train(config: TrainConfig, par: parallel.Parallel) -> TrainResult:
             say(f"step 0: val loss {result.val_losses[0]:.4f}")
 
         # -- The loop --
-        # Batches forever: each new iter() continues the loader's epoch, or starts the next.
-        batches = (batch for _ in itertools.count() for batch in loader)
+        batches = data.batches()  # each new iter() continues the loader's epoch, or starts the next
         stack.callback(batches.close)  # shuts down DataLoader workers
         bar = stack.enter_context(Progress(config.max_steps, state.step, enabled=config.progress and par.is_main))
         stop = stack.enter_context(resumable_data.GracefulStop(announce=tqdm.write))

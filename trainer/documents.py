@@ -1,0 +1,169 @@
+"""``--data`` as ``.jsonl`` or ``.parquet`` documents, streamed: never tokenized ahead, never cached.
+
+The files (sorted) are the shards of a ``ShardedIterable``, their order shuffled per epoch, read as
+JSONL lines (the cursor a byte offset) or Parquet rows (a row number); a shuffle buffer mixes
+documents; each becomes its text field's UTF-8 bytes, ``pack`` appends an end-of-document token
+(:data:`EOS`: the model's vocabulary grows to 257) and cuts windows of ``block_size + 1`` tokens, and
+a ``StreamLoader`` batches them as ``(x, y)`` pairs. Each ``(rank, worker)`` reads every
+``world_size * num_workers``-th file of the epoch's order, and the loader's state is cursors and a
+few document keys, never tokens. The last file is held out: its first windows are the validation set.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import itertools
+import json
+import os
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from resumable_data import ParquetReader, ShardedIterable, Stream, StreamLoader, TextLineReader
+
+from .config import TrainConfig
+from .data import TrainingData, user_files
+from .parallel import Parallel
+
+SUFFIXES = (".jsonl", ".parquet")
+EOS = 256  # the token after each document, past the 256 byte values
+# Documents held by the shuffle buffer: a restore re-reads them, a larger one mixes more files.
+SHUFFLE_DOCUMENTS = 256
+
+
+def document_files(data: str | os.PathLike[str] | None) -> list[Path] | None:
+    """The sorted files of ``--data`` when they are ``.jsonl``/``.parquet`` documents; None for text.
+
+    Raises:
+        ValueError: the path is missing or empty, or mixes documents with other files.
+    """
+    files = [] if data is None else user_files(Path(data))
+    others = [str(f) for f in files if f.suffix not in SUFFIXES]
+    if others and len(others) < len(files):
+        raise ValueError(
+            f"--data {data} mixes .jsonl/.parquet documents with other files ({others[:3]}); give one kind"
+        )
+    return files if files and not others else None
+
+
+class DocumentReader:
+    """``read_shard`` of the document stream: each file's lines (``.jsonl``) or rows (``.parquet``)."""
+
+    def __init__(self, field: str, parquet: bool) -> None:
+        self.field, self.jsonl = field, TextLineReader(json.loads)
+        self.parquet = ParquetReader([field]) if parquet else None  # only then is pyarrow needed
+
+    def _reader(self, shard: str) -> Any:
+        return self.parquet if shard.endswith(".parquet") else self.jsonl
+
+    def identity(self, shard: str) -> str:
+        """Size and content digest: a restore refuses a partly read file that changed."""
+        return self._reader(shard).identity(shard)
+
+    def read_from(self, shard: str, start: int) -> Iterator[tuple[int, Any]]:
+        """``(next cursor, document)`` pairs from cursor ``start``."""
+        if shard.endswith(".parquet"):
+            return enumerate(self._reader(shard)(shard, start), start=start + 1)
+        return self.jsonl.read_from(shard, start)
+
+    def tokens(self, document: Any) -> torch.Tensor:
+        """The document's text field as UTF-8 bytes, int64."""
+        text = document.get(self.field) if isinstance(document, dict) else None
+        if not isinstance(text, str):
+            raise ValueError(
+                f"a document has no text field {self.field!r}: {str(document)[:80]}; --text-field names it"
+            )
+        return torch.from_numpy(np.frombuffer(text.encode(errors="replace"), dtype=np.uint8).astype(np.int64))
+
+
+def _windows(files: list[Path], block_size: int, config: TrainConfig, *, shuffle: bool) -> Stream:
+    """Windows of ``block_size + 1`` tokens of ``files``' documents; each slot's short last one is dropped."""
+    reader = DocumentReader(config.text_field, any(f.suffix == ".parquet" for f in files))
+    documents = ShardedIterable([str(f) for f in files], read_shard=reader, shuffle=shuffle, seed=config.seed)
+    if shuffle:
+        documents = documents.shuffle_buffer(SHUFFLE_DOCUMENTS, seed=config.seed)
+    return documents.map(reader.tokens).pack(block_size + 1, eos=EOS)
+
+
+def _shifted(windows: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """A batch of windows as ``(x, y)``: ``y`` is ``x`` shifted by one token."""
+    stacked = torch.stack(windows)
+    return stacked[:, :-1].contiguous(), stacked[:, 1:].contiguous()
+
+
+def document_loader(files: list[Path], block_size: int, config: TrainConfig, par: Parallel) -> StreamLoader:
+    """This rank's batches of ``files``, in a resumable order."""
+    return StreamLoader(
+        _windows(files, block_size, config, shuffle=True),
+        batch_size=config.batch_size,
+        drop_last=True,  # every step sees the same number of tokens
+        collate_fn=_shifted,
+        num_workers=config.num_workers,
+        rank=par.rank,
+        world_size=par.world_size,
+        pin_memory=par.device.type == "cuda",
+    )
+
+
+@dataclass
+class StreamData(TrainingData):
+    """:class:`TrainingData` of streamed documents; ``twin`` builds another loader of the same batches."""
+
+    twin: Callable[[], StreamLoader]
+
+    def batches(self) -> Iterator[Any]:
+        """As :meth:`TrainingData.batches`, refusing a loader whose epochs yield nothing (a stream's
+        length is known only once read, and the loop would wait forever).
+
+        Raises:
+            ValueError: two passes in a row yield nothing (one may: a restore at an epoch's end).
+        """
+        empty = 0
+        while empty < 2:
+            empty += 1
+            for batch in self.loader:
+                empty = 0
+                yield batch
+        raise ValueError(
+            "an epoch of this rank's documents holds no batch (fewer than --batch-size windows per worker); "
+            "use more documents, or fewer --num-workers or ranks"
+        )
+
+    def epoch_length(self, grad_accum: int) -> str:
+        return "epochs of unknown length (streamed)"
+
+    def done(self) -> str:
+        return f"{self.loader.batches_yielded} batches done"
+
+    def peek(self, n: int) -> list[Any]:
+        """A hash of each of the next ``n`` batches' tokens (a stream has no indices), read by a
+        twin loader restored to this one's state: this loader does not move."""
+        twin = StreamData(self.twin(), [], "", self.twin)
+        twin.loader.load_state_dict(self.loader.state_dict())
+        with contextlib.closing(twin.batches()) as batches:
+            return [hashlib.sha256(x.numpy().tobytes()).hexdigest()[:16] for x, _ in itertools.islice(batches, n)]
+
+
+def document_data(config: TrainConfig, block_size: int, files: list[Path], par: Parallel) -> StreamData:
+    """All files but the last streamed for training; the last one's first windows, as many as an
+    evaluation takes, for validation.
+
+    Raises:
+        ValueError: fewer than 2 files, or a validation file shorter than a window.
+    """
+    *train_files, val_file = files
+    if not train_files:
+        raise ValueError(f"--data {config.data}: documents need 2 or more files (the last is the validation set)")
+    val_windows = _windows([val_file], block_size, config, shuffle=False)
+    val = [(w[:-1], w[1:]) for w in itertools.islice(val_windows, config.eval_batches * config.batch_size)]
+    if not val:
+        raise ValueError(f"the validation file {val_file} holds fewer than {block_size + 1} tokens: one window")
+    described = f"{config.data}: {len(train_files)} files of documents, streamed, {len(val)} val windows of the last"
+    twin = partial(document_loader, train_files, block_size, config, par)
+    return StreamData(twin(), val, described, twin)
