@@ -44,8 +44,11 @@ class EpochCursor:
     stream loader, whose position is its slot states). ``done`` says the epoch has been exhausted.
     """
 
-    def __init__(self, what: str) -> None:
+    def __init__(self, what: str, on_new_epoch: Callable[[], None] | None = None) -> None:
         self._what = what  # how the owner is named in messages ("loader", "sampler", ...)
+        # Called whenever iteration or set_epoch leaves the current epoch for another one: an owner
+        # that keeps something about one epoch only (the sampler's grown order) drops it then.
+        self._on_new_epoch = on_new_epoch
         self._epoch = 0
         self._position = 0
         self._done = False
@@ -84,6 +87,7 @@ class EpochCursor:
         epoch, start = self.next_segment()
         if epoch != self._epoch:
             self._epoch, self._position, self._done = epoch, 0, False
+            self._new_epoch()
         self._pinned = self._restored = False
         self._generation += 1
         return Segment(epoch, start, self._generation)
@@ -116,8 +120,13 @@ class EpochCursor:
         if epoch != self._epoch:
             self._epoch, self._position, self._done = epoch, 0, False
             self._generation += 1  # an iterator of the old epoch must not move the new one
+            self._new_epoch()
         self._pinned = True
         self._restored = False
+
+    def _new_epoch(self) -> None:
+        if self._on_new_epoch is not None:
+            self._on_new_epoch()
 
     def epochs(self, num_epochs: int, set_epoch: Callable[[int], None] | None = None) -> Iterator[int]:
         """Yield the epochs still to run, ``set_epoch`` applied to each: the loop that can't go wrong.

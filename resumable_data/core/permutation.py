@@ -25,6 +25,7 @@ table would make a restore sort ever more keys before its first batch.
 
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
 import numpy as np
@@ -32,7 +33,7 @@ import numpy as np
 from .hash import hash_ints, hash_more, hash_more_array
 from .state import check_int_arg
 
-__all__ = ["EXACT_MAX", "ORDER_VERSION", "ROUNDS", "FeistelPermutation", "Permutation"]
+__all__ = ["EXACT_MAX", "ORDER_VERSION", "ROUNDS", "FeistelPermutation", "Permutation", "PiecewisePermutation"]
 
 ORDER_VERSION = 2
 """Which orders ``Permutation`` gives. 1: the Feistel network at every length (resumable_data
@@ -40,6 +41,7 @@ ORDER_VERSION = 2
 of more than ``EXACT_MAX`` elements are those of version 1)."""
 EXACT_MAX = 2**14
 _EXACT_SALT = 0x6578616374  # "exact": the sort keys' last hash input
+_PIECE_SALT = 0x7069656365  # "piece": the seed of each appended piece's own permutation
 ROUNDS = 12
 # Below 4 bits (2 per part) a round function has too few inputs to mix tiny domains evenly.
 _MIN_BITS = 4
@@ -82,6 +84,60 @@ class Permutation:
     def __getitem__(self, position: int) -> int:
         """The index at one position."""
         return int(self(np.array([position], dtype=np.int64))[0])
+
+    def __len__(self) -> int:
+        return self.length
+
+
+class PiecewisePermutation:
+    """The order of an epoch whose data grew: each appended piece shuffled on its own, after the rest.
+
+    ``ends`` are the lengths the order was built over, ascending: piece 0 is ``[0, ends[0])`` in
+    the order of ``Permutation(ends[0], seed, epoch)`` — so with one piece this *is* that order, and
+    an epoch that never grew reads as before —, and piece ``k`` is the indices ``[ends[k-1],
+    ends[k])`` at the positions ``[ends[k-1], ends[k])``, shuffled by a permutation keyed by
+    ``(seed, ends[k-1])``. Items appended mid-epoch therefore come after every position of the
+    order they were appended to, each exactly once, and the positions before them keep their index.
+
+    Args:
+        ends: the piece ends, strictly ascending, the first at least 1.
+        seed: any int.
+        epoch: epoch number (>= 0).
+
+    Example:
+        >>> order = PiecewisePermutation((4, 6), seed=0, epoch=0)
+        >>> order(np.arange(6))[:4].tolist() == Permutation(4, 0, 0)(np.arange(4)).tolist()
+        True
+        >>> sorted(order(np.arange(4, 6)).tolist())
+        [4, 5]
+    """
+
+    def __init__(self, ends: tuple[int, ...], seed: int, epoch: int) -> None:
+        if not ends or ends[0] < 1 or any(b <= a for a, b in itertools.pairwise(ends)):
+            raise ValueError(f"ends must be strictly ascending lengths >= 1, but got {ends!r}")
+        self.ends = tuple(ends)
+        self.seed = seed
+        self.epoch = epoch
+        self.length = self.ends[-1]
+        starts = (0, *self.ends[:-1])
+        self._starts = np.asarray(starts, dtype=np.int64)
+        self._pieces = [Permutation(self.ends[0], seed, epoch)] + [
+            Permutation(end - start, hash_ints(seed, _PIECE_SALT, start), epoch)
+            for start, end in zip(starts[1:], self.ends[1:], strict=True)
+        ]
+
+    def __call__(self, positions: np.ndarray) -> np.ndarray:
+        """Map positions (int array, each in ``[0, ends[-1])``) to indices, elementwise."""
+        if len(self._pieces) == 1:
+            return self._pieces[0](positions)
+        positions = _checked(positions, self.length).astype(np.int64)
+        which = np.searchsorted(self._starts, positions, side="right") - 1
+        out = np.empty_like(positions)
+        for k in np.unique(which).tolist():
+            mask = which == k
+            start = int(self._starts[k])
+            out[mask] = start + self._pieces[k](positions[mask] - start)
+        return out
 
     def __len__(self) -> int:
         return self.length

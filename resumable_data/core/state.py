@@ -27,6 +27,7 @@ SHUFFLE = "shuffle"
 WORLD_SIZE = "world_size"
 DROP_LAST = "drop_last"
 BATCH_SIZE = "batch_size"
+EPOCH_LENGTHS = "epoch_lengths"  # the lengths the epoch's order was built over, when it grew (core.growth)
 
 
 def is_int(value: Any) -> TypeGuard[int]:

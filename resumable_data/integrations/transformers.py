@@ -180,7 +180,7 @@ class ResumableTrainerMixin:
             return
         processes = self.accelerator.num_processes
         batch_sampler = cast(ResumableBatchSampler, loader.batch_sampler)
-        position = batch_sampler.position_after(0, self._batches_in_epoch * processes)
+        position = batch_sampler.position_after(loader.epoch, 0, self._batches_in_epoch * processes)
         saved = {
             _VERSION: STATE_VERSION,
             _PROCESSES: processes,

@@ -87,20 +87,20 @@ class ResumableBatchSampler(torch.utils.data.Sampler[list[int]]):
         self.sampler.set_epoch(epoch)
 
     # -- the arithmetic of batches ---------------------------------------------------------------
-    def batch_count(self, start: int) -> int:
-        """Batches this rank yields when the epoch continues from global position ``start``."""
-        samples = self.sampler.rank_samples(start)
+    def batch_count(self, epoch: int, start: int) -> int:
+        """Batches this rank yields when epoch ``epoch`` continues from global position ``start``."""
+        samples = self.sampler.rank_samples(epoch, start)
         return samples // self.batch_size if self.drop_last else -(-samples // self.batch_size)
 
     def __len__(self) -> int:
-        """Batches in a full epoch on this rank."""
-        return self.batch_count(0)
+        """Batches in a full pass of the current epoch on this rank."""
+        return self.batch_count(self.sampler.epoch, 0)
 
-    def position_after(self, start: int, batches: int) -> int:
-        """The global position once every rank has taken ``batches`` batches from ``start``."""
-        if batches >= self.batch_count(start):
-            return self.sampler.end_position(start)
-        return self.sampler.position_after(start, batches * self.batch_size)
+    def position_after(self, epoch: int, start: int, batches: int) -> int:
+        """The global position once every rank has taken ``batches`` batches of epoch ``epoch`` from ``start``."""
+        if batches >= self.batch_count(epoch, start):
+            return self.sampler.end_position(epoch, start)
+        return self.sampler.position_after(epoch, start, batches * self.batch_size)
 
     # -- batches ---------------------------------------------------------------------------------
     @contextmanager
@@ -155,8 +155,9 @@ class ResumableBatchSampler(torch.utils.data.Sampler[list[int]]):
     def batches(self, segment: Segment, skip: int = 0) -> Iterator[BatchIndices]:
         """The batches of ``segment`` from batch ``skip`` on; pure (moves nothing)."""
         sampler, size = self.sampler, self.batch_size
-        epoch, start = segment.epoch, sampler.position_after(segment.start, skip * size)
-        count = self.batch_count(start)
+        epoch = segment.epoch
+        start = sampler.position_after(epoch, segment.start, skip * size)
+        count = self.batch_count(epoch, start)
         # The first chunk is one batch: a restore (or an epoch start) waits for it alone.
         chunks = sampler.index_chunks(epoch, start, count * size, first_chunk=size)
         first, stride = start + sampler.rank, sampler.world_size * size
@@ -215,7 +216,7 @@ class _BatchIterator(Iterator[BatchIndices]):
 
     def _enter(self, segment: Segment) -> Segment:
         self._segment, self._taken = segment, 0
-        self._total = self._owner.batch_count(segment.start)
+        self._total = self._owner.batch_count(segment.epoch, segment.start)
         self._batches = self._owner.batches(segment)
         return segment
 
@@ -228,19 +229,20 @@ class _BatchIterator(Iterator[BatchIndices]):
             restore_pending()  # a fetch that raised before collation left the RNGs forked
         segment = self._segment or self._enter(cursor.begin())
         if self._taken >= self._total:
-            cursor.advance(segment, owner.sampler.end_position(segment.start), True)
+            cursor.advance(segment, owner.sampler.end_position(segment.epoch, segment.start), True)
             raise StopIteration
         batch = next(self._batches)
         self._taken += 1
-        position = owner.position_after(segment.start, self._taken)
-        cursor.advance(segment, position, owner.sampler.is_end(position))
+        position = owner.position_after(segment.epoch, segment.start, self._taken)
+        cursor.advance(segment, position, owner.sampler.is_end(segment.epoch, position))
         return batch
 
     def state_dict(self) -> dict[str, Any]:
         """The state after the batches this iterator has drawn (before any: where it will start)."""
         if self._segment is None:
             return self._owner.state_for(*self._owner.sampler.cursor.next_segment())
-        return self._owner.state_for(self._segment.epoch, self._owner.position_after(self._segment.start, self._taken))
+        epoch = self._segment.epoch
+        return self._owner.state_for(epoch, self._owner.position_after(epoch, self._segment.start, self._taken))
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Continue this iterator (and the sampler) from ``state_dict``."""

@@ -28,6 +28,7 @@ from torchdata.stateful_dataloader.sampler import BatchSampler as StatefulBatchS
 
 from ..core.cursor import EpochCursor, Segment
 from ..core.dist import distributed_defaults
+from ..core.growth import ERROR
 from ..core.hash import hash_ints
 from ..core.state import check_int_arg
 from ..errors import ResumeError
@@ -63,7 +64,12 @@ class ResumableDataLoader(DataLoader):
             data-parallel split (tensor parallel peers) share a group rank and get the same batches.
         drop_last: drop the last partial batch and trim the uneven tail across ranks.
         sampler: a :class:`ResumableSampler` to use instead of building one; then ``shuffle``,
-            ``seed``, ``rank``, ``world_size`` and ``group`` must be left at their defaults.
+            ``seed``, ``rank``, ``world_size``, ``group`` and ``growth`` must be left at their defaults.
+        growth: what ``load_state_dict`` does with a checkpoint taken on a shorter dataset (samples
+            appended since): ``"error"`` (default) refuses it; ``"next_epoch"`` finishes the
+            restored epoch over the checkpoint's samples in its order and takes the new ones from
+            the next epoch; ``"append"`` finishes it with the new samples, shuffled, after the
+            rest of its order (see :class:`ResumableSampler`). A shorter dataset is refused.
         global_rng: ``"batch"`` (default) seeds torch's, numpy's and python's global RNGs from
             ``(seed, epoch, position)`` before each batch is fetched, so augmentation drawn from them
             (torchvision transforms) resumes bitwise with any ``num_workers`` (for the same batch
@@ -118,6 +124,7 @@ class ResumableDataLoader(DataLoader):
         sampler: ResumableSampler | None = None,
         global_rng: str | None = "batch",
         warm_start: bool | None = None,
+        growth: str = ERROR,
         **dataloader_kwargs: Any,
     ) -> None:
         _check_arguments(dataset, batch_size, global_rng, dataloader_kwargs)
@@ -130,9 +137,10 @@ class ResumableDataLoader(DataLoader):
                 rank=default_rank if rank is None else rank,
                 world_size=default_world if world_size is None else world_size,
                 drop_last=drop_last,
+                growth=growth,
             )
         else:
-            _check_sampler(sampler, dataset, (shuffle, seed, rank, world_size, group))
+            _check_sampler(sampler, dataset, (shuffle, seed, rank, world_size, group, growth))
         # A private generator: torch draws each iterator's worker base seed from it, which would
         # otherwise consume the global RNG (and change model randomness after a resume).
         self._seed_generator = torch.Generator()
@@ -224,7 +232,7 @@ class ResumableDataLoader(DataLoader):
         check_int_arg("n_batches", n_batches, minimum=1)
         epoch, start = self._cursor.next_segment()
         size = self.batch_size
-        count = min(n_batches, self._batches.batch_count(start)) * size
+        count = min(n_batches, self._batches.batch_count(epoch, start)) * size
         flat = [i for chunk in self.sampler.index_chunks(epoch, start, count) for i in chunk.tolist()]
         return [flat[i : i + size] for i in range(0, len(flat), size)]
 
@@ -239,7 +247,7 @@ class ResumableDataLoader(DataLoader):
             inner = warm = WarmStart(
                 lambda first_batch: self._worker_iterator(segment, first_batch),
                 lambda batch: self._fetch_here(segment, batch),
-                self._batches.batch_count(segment.start),
+                self._batches.batch_count(segment.epoch, segment.start),
                 self._pin_device(),
             )
             self._warm_pass = warm.handle
@@ -321,9 +329,10 @@ def _check_sampler(sampler: Any, dataset: MapDataset, order_arguments: tuple[Any
             f"sampler must be a ResumableSampler, got {type(sampler).__name__}; "
             "pass shuffle=/seed=/rank=/world_size= instead"
         )
-    if order_arguments != (True, 0, None, None, None):
+    if order_arguments != (True, 0, None, None, None, ERROR):
         raise ResumeError(
-            "pass either sampler= or shuffle=/seed=/rank=/world_size=/group=, not both; the sampler already fixes them"
+            "pass either sampler= or shuffle=/seed=/rank=/world_size=/group=/growth=, not both; the sampler "
+            "already fixes them"
         )
     if sampler.dataset_length != len(dataset):
         raise ResumeError(
@@ -342,7 +351,7 @@ class _ResumableIterator(Iterator[Any]):
         self._cursor = cursor
         self._batches = batches
         self._segment = segment
-        self._n_batches = batches.batch_count(segment.start)
+        self._n_batches = batches.batch_count(segment.epoch, segment.start)
         self._yielded = 0
 
     def __iter__(self) -> _ResumableIterator:
@@ -352,19 +361,21 @@ class _ResumableIterator(Iterator[Any]):
         return self._n_batches - self._yielded
 
     def __next__(self) -> Any:
-        start, sampler = self._segment.start, self._batches.sampler
+        epoch, start, sampler = self._segment.epoch, self._segment.start, self._batches.sampler
         try:
             batch = next(self._inner)
         except StopIteration:
-            self._cursor.advance(self._segment, sampler.end_position(start), True)
+            self._cursor.advance(self._segment, sampler.end_position(epoch, start), True)
             raise
         self._yielded += 1
-        position = self._batches.position_after(start, self._yielded)
-        self._cursor.advance(self._segment, position, sampler.is_end(position))
+        position = self._batches.position_after(epoch, start, self._yielded)
+        self._cursor.advance(self._segment, position, sampler.is_end(epoch, position))
         return batch
 
 
-def wrap(dataloader: DataLoader, *, seed: int | None = None, global_rng: str | None = "batch") -> ResumableDataLoader:
+def wrap(
+    dataloader: DataLoader, *, seed: int | None = None, global_rng: str | None = "batch", growth: str = ERROR
+) -> ResumableDataLoader:
     """Make an existing ``DataLoader`` resumable, keeping its dataset, batch size and settings.
 
     The sampler decides the order: ``SequentialSampler`` → no shuffle; ``RandomSampler`` →
@@ -381,6 +392,7 @@ def wrap(dataloader: DataLoader, *, seed: int | None = None, global_rng: str | N
             seed (with a :class:`~resumable_data.ResumeWarning` saying so). An explicit seed that
             differs from a checkpoint's is refused.
         global_rng: as for :class:`ResumableDataLoader`.
+        growth: as for :class:`ResumableDataLoader`.
 
     Example:
         >>> from torch.utils.data import DataLoader
@@ -402,6 +414,7 @@ def wrap(dataloader: DataLoader, *, seed: int | None = None, global_rng: str | N
         world_size=world,
         drop_last=drop_tail,
         adopt_checkpoint_seed=seed is None,
+        growth=growth,
     )
     return ResumableDataLoader(
         dataset,

@@ -11,6 +11,14 @@ ranks interleave the *rest* of the same global order.
 The uneven tail is handled as ``torch.utils.data.DistributedSampler`` does: padded by wrapping to the
 start of the epoch's order, or trimmed with ``drop_last=True``.
 
+Growing datasets. A checkpoint loads into a sampler over a *longer* dataset as ``growth=`` says
+(see ``core.growth``): ``"next_epoch"`` finishes the restored epoch over the checkpoint's length, in
+its order; ``"append"`` finishes it with the new samples shuffled after the rest of its order. The
+epoch's order is then a :class:`~resumable_data.core.permutation.PiecewisePermutation` over the
+lengths it was built over, which the state records as ``"epoch_lengths"`` (with ``"version": 3``;
+a state of an epoch that never grew is the version-2 state it always was). The next epoch's order
+covers the whole dataset. Positions stay global counts, so any world size still resumes.
+
 Where the sampler stands is an :class:`~resumable_data.core.cursor.EpochCursor` (the epoch rules live
 there). Each ``iter()`` returns an iterator that owns its stretch of the epoch and is itself
 stateful, so a consumer that snapshots iterators (torchdata's ``StatefulDataLoader``) gets the state
@@ -30,13 +38,17 @@ import torch.utils.data
 
 from ..core import state as keys
 from ..core.cursor import EpochCursor, Segment
-from ..core.permutation import EXACT_MAX, Permutation
+from ..core.growth import ERROR, check_growth, grown_pieces, require_pieces
+from ..core.permutation import EXACT_MAX, PiecewisePermutation
 from ..core.state import check_int_arg, check_version, require_bool, require_int, require_mapping
 from ..errors import ResumeError, ResumeWarning
 
 __all__ = ["ResumableSampler"]
 
 SAMPLER_STATE_VERSION = 2
+# Version 3: version 2 plus "epoch_lengths", written only for an epoch whose order grew (so an older
+# release refuses what it would misread, and reads every other state as before).
+GROWN_STATE_VERSION = 3
 # Version 1 (resumable_data 0.1.0) differs only in the shuffled order of at most EXACT_MAX samples
 # (core.permutation.ORDER_VERSION); its other states describe the same order and still load.
 _ORDER_CHANGED_BEFORE = 2
@@ -62,6 +74,11 @@ class ResumableSampler(torch.utils.data.Sampler[int]):
         adopt_checkpoint_seed: the seed is a default rather than a choice: ``load_state_dict``
             takes the checkpoint's seed (with a :class:`ResumeWarning` saying so) instead of
             refusing a different one. Implied by ``seed=None``.
+        growth: what ``load_state_dict`` does with a checkpoint taken on a shorter dataset
+            (samples appended since): ``"error"`` (default) refuses it; ``"next_epoch"`` finishes
+            the restored epoch over the checkpoint's samples, in its order, and takes the new ones
+            from the next epoch; ``"append"`` finishes it with the new samples, shuffled, after the
+            rest of its order. A shorter dataset is always refused.
 
     Epochs: ``set_epoch(e)`` selects epoch ``e`` (from position 0, unless ``e`` is the epoch the
     sampler is already in, e.g. just restored: then the position is kept, so loops that call
@@ -97,6 +114,7 @@ class ResumableSampler(torch.utils.data.Sampler[int]):
         world_size: int = 1,
         drop_last: bool = False,
         adopt_checkpoint_seed: bool = False,
+        growth: str = ERROR,
     ) -> None:
         length = data_source if isinstance(data_source, int) else len(data_source)
         self._length = check_int_arg("dataset length", length, minimum=1)
@@ -113,8 +131,12 @@ class ResumableSampler(torch.utils.data.Sampler[int]):
         self._seed = seed
         self._adopt_seed = bool(adopt_checkpoint_seed)
         self._drop_last = bool(drop_last)
-        self._cursor = EpochCursor("sampler")
-        self._permutation: Permutation | None = None
+        self._growth = check_growth(growth)
+        # The piece ends of the current epoch's order when a restore grew it, else None (the order
+        # is then over the whole dataset); dropped as soon as the cursor enters another epoch.
+        self._grown: tuple[int, ...] | None = None
+        self._cursor = EpochCursor("sampler", on_new_epoch=self._forget_growth)
+        self._permutation: PiecewisePermutation | None = None
 
     # -- read-only views ---------------------------------------------------------------------
     @property
@@ -156,6 +178,25 @@ class ResumableSampler(torch.utils.data.Sampler[int]):
     def drop_last(self) -> bool:
         return self._drop_last
 
+    @property
+    def growth(self) -> str:
+        """What a restore does with a checkpoint taken on a shorter dataset (see the class docstring)."""
+        return self._growth
+
+    def epoch_lengths(self, epoch: int) -> tuple[int, ...]:
+        """The lengths epoch ``epoch``'s order is built over: ``(dataset_length,)`` unless a restore
+        grew the current epoch (then the checkpoint's lengths, plus this one's with ``"append"``)."""
+        if self._grown is not None and epoch == self._cursor.epoch:
+            return self._grown
+        return (self._length,)
+
+    def epoch_length(self, epoch: int) -> int:
+        """Samples in epoch ``epoch``'s order (all ranks together, before padding or trimming)."""
+        return self.epoch_lengths(epoch)[-1]
+
+    def _forget_growth(self) -> None:
+        self._grown = None
+
     # -- epochs --------------------------------------------------------------------------------
     def set_epoch(self, epoch: int) -> None:
         """Select ``epoch``; keeps the position if it is already the current (e.g. restored) epoch."""
@@ -166,28 +207,29 @@ class ResumableSampler(torch.utils.data.Sampler[int]):
         return self._cursor.epochs(num_epochs)
 
     def __len__(self) -> int:
-        """This rank's samples in a full epoch."""
-        return self.rank_samples(0)
+        """This rank's samples in a full pass of the current epoch (a restored epoch that grew with
+        ``growth="next_epoch"`` keeps the checkpoint's length)."""
+        return self.rank_samples(self._cursor.epoch, 0)
 
     # -- the arithmetic of a stretch of an epoch -----------------------------------------------
-    def rank_samples(self, start: int) -> int:
-        """Samples each rank takes when the epoch continues from global position ``start``."""
-        remaining = max(0, self._length - start)
+    def rank_samples(self, epoch: int, start: int) -> int:
+        """Samples each rank takes when epoch ``epoch`` continues from global position ``start``."""
+        remaining = max(0, self.epoch_length(epoch) - start)
         return remaining // self._world_size if self._drop_last else -(-remaining // self._world_size)
 
-    def end_position(self, start: int) -> int:
-        """The position that marks the epoch done when it continues from ``start`` (>= length)."""
-        return max(self._length, start + self._world_size * self.rank_samples(start))
+    def end_position(self, epoch: int, start: int) -> int:
+        """The position that marks the epoch done when it continues from ``start`` (>= its length)."""
+        return max(self.epoch_length(epoch), start + self._world_size * self.rank_samples(epoch, start))
 
-    def position_after(self, start: int, taken: int) -> int:
+    def position_after(self, epoch: int, start: int, taken: int) -> int:
         """Global position once every rank has taken ``taken`` samples from ``start``."""
-        if taken >= self.rank_samples(start):
-            return self.end_position(start)
+        if taken >= self.rank_samples(epoch, start):
+            return self.end_position(epoch, start)
         return start + self._world_size * taken
 
-    def is_end(self, position: int) -> bool:
-        """Whether ``position`` means the epoch is exhausted."""
-        return position >= self._length
+    def is_end(self, epoch: int, position: int) -> bool:
+        """Whether ``position`` means epoch ``epoch`` is exhausted."""
+        return position >= self.epoch_length(epoch)
 
     def index_chunks(
         self, epoch: int, start: int, count: int | None = None, *, first_chunk: int = _FIRST_CHUNK
@@ -198,23 +240,24 @@ class ResumableSampler(torch.utils.data.Sampler[int]):
         ``first_chunk`` is the size of the first chunk (a restore needs just one batch), after which
         chunks double up to 65536.
         """
-        total = self.rank_samples(start) if count is None else min(count, self.rank_samples(start))
-        permutation = self._permutation_for(epoch)
+        samples = self.rank_samples(epoch, start)
+        total = samples if count is None else min(count, samples)
+        length, permutation = self.epoch_length(epoch), self._permutation_for(epoch)
         done, size = 0, max(1, first_chunk)
         while done < total:
             n = min(size, total - done)
             positions = start + self._rank + self._world_size * np.arange(done, done + n, dtype=np.int64)
-            positions %= self._length  # the padded tail wraps to the start of the epoch's order
+            positions %= length  # the padded tail wraps to the start of the epoch's order
             yield permutation(positions) if permutation is not None else positions
             done += n
             size = min(2 * size, _MAX_CHUNK)
 
-    def _permutation_for(self, epoch: int) -> Permutation | None:
+    def _permutation_for(self, epoch: int) -> PiecewisePermutation | None:
         if not self._shuffle:
-            return None
-        cached = self._permutation
-        if cached is None or cached.epoch != epoch or cached.seed != self._seed:
-            cached = self._permutation = Permutation(self._length, self._seed, epoch)
+            return None  # the pieces are consecutive ranges: in order, they are 0..length-1
+        ends, cached = self.epoch_lengths(epoch), self._permutation
+        if cached is None or cached.epoch != epoch or cached.seed != self._seed or cached.ends != ends:
+            cached = self._permutation = PiecewisePermutation(ends, self._seed, epoch)
         return cached
 
     def __iter__(self) -> Iterator[int]:
@@ -223,8 +266,10 @@ class ResumableSampler(torch.utils.data.Sampler[int]):
     # -- state ---------------------------------------------------------------------------------
     def state_for(self, epoch: int, position: int) -> dict[str, Any]:
         """The state dict of this sampler's configuration at ``(epoch, position)``."""
-        return {
-            keys.VERSION: SAMPLER_STATE_VERSION,
+        lengths = self.epoch_lengths(epoch)
+        grown = lengths != (self._length,)
+        state: dict[str, Any] = {
+            keys.VERSION: GROWN_STATE_VERSION if grown else SAMPLER_STATE_VERSION,
             keys.EPOCH: epoch,
             keys.POSITION: position,
             keys.DATASET_LENGTH: self._length,
@@ -233,6 +278,9 @@ class ResumableSampler(torch.utils.data.Sampler[int]):
             keys.WORLD_SIZE: self._world_size,
             keys.DROP_LAST: self._drop_last,
         }
+        if grown:
+            state[keys.EPOCH_LENGTHS] = list(lengths)
+        return state
 
     def state_dict(self) -> dict[str, Any]:
         """A small plain dict: ``version``, ``epoch``, ``position`` and what fixes the order."""
@@ -244,8 +292,9 @@ class ResumableSampler(torch.utils.data.Sampler[int]):
         Args:
             state_dict: the state to resume from.
             strict: refuse a state whose dataset length, seed or shuffle differ from this
-                sampler's. With ``strict=False`` the position is kept but applied to this
-                sampler's order, so the rest of that epoch is not the uninterrupted run's.
+                sampler's (a longer dataset is taken as ``growth`` says). With ``strict=False``
+                the position is kept but applied to this sampler's order, so the rest of that
+                epoch is not the uninterrupted run's.
 
         Raises:
             ResumeError: the state is malformed or does not match; nothing was changed.
@@ -260,8 +309,9 @@ class ResumableSampler(torch.utils.data.Sampler[int]):
         before anything moves.
         """
         state = require_mapping(state, what)
-        old_order = require_int(state, keys.VERSION, what) < _ORDER_CHANGED_BEFORE
-        if not old_order:
+        version = require_int(state, keys.VERSION, what)
+        old_order = version < _ORDER_CHANGED_BEFORE
+        if not old_order and version != GROWN_STATE_VERSION:
             check_version(state, SAMPLER_STATE_VERSION, what)
         epoch = require_int(state, keys.EPOCH, what, minimum=0)
         position = require_int(state, keys.POSITION, what, minimum=0)
@@ -273,6 +323,11 @@ class ResumableSampler(torch.utils.data.Sampler[int]):
         require_bool(state, keys.DROP_LAST, what)
         if keys.BATCH_SIZE in state:
             require_int(state, keys.BATCH_SIZE, what, minimum=1)
+        saved_lengths = (
+            require_pieces(state, keys.EPOCH_LENGTHS, what, at_most=length)
+            if version == GROWN_STATE_VERSION
+            else (length,)
+        )
         adopt = seed != self._seed and self._adopt_seed
         if old_order:
             check_version(state, 1, what)
@@ -283,13 +338,22 @@ class ResumableSampler(torch.utils.data.Sampler[int]):
                     f"(version {SAMPLER_STATE_VERSION}); resume with resumable_data 0.1.0, which wrote "
                     "it, or pass strict=False to load_state_dict to keep the position in the new order"
                 )
+        # The largest position a run can reach is the padded end: epoch length + world_size - 1.
+        limit = saved_lengths[-1] + saved_world - 1
+        if position > limit:
+            raise ResumeError(
+                f"{what} state field 'position' is {position}, past the end of an epoch of "
+                f"{saved_lengths[-1]} samples over {saved_world} ranks (at most {limit})"
+            )
+        if length == self._length:
+            lengths = saved_lengths
+        elif length < self._length and self._growth != ERROR:
+            lengths = grown_pieces(self._growth, saved_lengths, self._length, exhausted=position >= saved_lengths[-1])
+        elif strict:
+            raise ResumeError(self._length_changed(what, length))
+        else:
+            lengths = (self._length,)
         if strict:
-            if length != self._length:
-                raise ResumeError(
-                    f"dataset length changed: checkpoint has {length}, {what} has {self._length}; resume "
-                    f"with the dataset the checkpoint was taken on ({length} samples), or pass "
-                    "strict=False to load_state_dict to keep the position in the new order"
-                )
             if seed != self._seed and not adopt:
                 raise ResumeError(
                     f"seed changed: checkpoint has {seed}, {what} has {self._seed}; build the {what} "
@@ -302,17 +366,10 @@ class ResumableSampler(torch.utils.data.Sampler[int]):
                     f"{what} with shuffle={shuffle} to resume exactly, or pass strict=False to "
                     "load_state_dict to keep the position in the new order"
                 )
-        # The largest position a run can reach is the padded end: length + world_size - 1.
-        limit = length + saved_world - 1
-        if position > limit:
-            raise ResumeError(
-                f"{what} state field 'position' is {position}, past the end of an epoch of "
-                f"{length} samples over {saved_world} ranks (at most {limit})"
-            )
-
         # A finished epoch's padded end depends on the world size that wrote it: bring it within
         # this sampler's own bound, so its state_dict() loads into an identical sampler again.
-        position = min(position, self._length + self._world_size - 1)
+        position = min(position, lengths[-1] + self._world_size - 1)
+        grown = None if lengths == (self._length,) else lengths
 
         def apply() -> Segment:
             if adopt:
@@ -323,9 +380,29 @@ class ResumableSampler(torch.utils.data.Sampler[int]):
                     stacklevel=4,
                 )
                 self._seed = seed
-            return self._cursor.restore(epoch, position, self.is_end(position))
+            self._grown = grown
+            return self._cursor.restore(epoch, position, position >= lengths[-1])
 
         return apply
+
+    def _length_changed(self, what: str, length: int) -> str:
+        """The refusal of a checkpoint taken on a dataset of another length, with the remedies."""
+        if length > self._length:
+            change = (
+                "a dataset may grow since a checkpoint (growth=), but not shrink: the positions already "
+                "consumed would name other samples"
+            )
+        else:
+            change = (
+                f"to take in the {self._length - length} appended samples, build the {what} with "
+                "growth='next_epoch' (they join at the next epoch) or growth='append' (they join the rest "
+                "of this epoch)"
+            )
+        return (
+            f"dataset length changed: checkpoint has {length}, {what} has {self._length}; resume with the "
+            f"dataset the checkpoint was taken on ({length} samples); {change}; or pass strict=False to "
+            "load_state_dict to keep the position in the new order"
+        )
 
 
 class _SamplerIterator(Iterator[int]):
@@ -348,7 +425,7 @@ class _SamplerIterator(Iterator[int]):
     def _enter(self, segment: Segment) -> Segment:
         sampler = self._sampler
         self._segment, self._taken = segment, 0
-        self._total = sampler.rank_samples(segment.start)
+        self._total = sampler.rank_samples(segment.epoch, segment.start)
         chunks = sampler.index_chunks(segment.epoch, segment.start)
         self._indices = (index for chunk in chunks for index in chunk.tolist())
         return segment
@@ -357,20 +434,20 @@ class _SamplerIterator(Iterator[int]):
         sampler = self._sampler
         segment = self._segment or self._enter(sampler.cursor.begin())
         if self._taken >= self._total:
-            sampler.cursor.advance(segment, sampler.end_position(segment.start), True)
+            sampler.cursor.advance(segment, sampler.end_position(segment.epoch, segment.start), True)
             raise StopIteration
         index = next(self._indices)
         self._taken += 1
-        position = sampler.position_after(segment.start, self._taken)
-        sampler.cursor.advance(segment, position, sampler.is_end(position))
+        position = sampler.position_after(segment.epoch, segment.start, self._taken)
+        sampler.cursor.advance(segment, position, sampler.is_end(segment.epoch, position))
         return index
 
     def state_dict(self) -> dict[str, Any]:
         """The sampler's state after the indices this iterator has drawn (before any: where it will start)."""
         if self._segment is None:
             return self._sampler.state_for(*self._sampler.cursor.next_segment())
-        position = self._sampler.position_after(self._segment.start, self._taken)
-        return self._sampler.state_for(self._segment.epoch, position)
+        epoch = self._segment.epoch
+        return self._sampler.state_for(epoch, self._sampler.position_after(epoch, self._segment.start, self._taken))
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Continue this iterator (and the sampler) from ``state_dict``."""

@@ -41,6 +41,16 @@ Order. The shards of epoch ``e`` are read in the order of ``Permutation(num_shar
 (or in list order with ``shuffle=False``). Split over ``S`` (rank, worker) slots, slot ``s`` reads
 the ``s``-th, ``s+S``-th, ... shard of that order.
 
+Growth. Shards appended to the list since a checkpoint join as ``growth=`` says (see
+``core.growth``): with ``"next_epoch"`` the restored epoch reads only the checkpoint's shards; with
+``"append"`` the new shards, shuffled among themselves, follow every shard of the epoch's order, and
+are dealt to the slots of the current layout after the shards they still have, so the old shards'
+cursors (or, with sizes, the slots' positions) keep their meaning. The order is then a
+:class:`~resumable_data.core.permutation.PiecewisePermutation` over the shard counts in
+``"epoch_shards"`` (written, with ``"version": 3``, only for an epoch that grew). The checkpoint's
+shard list must be a prefix of the new one, by names and sizes: ``"shards_digest"`` and
+``"sizes_digest"`` are compared with the digests of the first ``"num_shards"`` shards.
+
 Layout change. :meth:`ShardedIterable.rebalance` pools the unfinished shards of every old slot
 with their cursors, sorts them back into the epoch order and deals them round-robin to the new
 slots (pending records likewise). Every record of the epoch is still read exactly once, but the
@@ -59,7 +69,8 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from ..core.permutation import Permutation
+from ..core.growth import ERROR, check_growth, grown_pieces, require_pieces
+from ..core.permutation import PiecewisePermutation
 from ..core.state import (
     SEED,
     SHUFFLE,
@@ -90,6 +101,8 @@ __all__ = ["ShardedIterable"]
 
 Dealt = tuple[tuple[int, tuple[int, ...]], ...]
 """The epoch's layout changes so far: (old number of slots, their positions) each (see DEALT)."""
+EpochOrder = tuple[int, tuple[int, ...]]
+"""``(epoch, piece ends)``: what an epoch's shard order is built over (see EPOCH_SHARDS)."""
 
 _WHAT = "ShardedIterable"
 NUM_SHARDS = "num_shards"
@@ -103,6 +116,10 @@ SIZES_DIGEST = "sizes_digest"
 IDENTITIES = "identities"  # {shard index: fingerprint} of the shards partly read
 _LAYOUTS_CACHED = 8  # slot layouts kept: a restore reads the states of several slots in turn
 DEALT = "dealt"  # with sizes, after layout changes: [[old number of slots, [old slots' positions]], ...]
+# The shard counts the epoch's order was built over, when a restore grew it (core.growth); written
+# only then, with GROWN_STATE_VERSION, so an older release refuses what it would misread.
+EPOCH_SHARDS = "epoch_shards"
+GROWN_STATE_VERSION = 3
 
 
 class ShardedIterable(Stream):
@@ -126,6 +143,12 @@ class ShardedIterable(Stream):
             a reader whose offsets are record numbers (not :class:`TextLineReader`'s bytes).
         allow_changed_shards: resume even when a partly read shard's identity (size and content
             digest) differs from the checkpoint's; records may then be skipped or repeated.
+        growth: what a restore does with a checkpoint taken on fewer shards (shards appended to the
+            list since; the checkpoint's list must be its prefix, by names and sizes): ``"error"``
+            (default) refuses it; ``"next_epoch"`` finishes the restored epoch over the
+            checkpoint's shards and reads the new ones from the next epoch; ``"append"`` deals the
+            new shards, shuffled, to the slots after the shards they still have, so they are read
+            in the rest of this epoch. Shards removed, renamed or reordered are always refused.
 
     Example:
         With files, ``shards`` is e.g. ``sorted(glob("data/*.bin"))`` and ``read_shard`` a
@@ -155,6 +178,7 @@ class ShardedIterable(Stream):
         seed: int = 0,
         sizes: Sequence[int] | None = None,
         allow_changed_shards: bool = False,
+        growth: str = ERROR,
     ) -> None:
         super().__init__()
         self.shards = list(shards)
@@ -179,12 +203,16 @@ class ShardedIterable(Stream):
             self._size_array = np.asarray(self.sizes, dtype=np.int64)
             self._sizes_digest = hashlib.sha256(self._size_array.tobytes()).hexdigest()[:16]
         self.allow_changed_shards = bool(allow_changed_shards)
+        self.growth = check_growth(growth)
+        self._pieces: tuple[int, ...] = (len(self.shards),)  # what the current epoch's order is built over
+        self._prefix_digests: dict[int, str] = {}  # digests of the first k names / sizes, for a restore
+        self._prefix_sizes: dict[int, str] = {}
         self._identity = getattr(read_shard, "identity", None)
         self._identities: dict[int, str] = {}
         self._unverified: set[int] = set()  # restored identities not compared with the shard yet
         self._position: int | None = None  # with sizes: records this slot has read in its shards' order
         self._dealt: Dealt = ()  # with sizes: the epoch's layout changes so far (see DEALT)
-        self._order: tuple[int, np.ndarray] | None = None  # the cached shard order of an epoch
+        self._order: tuple[EpochOrder, np.ndarray] | None = None  # the cached shard order of an epoch
         self._layouts: dict[Any, _Layout] = {}  # cached layouts of the slots asked for lately
         self._dealing: tuple[Any, tuple[np.ndarray, np.ndarray]] | None = None  # the cached _sequence
         self.read_shard = read_shard
@@ -201,19 +229,24 @@ class ShardedIterable(Stream):
 
     # -- order and reading ---------------------------------------------------------------------
     def shard_order(self, epoch: int) -> list[int]:
-        """Shard indices in the order epoch ``epoch`` reads them (all slots together)."""
-        return self._order_array(epoch).tolist()
+        """Shard indices in the order epoch ``epoch`` reads them (all slots together): for the current
+        epoch as a restore may have grown it (see ``growth``), for any other over every shard."""
+        return self._order_array(self._epoch_order(epoch)).tolist()
 
-    def _order_array(self, epoch: int) -> np.ndarray:
-        """The shard order as an array, cached for the last epoch asked for (a layout change needs it
+    def _epoch_order(self, epoch: int) -> EpochOrder:
+        """What epoch ``epoch``'s shard order is built over: the current epoch's pieces, else all shards."""
+        return (epoch, self._pieces if epoch == self._epoch else (len(self.shards),))
+
+    def _order_array(self, order: EpochOrder) -> np.ndarray:
+        """The shard order as an array, cached for the last order asked for (a layout change needs it
         again, and computing it costs in proportion to the number of shards)."""
-        if self._order is None or self._order[0] != epoch:
-            n = len(self.shards)
-            order = np.arange(n, dtype=np.int64)
+        if self._order is None or self._order[0] != order:
+            epoch, pieces = order
+            shards = np.arange(pieces[-1], dtype=np.int64)
             if self.shuffle:
-                order = Permutation(n, self.seed, epoch)(order)
-            order.flags.writeable = False
-            self._order = (epoch, order)
+                shards = PiecewisePermutation(pieces, self.seed, epoch)(shards)
+            shards.flags.writeable = False
+            self._order = (order, shards)
         return self._order[1]
 
     def _records(self, index: int, start: int) -> Generator[tuple[int, Any], None, None]:
@@ -248,16 +281,20 @@ class ShardedIterable(Stream):
             raise ResumeError(f"cannot read shard {index} {self._names[index]!r}: {exc}") from exc
 
     # -- known sizes: a slot's position <-> (shard, cursor) -------------------------------------------
-    def _sequence(self, epoch: int, dealt: Dealt) -> tuple[np.ndarray, np.ndarray]:
+    def _sequence(self, order: EpochOrder, dealt: Dealt) -> tuple[np.ndarray, np.ndarray]:
         """The shards every slot of the current layout deals from, with the offset each one starts at:
         the epoch order, or after layout changes what was unfinished at the last one (in epoch order).
-        Cached: a restore asks for it once per slot state."""
-        if self._dealing is None or self._dealing[0] != (epoch, dealt):
-            shards = self._order_array(epoch)
+        Cached: a restore asks for it once per slot state.
+
+        Shards appended to the epoch's order (growth="append") come after every shard it had, so
+        they end up at the end of the sequence, after each layout change, dealt to the slots of the
+        current layout after the shards those already had: a slot's position keeps its meaning."""
+        if self._dealing is None or self._dealing[0] != (order, dealt):
+            shards = self._order_array(order)
             offsets = np.zeros(len(shards), dtype=np.int64)
             for num_slots, positions in dealt:
                 shards, offsets = self._unfinished(shards, offsets, num_slots, positions)
-            self._dealing = ((epoch, dealt), (shards, offsets))
+            self._dealing = ((order, dealt), (shards, offsets))
         return self._dealing[1]
 
     def _unfinished(
@@ -287,18 +324,18 @@ class ShardedIterable(Stream):
                 offsets[first] += cursors[s]
         return shards[keep], offsets[keep]
 
-    def _slot_layout(self, epoch: int, slot: Slot, dealt: Dealt) -> _Layout:
+    def _slot_layout(self, order: EpochOrder, slot: Slot, dealt: Dealt) -> _Layout:
         """The slot's shards in reading order, where each one starts and the offset it is read from
         (cached: each batch asks for it)."""
-        layout = self._layouts.get((epoch, slot, dealt))
+        layout = self._layouts.get((order, slot, dealt))
         if layout is None:
-            shards, offsets = self._sequence(epoch, dealt)
+            shards, offsets = self._sequence(order, dealt)
             mine, firsts = shards[slot[0] :: slot[1]], offsets[slot[0] :: slot[1]]
             starts = np.zeros(len(mine) + 1, dtype=np.int64)
             np.cumsum(self._size_array[mine] - firsts, out=starts[1:])
             if len(self._layouts) >= _LAYOUTS_CACHED:
                 self._layouts.clear()
-            layout = self._layouts[epoch, slot, dealt] = _Layout(mine, starts, firsts)
+            layout = self._layouts[order, slot, dealt] = _Layout(mine, starts, firsts)
         return layout
 
     def slot_length(self) -> int | None:
@@ -306,7 +343,7 @@ class ShardedIterable(Stream):
         no pending records come first (right after a layout change); else None."""
         if self._position is None or self._pending:
             return None
-        return int(self._slot_layout(self._epoch, self._slot, self._dealt).starts[-1])
+        return int(self._slot_layout(self._current(), self._slot, self._dealt).starts[-1])
 
     @property
     def pending_count(self) -> int:
@@ -324,11 +361,12 @@ class ShardedIterable(Stream):
         Needs :meth:`slot_length` to be known; positions must lie below it. With ``state`` (a
         checked state with a position), for that state's epoch and slot instead.
         """
-        epoch, slot, dealt = self._epoch, self._slot, self._dealt
+        order, slot, dealt = self._current(), self._slot, self._dealt
         if state is not None:
             parsed = self._parse_all(state)
-            epoch, slot, dealt = parsed[0], parsed[1], parsed[6]
-        layout = self._slot_layout(epoch, slot, dealt)
+            order, slot, dealt = (parsed[0], parsed[7]), parsed[1], parsed[6]
+        epoch = order[0]
+        layout = self._slot_layout(order, slot, dealt)
         which = np.searchsorted(layout.starts, positions, side="right") - 1
         shards = layout.shards[which]
         offsets = positions - layout.starts[which] + layout.firsts[which]
@@ -336,26 +374,29 @@ class ShardedIterable(Stream):
 
     def seek(self, position: int) -> None:
         """Continue this slot's epoch at ``position`` (records it has read), without reading anything."""
-        self._remaining = self._remaining_at(self._epoch, self._slot, position, self._dealt)
+        self._remaining = self._remaining_at(self._current(), self._slot, position, self._dealt)
         self._position = position
         self._identities, self._unverified = {}, set()
 
-    def _remaining_at(self, epoch: int, slot: Slot, position: int, dealt: Dealt) -> list[list[int]]:
+    def _current(self) -> EpochOrder:
+        return (self._epoch, self._pieces)
+
+    def _remaining_at(self, order: EpochOrder, slot: Slot, position: int, dealt: Dealt) -> list[list[int]]:
         """``[[shard, cursor]]`` of the shard that ``position`` lies in (``[]`` at the slot's end)."""
-        layout = self._slot_layout(epoch, slot, dealt)
+        layout = self._slot_layout(order, slot, dealt)
         first = int(np.searchsorted(layout.starts, position, side="right")) - 1
         if first >= len(layout.shards):
             return []
         return [[int(layout.shards[first]), int(layout.firsts[first] + position - layout.starts[first])]]
 
     def _cursors(
-        self, epoch: int, slot: Slot, remaining: list[list[int]], position: int | None, dealt: Dealt
+        self, order: EpochOrder, slot: Slot, remaining: list[list[int]], position: int | None, dealt: Dealt
     ) -> dict[int, int]:
         """The cursor of each shard this slot has yet to finish, by shard index (with a position,
         built from the layout's arrays: a restore checks every buffered key against it)."""
         if position is None:
             return {index: cursor for index, cursor in remaining}
-        layout = self._slot_layout(epoch, slot, dealt)
+        layout = self._slot_layout(order, slot, dealt)
         first = int(np.searchsorted(layout.starts, position, side="right")) - 1
         cursors = layout.firsts[first:].copy()
         if len(cursors):
@@ -420,7 +461,7 @@ class ShardedIterable(Stream):
                 yield (epoch, index, offset), record
         while True:
             if not self._remaining and self._position is not None:  # the next shard, from the position
-                self._remaining = self._remaining_at(epoch, self._slot, self._position, self._dealt)
+                self._remaining = self._remaining_at(self._current(), self._slot, self._position, self._dealt)
             if not self._remaining:
                 return
             entry = self._remaining[0]
@@ -447,14 +488,15 @@ class ShardedIterable(Stream):
         self._epoch = epoch
         s, num_slots = self._slot
         self._pending, self._identities, self._unverified, self._dealt = deque(), {}, set(), ()
+        self._pieces = (len(self.shards),)  # a new epoch's order covers every shard
         if self.sizes is None:
             self._remaining = [[index, 0] for index in self.shard_order(epoch)[s::num_slots]]
         else:
-            self._remaining, self._position = self._remaining_at(epoch, self._slot, 0, ()), 0
+            self._remaining, self._position = self._remaining_at(self._current(), self._slot, 0, ()), 0
 
     def _state(
         self,
-        epoch: int,
+        order: EpochOrder,
         slot: Slot,
         remaining: Sequence[Sequence[int]],
         pending: Sequence[Sequence[int]],
@@ -462,8 +504,10 @@ class ShardedIterable(Stream):
         position: int | None = None,
         dealt: Dealt = (),
     ) -> dict[str, Any]:
+        epoch, pieces = order
+        grown = pieces != (len(self.shards),)
         state: dict[str, Any] = {
-            VERSION: STREAM_STATE_VERSION,
+            VERSION: GROWN_STATE_VERSION if grown else STREAM_STATE_VERSION,
             EPOCH: epoch,
             SEED: self.seed,
             SHUFFLE: self.shuffle,
@@ -472,6 +516,8 @@ class ShardedIterable(Stream):
             SLOT: slot[0],
             NUM_SLOTS: slot[1],
         }
+        if grown:
+            state[EPOCH_SHARDS] = list(pieces)
         if self._sizes_digest is not None:
             state[SIZES_DIGEST] = self._sizes_digest
         if position is not None:
@@ -493,7 +539,7 @@ class ShardedIterable(Stream):
             if head in identities and cursor >= self.sizes[head]:
                 identities = {i: v for i, v in identities.items() if i != head}
         return self._state(
-            self._epoch, self._slot, self._remaining, self._pending, identities, self._position, self._dealt
+            self._current(), self._slot, self._remaining, self._pending, identities, self._position, self._dealt
         )
 
     def _parse(self, state: Any) -> tuple[int, Slot, list[list[int]], list[list[int]]]:
@@ -502,23 +548,31 @@ class ShardedIterable(Stream):
 
     def _parse_all(
         self, state: Any
-    ) -> tuple[int, Slot, list[list[int]], list[list[int]], int | None, dict[int, str], Dealt]:
-        """Validate a state: (epoch, slot, remaining, pending, position or None, identities, dealt)."""
+    ) -> tuple[int, Slot, list[list[int]], list[list[int]], int | None, dict[int, str], Dealt, tuple[int, ...]]:
+        """Validate a state: (epoch, slot, remaining, pending, position or None, identities, dealt, and
+        the pieces the epoch's shard order is built over), with shards appended since the checkpoint
+        taken in as ``growth`` says."""
         state = require_mapping(state, _WHAT)
-        check_version(state, STREAM_STATE_VERSION, _WHAT)
+        version = require_int(state, VERSION, _WHAT)
+        if version != GROWN_STATE_VERSION:
+            check_version(state, STREAM_STATE_VERSION, _WHAT)
         epoch = require_epoch(state, _WHAT)
         check_same(_WHAT, SEED, state.get(SEED), self.seed, "build the pipeline with the checkpoint's seed")
         check_same(
             _WHAT, SHUFFLE, require_bool(state, SHUFFLE, _WHAT), self.shuffle, "build it with the checkpoint's shuffle"
         )
         n = len(self.shards)
-        check_same(
-            _WHAT,
-            "shard sizes (digest)",
-            state.get(SIZES_DIGEST),
-            self._sizes_digest,
-            "pass the checkpoint's sizes= (the same record count for every shard)",
+        saved_n = self._check_shard_list(state)
+        pieces = (
+            require_pieces(state, EPOCH_SHARDS, _WHAT, at_most=saved_n)
+            if version == GROWN_STATE_VERSION
+            else (saved_n,)
         )
+        appended_from = None  # where the piece appended by this restore starts in the epoch's order
+        if saved_n < n:
+            grown = grown_pieces(self.growth, pieces, n, exhausted=False)
+            appended_from, pieces = (pieces[-1] if grown != pieces else None), grown
+        order = (epoch, pieces)
         num_slots = require_count(state, NUM_SLOTS, _WHAT)
         slot = require_count(state, SLOT, _WHAT)
         if slot >= num_slots:
@@ -534,13 +588,13 @@ class ShardedIterable(Stream):
                 )
             position = require_count(state, POSITION, _WHAT)
             dealt = _require_dealt(state.get(DEALT, []))
-            total = int(self._slot_layout(epoch, (slot, num_slots), dealt).starts[-1])
+            total = int(self._slot_layout(order, (slot, num_slots), dealt).starts[-1])
             if position > total:
                 raise ResumeError(
                     f"{_WHAT} state is at position {position} of slot {slot}, but that slot's shards hold {total} "
                     "records; pass a state_dict() of this pipeline unchanged"
                 )
-            remaining = self._remaining_at(epoch, (slot, num_slots), position, dealt)  # computed: nothing to check
+            remaining = self._remaining_at(order, (slot, num_slots), position, dealt)  # computed: nothing to check
         else:
             remaining_raw = state.get(REMAINING)
         pending_raw = state.get(PENDING)
@@ -550,8 +604,8 @@ class ShardedIterable(Stream):
             if not (isinstance(entry, (list, tuple)) and len(entry) == 3 and is_int(entry[0]) and is_int(entry[2])):
                 raise ResumeError(f"{_WHAT} state: a remaining shard must be [index, name, cursor], got {brief(entry)}")
             index, name, cursor = entry
-            if not 0 <= index < n or not isinstance(name, str) or self._names[index] != name:
-                current = repr(self._names[index]) if 0 <= index < n else "no such shard"
+            if not 0 <= index < saved_n or not isinstance(name, str) or self._names[index] != name:
+                current = repr(self._names[index]) if 0 <= index < saved_n else "no such shard"
                 raise ResumeError(
                     f"shard list differs from the checkpoint's: checkpoint's shard {brief(index)} {brief(name)} (cursor "
                     f"{brief(cursor)}) is {current} in this pipeline; pass the checkpoint's shard list, in its order"
@@ -561,24 +615,18 @@ class ShardedIterable(Stream):
                     f"shard {index} {brief(name)} has a cursor {brief(cursor)} outside [0, 2**63) in the checkpoint"
                 )
             remaining.append([index, cursor])
-        check_same(
-            _WHAT, "number of shards", require_int(state, NUM_SHARDS, _WHAT), n, "pass the checkpoint's shard list"
-        )
-        check_same(
-            _WHAT,
-            "shard list (digest of the names)",
-            state.get(SHARDS_DIGEST),
-            self._digest,
-            "pass the checkpoint's shard list, in its order",
-        )
         if len({i for i, _ in remaining}) != len(remaining):
             raise ResumeError(f"{_WHAT} state lists a shard twice in {REMAINING!r}: {brief(remaining_raw)}")
-        cursors = self._cursors(epoch, (slot, num_slots), remaining, position, dealt)
+        if position is None and appended_from is not None:
+            # This slot's share of the appended piece, dealt as the epoch's order deals its shards.
+            new = self._order_array(order)[appended_from:]
+            remaining += [[index, 0] for index in new[(slot - appended_from) % num_slots :: num_slots].tolist()]
+        cursors = self._cursors(order, (slot, num_slots), remaining, position, dealt)
         pending: list[list[int]] = []
         for entry in pending_raw:
             if not (isinstance(entry, (list, tuple)) and len(entry) == 2 and all(is_int(v) for v in entry)):
                 raise ResumeError(f"{_WHAT} state: a pending record must be [shard index, offset], got {brief(entry)}")
-            _check_record(entry[0], entry[1], n, cursors, lambda: "pending record")
+            _check_record(entry[0], entry[1], saved_n, cursors, lambda: "pending record")
             pending.append([entry[0], entry[1]])
         if len({(i, o) for i, o in pending}) != len(pending):
             raise ResumeError(f"{_WHAT} state lists a record twice in {PENDING!r}: {brief(pending_raw)}")
@@ -594,7 +642,54 @@ class ShardedIterable(Stream):
                     f"have an identity (a string); pass a state_dict() of this pipeline unchanged"
                 )
             identities[index] = identity
-        return epoch, (slot, num_slots), remaining, pending, position, identities, dealt
+        return epoch, (slot, num_slots), remaining, pending, position, identities, dealt, pieces
+
+    def _check_shard_list(self, state: Mapping[str, Any]) -> int:
+        """Refuse a state whose shard list is not this one, or (with ``growth``) a prefix of it, by
+        names and sizes; return the checkpoint's number of shards."""
+        n = len(self.shards)
+        saved_n = require_int(state, NUM_SHARDS, _WHAT, minimum=1)
+        if saved_n > n or (saved_n < n and self.growth == ERROR):
+            remedy = (
+                "shards may be appended since a checkpoint (growth=), but not removed"
+                if saved_n > n
+                else "to read the appended shards, build the ShardedIterable with growth='next_epoch' (they join "
+                "at the next epoch) or growth='append' (they join the rest of this epoch)"
+            )
+            raise ResumeError(
+                f"{_WHAT} number of shards changed: checkpoint has {saved_n}, pipeline has {n}; pass the "
+                f"checkpoint's shard list, in its order; {remedy}"
+            )
+        check_same(
+            _WHAT,
+            "shard list (digest of the names)",
+            state.get(SHARDS_DIGEST),
+            self._prefix_digest(saved_n),
+            "pass the checkpoint's shard list, in its order"
+            + (f" (its {saved_n} shards first, then the appended ones)" if saved_n < n else ""),
+        )
+        check_same(
+            _WHAT,
+            "shard sizes (digest)",
+            state.get(SIZES_DIGEST),
+            self._prefix_sizes_digest(saved_n),
+            "pass the checkpoint's sizes= (the same record count for every shard)",
+        )
+        return saved_n
+
+    def _prefix_digest(self, count: int) -> str:
+        """The digest of the first ``count`` shard names (what a checkpoint with that many shards holds)."""
+        if count not in self._prefix_digests:
+            self._prefix_digests[count] = hashlib.sha256("\n".join(self._names[:count]).encode()).hexdigest()[:16]
+        return self._prefix_digests[count]
+
+    def _prefix_sizes_digest(self, count: int) -> str | None:
+        """The digest of the first ``count`` shard sizes (None without sizes=)."""
+        if self.sizes is None:
+            return None
+        if count not in self._prefix_sizes:
+            self._prefix_sizes[count] = hashlib.sha256(self._size_array[:count].tobytes()).hexdigest()[:16]
+        return self._prefix_sizes[count]
 
     def _check_identity(self, index: int, cursor: int, saved: str) -> None:
         """Refuse a partly read shard that is not the file the checkpoint read."""
@@ -613,8 +708,8 @@ class ShardedIterable(Stream):
         cursors: dict[int, int] = {}
         pending: set[tuple[int, int]] = set()
         if state is not None:
-            epoch, slot, remaining, pending_list, position, _, dealt = self._parse_all(state)
-            cursors = self._cursors(epoch, slot, remaining, position, dealt)
+            epoch, slot, remaining, pending_list, position, _, dealt, pieces = self._parse_all(state)
+            cursors = self._cursors((epoch, pieces), slot, remaining, position, dealt)
             pending = {(i, o) for i, o in pending_list}
 
         def check(key: Key) -> None:
@@ -661,11 +756,12 @@ class ShardedIterable(Stream):
         return [self._parse(state)[1]]
 
     def check(self, state: Any) -> Callable[[], None]:
-        epoch, slot, remaining, pending, position, identities, dealt = self._parse_all(state)
+        epoch, slot, remaining, pending, position, identities, dealt, pieces = self._parse_all(state)
 
         def apply() -> None:
             self._epoch, self._slot, self._remaining, self._pending = epoch, slot, remaining, deque(pending)
             self._position, self._identities, self._dealt = position, dict(identities), dealt
+            self._pieces = pieces
             # Compared when the shard is next read: a restore opens no shard it does not read.
             self._unverified = set() if self.allow_changed_shards else set(identities)
 
@@ -679,6 +775,12 @@ class ShardedIterable(Stream):
         epoch = parsed[0][0]
         if any(p[0] != epoch for p in parsed):
             raise ResumeError(f"{_WHAT}: the slots' states are from different epochs {sorted({p[0] for p in parsed})}")
+        order = (epoch, parsed[0][7])
+        if any(p[7] != order[1] for p in parsed):
+            raise ResumeError(
+                f"{_WHAT}: the slots' states have epoch orders over different shard counts "
+                f"{sorted({p[7] for p in parsed})[:5]} ({EPOCH_SHARDS!r}); were they saved at different times?"
+            )
         records = [entry for p in parsed for entry in p[3]]
         for key in pending:
             if key[0] != epoch or len(key) != 3:
@@ -690,18 +792,18 @@ class ShardedIterable(Stream):
             (s, len(old)) for s in range(len(old))
         ]:
             return self._deal_positions(
-                epoch, dealt, [position or 0 for _, position, _ in old], num_slots, records, identities
+                order, dealt, [position or 0 for _, position, _ in old], num_slots, records, identities
             )
-        remaining = [entry for p in parsed for entry in self._listed(p[0], p[1], p[2], p[4], p[6])]
+        remaining = [entry for p in parsed for entry in self._listed(order, p[1], p[2], p[4], p[6])]
         if len({i for i, _ in remaining}) != len(remaining):
             raise ResumeError(
                 f"{_WHAT}: a shard is unfinished in two slots' states; were they saved at different times?"
             )
-        rank = {index: position for position, index in enumerate(self.shard_order(epoch))}
+        rank = {index: position for position, index in enumerate(self._order_array(order).tolist())}
         remaining.sort(key=lambda entry: rank[entry[0]])
         return [
             self._state(
-                epoch,
+                order,
                 (s, num_slots),
                 remaining[s::num_slots],
                 records[s::num_slots],
@@ -711,12 +813,12 @@ class ShardedIterable(Stream):
         ]
 
     def _listed(
-        self, epoch: int, slot: Slot, remaining: list[list[int]], position: int | None, dealt: Dealt
+        self, order: EpochOrder, slot: Slot, remaining: list[list[int]], position: int | None, dealt: Dealt
     ) -> list[list[int]]:
         """Every shard this slot has yet to finish with its cursor, listed (for a listed rebalance)."""
         if position is None:
             return remaining
-        layout = self._slot_layout(epoch, slot, dealt)
+        layout = self._slot_layout(order, slot, dealt)
         first = int(np.searchsorted(layout.starts, position, side="right")) - 1
         listed = [[int(i), int(o)] for i, o in zip(layout.shards[first:], layout.firsts[first:], strict=True)]
         if listed:
@@ -725,7 +827,7 @@ class ShardedIterable(Stream):
 
     def _deal_positions(
         self,
-        epoch: int,
+        order: EpochOrder,
         dealt: Dealt,
         positions: list[int],
         num_slots: int,
@@ -735,14 +837,14 @@ class ShardedIterable(Stream):
         """States for ``num_slots`` new slots dealing what old slots at ``positions`` left unread: a
         position each (0) plus the layout change, computed, not listed."""
         dealt = (*dealt, (len(positions), tuple(positions)))
-        shards = self._sequence(epoch, dealt)[0]
+        shards = self._sequence(order, dealt)[0]
         held = np.fromiter(identities, dtype=np.int64, count=len(identities))
         states = []
         for s in range(num_slots):
             mine = held[np.isin(held, shards[s::num_slots])].tolist()
             states.append(
                 self._state(
-                    epoch, (s, num_slots), [], records[s::num_slots], {i: identities[i] for i in mine}, 0, dealt
+                    order, (s, num_slots), [], records[s::num_slots], {i: identities[i] for i in mine}, 0, dealt
                 )
             )
         return states

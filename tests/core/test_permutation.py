@@ -10,11 +10,11 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from resumable_data import Permutation, ResumableSampler, ResumeError, ShardedIterable
-from resumable_data.core.permutation import EXACT_MAX, FeistelPermutation
+from resumable_data.core.permutation import EXACT_MAX, FeistelPermutation, PiecewisePermutation
 
 EDGE_LENGTHS = [1, 2, 3] + [n for k in range(2, 21) for n in (2**k - 1, 2**k, 2**k + 1)]
 
@@ -225,3 +225,15 @@ def test_scalar_tail_of_the_cycle_walk_equals_the_vectorized_walk(
         assert np.array_equal(chunk, vectorized[: len(chunk)])
     for k in (1, 7, saved[1]):  # the scalar path, as a restore's first batch takes it
         assert np.array_equal(permutation(positions[:k]), vectorized[: min(k, len(positions))])
+
+
+@settings(max_examples=50, deadline=None)
+@given(ends=st.lists(st.integers(1, 3000), min_size=1, max_size=4, unique=True), seed=st.integers(0, 2**64 - 1))
+def test_a_piecewise_permutation_keeps_its_first_piece_and_permutes_each_appended_piece(
+    ends: list[int], seed: int
+) -> None:
+    ends = sorted(ends)
+    order = PiecewisePermutation(tuple(ends), seed, 3)(np.arange(ends[-1]))
+    assert order[: ends[0]].tolist() == Permutation(ends[0], seed, 3)(np.arange(ends[0])).tolist()
+    for start, end in itertools.pairwise([0, *ends]):
+        assert sorted(order[start:end].tolist()) == list(range(start, end))
