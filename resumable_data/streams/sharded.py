@@ -702,15 +702,18 @@ class ShardedIterable(Stream):
                 "to read it as it is"
             )
 
+    def _reads(self, state: Mapping[str, Any] | None) -> tuple[int | None, dict[int, int], set[tuple[int, int]]]:
+        """What a checked ``state`` has read: its epoch, the cursors of its partly read shards and
+        its pending records (None, nothing, nothing without a state)."""
+        if state is None:
+            return None, {}, set()
+        epoch, slot, remaining, pending, position, _, dealt, pieces = self._parse_all(state)
+        cursors = self._cursors((epoch, pieces), slot, remaining, position, dealt)
+        return epoch, cursors, {(i, o) for i, o in pending}
+
     def key_checker(self, state: Mapping[str, Any] | None) -> Callable[[Key], None]:
         n = len(self.shards)
-        epoch: int | None = None
-        cursors: dict[int, int] = {}
-        pending: set[tuple[int, int]] = set()
-        if state is not None:
-            epoch, slot, remaining, pending_list, position, _, dealt, pieces = self._parse_all(state)
-            cursors = self._cursors((epoch, pieces), slot, remaining, position, dealt)
-            pending = {(i, o) for i, o in pending_list}
+        epoch, cursors, pending = self._reads(state)
 
         def check(key: Key) -> None:
             if len(key) != 3:
@@ -732,14 +735,10 @@ class ShardedIterable(Stream):
     def keys_checker(self, state: Mapping[str, Any] | None) -> Callable[[Sequence[Key]], None]:
         check = self.key_checker(state)
         n = len(self.shards)
-        epoch: int | None = None
+        epoch, cursors, pending = self._reads(state)
         cursor_of = np.full(n, np.iinfo(np.int64).max, dtype=np.int64)  # no cursor: any offset
-        pending: set[tuple[int, int]] = set()
-        if state is not None:
-            epoch, slot, remaining, pending_list, position, _, dealt = self._parse_all(state)
-            for index, cursor in self._cursors(epoch, slot, remaining, position, dealt).items():
-                cursor_of[index] = cursor
-            pending = {(i, o) for i, o in pending_list}
+        for index, cursor in cursors.items():
+            cursor_of[index] = cursor
 
         def check_all(keys: Sequence[Key]) -> None:
             # The keys as one array, checked with a few vector comparisons; anything unusual (a
