@@ -39,16 +39,23 @@ def available() -> dict[str, str | None]:
     else:
         found["litdata"] = None
     try:
-        sys.path.insert(0, str(REPO_ROOT / "tests"))
-        from torchvision_compat import load_torchvision
-
-        load_torchvision()
-        import streaming  # noqa: F401
+        _import_streaming()
     except Exception as exc:
         found["mosaic"] = f"not installed ({type(exc).__name__}: {exc}); pip install '.[peers]'"
     else:
         found["mosaic"] = None
     return found
+
+
+def _import_streaming() -> None:
+    """``import streaming``, with torchvision's C ops declared first (the tests' workaround): in
+    every process that uses it, a benchmark cell's included."""
+    if str(REPO_ROOT / "tests") not in sys.path:
+        sys.path.insert(0, str(REPO_ROOT / "tests"))
+    from torchvision_compat import load_torchvision
+
+    load_torchvision()
+    import streaming  # noqa: F401
 
 
 _LITDATA_WRITER = """
@@ -76,6 +83,7 @@ def write_litdata(directory: Path, n: int) -> Path:
 
 def write_mosaic(directory: Path, n: int) -> Path:
     """``n`` records as Mosaic MDS shards."""
+    _import_streaming()
     from streaming import MDSWriter
 
     out = directory / f"mosaic-{n}"
@@ -96,6 +104,7 @@ _MOSAIC_LIVE: list[Any] = []
 
 
 def mosaic_loader(data: Path, *, batch_size: int, workers: int, transform: Any = None) -> Any:
+    _import_streaming()
     from streaming import StreamingDataLoader, StreamingDataset
 
     release_mosaic()  # one live dataset per local directory (its shared memory is named after it)
