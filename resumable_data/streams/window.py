@@ -80,6 +80,7 @@ class ShuffleWindow(Wrapper):
         self._positional = False
         self._start: dict[str, Any] | None = None  # read windows: the source state at the window's start
         self._records: list[tuple[Key, Any]] | None = None  # read windows: its records (None: re-read them)
+        self._permutation: tuple[tuple[int, int, int, int], Permutation] | None = None  # the open window's order
 
     def _positional_source(self) -> ShardedIterable | None:
         source = self.source
@@ -97,8 +98,15 @@ class ShuffleWindow(Wrapper):
 
     def _order(self, start: int, stop: int) -> np.ndarray:
         """Positions inside the open window of its ``start``-th to ``stop``-th records handed out."""
-        permutation = Permutation(self._count, hash_ints(self.seed, self._window - 1) >> 1, self._epoch)
-        return permutation(np.arange(start, stop, dtype=np.int64))
+        which = (self._count, self.seed, self._window, self._epoch)
+        if self._permutation is None or self._permutation[0] != which:
+            # One per window, not per chunk: a window of up to 2**14 records is an exact keyed
+            # shuffle whose table is built on first use, O(window) each time it is built.
+            self._permutation = (
+                which,
+                Permutation(self._count, hash_ints(self.seed, self._window - 1) >> 1, self._epoch),
+            )
+        return self._permutation[1](np.arange(start, stop, dtype=np.int64))
 
     def iter_keyed(self) -> Iterator[tuple[Key | None, Any]]:
         records: Iterator[tuple[Key | None, Any]] | None = None  # the source's, for read windows

@@ -182,3 +182,22 @@ def test_a_state_taken_right_after_a_shards_last_record_restores() -> None:
     restored = make()
     restored.load_state_dict(json.loads(json.dumps(stream.state_dict())))
     assert list(restored) == list(records)
+
+
+@pytest.mark.parametrize("known", [True, False])
+def test_each_windows_order_is_built_once(known: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A window of up to 2**14 records is an exact keyed shuffle whose table costs O(window) to
+    # build: built per chunk of handed-out records it made an epoch O(records x window / chunk).
+    import resumable_data.streams.window as window_module
+
+    built: list[int] = []
+    real = window_module.Permutation
+
+    def counting(length: int, seed: int, epoch: int) -> object:
+        built.append(length)
+        return real(length, seed, epoch)
+
+    monkeypatch.setattr(window_module, "Permutation", counting)
+    records = list(windowed([900, 700, 400], 1000, known=known))
+    assert len(records) == 2000
+    assert built == [1000, 1000]
