@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any, BinaryIO
 
@@ -21,6 +22,7 @@ from ..errors import ResumeError
 __all__ = ["TextLineReader", "TokenShardReader", "file_identity"]
 
 _EDGE = 4096  # bytes read at each end of a shard for its identity
+_MAPPED_SHARDS = 64  # token shards a reader keeps mapped
 
 
 def file_identity(file: BinaryIO) -> str:
@@ -71,14 +73,39 @@ class TokenShardReader:
         self.window = check_int_arg("window", window, minimum=1)
         self.stride = window if stride is None else check_int_arg("stride", stride, minimum=1)
         self.dtype = np.dtype(dtype)
+        self._mapped: OrderedDict[tuple[str, int, int], np.ndarray] = OrderedDict()
+
+    def __getstate__(self) -> dict[str, Any]:
+        # A worker maps the files itself; mappings are not sent along.
+        return {**self.__dict__, "_mapped": OrderedDict()}
 
     def tokens(self, shard: Any) -> np.ndarray:
-        """The shard's tokens as a read-only memmap (an empty array for an empty file)."""
+        """The shard's tokens as a read-only memmap (an empty array for an empty file).
+
+        The last few shards' mappings are kept, keyed by path, size and modification time: a
+        shuffled read fetches a handful of records from each of many shards at a time, and mapping
+        a file costs far more than reading a window from it. A file rewritten since is mapped anew.
+        """
         path = os.fspath(shard)
+        try:
+            stat = os.stat(path)
+        except FileNotFoundError as exc:
+            raise ResumeError(f"token shard {path!r} is missing: {exc}") from exc
+        key = (path, stat.st_size, stat.st_mtime_ns)
+        tokens = self._mapped.get(key)
+        if tokens is None:
+            tokens = self._map(path, stat.st_size)
+            self._mapped[key] = tokens
+            if len(self._mapped) > _MAPPED_SHARDS:
+                self._mapped.popitem(last=False)
+        else:
+            self._mapped.move_to_end(key)
+        return tokens
+
+    def _map(self, path: str, size: int) -> np.ndarray:
         try:
             if path.endswith(".npy"):
                 return np.load(path, mmap_mode="r")
-            size = os.path.getsize(path)
             if size % self.dtype.itemsize:
                 raise ResumeError(
                     f"token shard {path!r} holds {size} bytes, not a multiple of {self.dtype.itemsize} "

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import os
 from pathlib import Path
 
 import numpy as np
@@ -184,3 +185,22 @@ def test_generic_reader_oserror_names_shard_and_offset(tmp_path: Path) -> None:
     stream = ShardedIterable(["nope"], read_shard=read)
     with pytest.raises(ResumeError, match="cannot read shard 0 'nope' at offset 0"):
         next(iter(stream))
+
+
+@pytest.mark.parametrize("suffix", [".bin", ".npy"])
+def test_a_token_shard_rewritten_in_place_is_read_as_it_is_now(tmp_path: Path, suffix: str) -> None:
+    # The reader keeps recent shards mapped; a file rewritten since (same size, other tokens) must
+    # not be read through the old mapping.
+    path = tmp_path / f"shard{suffix}"
+
+    def write(tokens: np.ndarray, mtime_ns: int) -> None:
+        np.save(path, tokens) if suffix == ".npy" else tokens.tofile(path)
+        os.utime(path, ns=(mtime_ns, mtime_ns))
+
+    reader = TokenShardReader(2, dtype=np.int32)
+    write(np.arange(8, dtype=np.int32), 1_000_000_000)
+    assert [w.tolist() for w in reader.read_records(path, [0, 3])] == [[0, 1], [6, 7]]
+    assert reader.tokens(path) is reader.tokens(path)  # kept mapped while unchanged
+    write(np.arange(100, 108, dtype=np.int32), 2_000_000_000)
+    assert [w.tolist() for w in reader.read_records(path, [0, 3])] == [[100, 101], [106, 107]]
+    assert [w.tolist() for w in reader(path, 2)] == [[104, 105], [106, 107]]
