@@ -46,6 +46,7 @@ import gc
 import itertools
 import json
 import pickle
+import random
 import statistics
 import time
 import warnings
@@ -55,6 +56,7 @@ from pathlib import Path
 from typing import Any
 
 import _common  # first: it puts this checkout's resumable_data on the path
+import numpy as np
 import torch
 from _common import SyntheticDataset, format_count, format_seconds, markdown_table, run_isolated
 
@@ -550,6 +552,79 @@ def plot(plan: Plan, epochs: Epochs, out: Any) -> None:
     )
 
 
+def _public_calls() -> dict[str, Callable[[int], Any]]:
+    """The public calls a 0-worker batch makes to fork and restore the global RNGs, one by one."""
+    from numpy.random.mtrand import get_bit_generator, set_bit_generator
+
+    from resumable_data.rng.global_rngs import GLOBAL_RNGS
+
+    def seeded(key: int) -> None:
+        with GLOBAL_RNGS.seeded(key, restore=True):
+            pass
+
+    saved_torch, saved_python, saved_numpy = torch.default_generator.get_state(), random.getstate(), get_bit_generator()
+    return {
+        "all of it: GLOBAL_RNGS.seeded(key, restore=True), entered and left": seeded,
+        "random.getstate()": lambda key: random.getstate(),
+        "random.seed(key)": random.seed,
+        "random.setstate(saved)": lambda key: random.setstate(saved_python),
+        "torch.default_generator.get_state()": lambda key: torch.default_generator.get_state(),
+        "torch.default_generator.manual_seed(key)": lambda key: torch.default_generator.manual_seed(key),
+        "torch.default_generator.set_state(saved)": lambda key: torch.default_generator.set_state(saved_torch),
+        "numpy.random.seed(key)": lambda key: np.random.seed(key & 0xFFFFFFFF),
+        "numpy set_bit_generator (swap and back)": lambda key: (
+            set_bit_generator(saved_numpy),
+            set_bit_generator(saved_numpy),
+        ),
+    }
+
+
+def rng_calls_cell(work_iterations: int, rounds: int) -> dict[str, Any]:
+    """µs per public RNG call: in a tight loop, and right after a batch of work (as a loader makes it).
+
+    After a batch of ``BATCH_SIZE`` samples of busy work the calls run with cold caches; that, not
+    the tight-loop cost, is what each batch pays. Calls and the empty control are interleaved.
+    """
+    torch.set_num_threads(1)
+    calls = {"(nothing: the timer itself)": lambda key: None, **_public_calls()}
+    warm: dict[str, list[float]] = {name: [] for name in calls}
+    cold: dict[str, list[float]] = {name: [] for name in calls}
+    names = list(calls)
+    for round_ in range(rounds):
+        for name in rotated(names, round_):
+            call = calls[name]
+            start = time.perf_counter_ns()
+            for key in range(200):
+                call(key)
+            warm[name].append((time.perf_counter_ns() - start) / 200 * 1e-9)
+            for index in range(BATCH_SIZE):
+                _common.busy_work(index, work_iterations)
+            start = time.perf_counter_ns()
+            call(round_)
+            cold[name].append((time.perf_counter_ns() - start) * 1e-9)
+    return {"warm": warm, "cold": cold}
+
+
+def rng_calls_table(result: dict[str, Any]) -> list[str]:
+    rows = [
+        [name, format_seconds(statistics.median(result["warm"][name])), _seconds_spread(result["cold"][name])]
+        for name in result["warm"]
+    ]
+    return [
+        f"- the public calls one by one, µs per call, median (min–max) over {len(next(iter(result['cold'].values())))} "
+        f"rounds: in a tight loop, and once right after a batch of {BATCH_SIZE} samples of 50 µs of work",
+        "",
+        markdown_table(["call", "tight loop", "after a batch of work"], rows),
+    ]
+
+
+def _seconds_spread(values: list[float]) -> str:
+    ordered = sorted(values)
+    return (
+        f"{format_seconds(statistics.median(ordered))} ({format_seconds(ordered[0])} … {format_seconds(ordered[-1])})"
+    )
+
+
 def rng_targets(paired: Paired, machinery: dict[str, dict[str, Any]]) -> list[str]:
     """The global-RNG lines of the report: paired overheads with the control, and the seeding per batch."""
     targets: list[str] = []
@@ -646,8 +721,12 @@ def rng_only(plan: Plan) -> None:
         )
         for workers in plan.workers
     }
+    calls = run_isolated(rng_calls_cell, {"work_iterations": work_iterations, "rounds": 200}, timeout_s=600)
     print(_common.machine_header("bench_overhead --rng-only: global-RNG seeding, paired"))
     print("\n".join(rng_targets(paired, machinery)))
+    print(
+        "\n".join(["", *rng_calls_table(calls)] if "error" not in calls else [f"- the public calls: {calls['error']}"])
+    )
     print(f"\nTotal run time: {time.perf_counter() - started:.0f} s.")
 
 
