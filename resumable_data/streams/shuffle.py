@@ -242,9 +242,13 @@ class ShuffleBuffer(Wrapper):
     def key_checker(self, state: Mapping[str, Any] | None) -> Callable[[Key], None]:
         # A key this stage yielded left its buffer: it cannot also be in it (nested buffers).
         check_source = super().key_checker(state)
-        held = set() if state is None else set(self._buffered_keys(state, self.size))
+        held: set[Key] | None = set() if state is None else None  # the buffered keys, read at the first check
 
         def check(key: Key) -> None:
+            nonlocal held
+            if held is None:
+                assert state is not None
+                held = set(self._buffered_keys(state, self.size))
             if key in held:
                 raise ResumeError(
                     f"shuffle_buffer state: record key {brief(list(key))} is both buffered and handed out"
