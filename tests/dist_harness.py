@@ -59,8 +59,9 @@ def results(out_dir: str | Path, name: str, world_size: int) -> list[Any]:
     return [json.loads(Path(out_dir, f"{name}.rank{r}.json").read_text()) for r in range(world_size)]
 
 
-# The trainer's smallest run, for the torchrun tests (tests/trainer/test_ddp_trainer.py and
-# tests/distributed/test_torchrun_restarts.py): one layer, 20 steps, a checkpoint every 4.
+# The trainer's smallest run, for the trainer's tests (in one process, and under torchrun in
+# tests/trainer/test_ddp_trainer.py and tests/distributed/test_torchrun_restarts.py): one layer,
+# 20 steps, a checkpoint every 4.
 TINY = dict(
     n_layer=1,
     n_head=2,

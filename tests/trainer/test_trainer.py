@@ -27,6 +27,7 @@ from hypothesis import strategies as st
 from torch.distributed.checkpoint import stateful as torch_stateful
 
 import resumable_data
+from dist_harness import TINY
 from resumable_data import CheckpointLockedError, CheckpointManager, ResumeError
 from resumable_data.testing import assert_same
 from trainer.__main__ import main
@@ -43,22 +44,6 @@ REPO = Path(__file__).resolve().parents[2]
 # A tiny corpus of real text: with block 16 and batch 4 an epoch is 14 steps, so runs of 20 steps
 # cross an epoch boundary in well under a second.
 CORPUS_BYTES = 1000
-TINY = dict(
-    n_layer=1,
-    n_head=2,
-    n_embd=16,
-    block_size=16,
-    dropout=0.1,
-    batch_size=4,
-    max_steps=20,
-    lr=1e-2,
-    min_lr=1e-3,
-    warmup_steps=3,
-    eval_every=6,
-    eval_batches=1,
-    checkpoint_every=4,
-    progress=False,
-)
 
 
 @pytest.fixture(scope="module")

@@ -14,26 +14,14 @@ from pathlib import Path
 
 import pytest
 
+from dist_harness import TINY as TINY_RUN
 from trainer.config import TrainConfig
 from trainer.data import prepare_data
 from trainer.metrics import FALLBACK_COLUMNS, Progress, format_lr, read_metrics
 from trainer.train import train
 
-TINY = dict(
-    n_layer=1,
-    n_head=2,
-    n_embd=16,
-    block_size=16,
-    dropout=0.1,
-    batch_size=4,
-    max_steps=8,
-    lr=1e-2,
-    min_lr=1e-3,
-    warmup_steps=3,
-    eval_every=100,
-    eval_batches=1,
-    checkpoint_every=100,
-)
+# The trainer tests' TINY run, 8 steps with no evaluation or checkpoint on the way (FRAME reads "/8").
+TINY = {**TINY_RUN, "max_steps": 8, "eval_every": 100, "checkpoint_every": 100}
 FRAME = re.compile(r"(\d+)/8 \[.*loss=\s*(\S+), lr=\s*(\S+), tok/s=\s*(\S+)\]")
 
 
