@@ -712,8 +712,12 @@ class ShardedIterable(Stream):
         return epoch, cursors, {(i, o) for i, o in pending}
 
     def key_checker(self, state: Mapping[str, Any] | None) -> Callable[[Key], None]:
+        return self._key_check(*self._reads(state))
+
+    def _key_check(
+        self, epoch: int | None, cursors: dict[int, int], pending: set[tuple[int, int]]
+    ) -> Callable[[Key], None]:
         n = len(self.shards)
-        epoch, cursors, pending = self._reads(state)
 
         def check(key: Key) -> None:
             if len(key) != 3:
@@ -733,9 +737,9 @@ class ShardedIterable(Stream):
         return check
 
     def keys_checker(self, state: Mapping[str, Any] | None) -> Callable[[Sequence[Key]], None]:
-        check = self.key_checker(state)
+        epoch, cursors, pending = self._reads(state)  # the state parsed once for both checks
+        check = self._key_check(epoch, cursors, pending)
         n = len(self.shards)
-        epoch, cursors, pending = self._reads(state)
         cursor_of = np.full(n, np.iinfo(np.int64).max, dtype=np.int64)  # no cursor: any offset
         for index, cursor in cursors.items():
             cursor_of[index] = cursor
