@@ -194,9 +194,11 @@ class Pack(Wrapper):
             head.offset += take
             if head.offset == length:
                 carry.pop(0)
-        if first is None or (filled < size and self.pad_id is None):
-            return None  # nothing left, or the epoch's short last window
-        if filled < size and self.pad_id is not None:
+        if first is None:
+            return None  # nothing left
+        if filled < size:  # the epoch's short last window: dropped, or padded
+            if self.pad_id is None:
+                return None
             window[filled:] = self.pad_id
             if positions is not None:
                 positions[filled:] = self._arange[: size - filled]
