@@ -129,10 +129,13 @@ class GlobalRngs:
     def seed(self, key: int) -> None:
         """Seed the three RNGs from ``key`` (numpy's current global bit generator: inside a restoring
         :meth:`seeded`, the scratch one)."""
+        self._seed(key, type(get_bit_generator()))
+
+    def _seed(self, key: int, kind: type) -> None:
+        """:meth:`seed`, with numpy's global bit generator known to be of type ``kind`` (a fork
+        knows it: asking numpy again is one more call per batch)."""
         torch.default_generator.manual_seed(key >> 1)
         random.seed(key)
-        bit_generator = get_bit_generator()
-        kind = type(bit_generator)
         if kind is np.random.MT19937:
             np.random.seed(key & _MASK32)  # also clears the legacy Gaussian cache
             return
@@ -173,17 +176,18 @@ class _Seeded:
         rngs = self._rngs
         rngs._lock.acquire()
         try:
+            self._numpy = saved = get_bit_generator()
+            kind = type(saved)
             if self._restore:
-                self._numpy = saved = get_bit_generator()
                 self._torch = torch.default_generator.get_state()
                 self._python = random.getstate()
-                set_bit_generator(rngs._scratch_for(type(saved), rngs._depth))
+                set_bit_generator(rngs._scratch_for(kind, rngs._depth))
                 rngs._depth += 1
         except BaseException:
             rngs._lock.release()
             raise
         try:
-            rngs.seed(self._key)
+            rngs._seed(self._key, kind)
         except BaseException:
             self.__exit__(None, None, None)
             raise
