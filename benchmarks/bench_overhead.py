@@ -580,15 +580,21 @@ def _public_calls() -> dict[str, Callable[[int], Any]]:
 
 
 def rng_calls_cell(work_iterations: int, rounds: int) -> dict[str, Any]:
-    """µs per public RNG call: in a tight loop, and right after a batch of work (as a loader makes it).
+    """µs per public RNG call: in a tight loop, right after a batch of work, and right after a plain
+    DataLoader batch of the same work (as a 0-worker loader makes it, between its own batches).
 
-    After a batch of ``BATCH_SIZE`` samples of busy work the calls run with cold caches; that, not
-    the tight-loop cost, is what each batch pays. Calls and the empty control are interleaved.
+    After a batch of ``BATCH_SIZE`` samples of busy work the calls run with cold caches; after a
+    DataLoader batch the loader's own code (fetch, collate, its iterator) has run as well, which is
+    where the paired cell's loaders make them. Calls and the empty control are interleaved.
     """
     torch.set_num_threads(1)
     calls = {"(nothing: the timer itself)": lambda key: None, **_public_calls()}
-    warm: dict[str, list[float]] = {name: [] for name in calls}
-    cold: dict[str, list[float]] = {name: [] for name in calls}
+    loader = torch.utils.data.DataLoader(
+        SyntheticDataset(BATCH_SIZE * (rounds * len(calls) + 1), work_iterations), batch_size=BATCH_SIZE
+    )
+    batches = iter(loader)
+    contexts = ("warm", "cold", "loader")
+    times: dict[str, dict[str, list[float]]] = {context: {name: [] for name in calls} for context in contexts}
     names = list(calls)
     for round_ in range(rounds):
         for name in rotated(names, round_):
@@ -596,25 +602,35 @@ def rng_calls_cell(work_iterations: int, rounds: int) -> dict[str, Any]:
             start = time.perf_counter_ns()
             for key in range(200):
                 call(key)
-            warm[name].append((time.perf_counter_ns() - start) / 200 * 1e-9)
+            times["warm"][name].append((time.perf_counter_ns() - start) / 200 * 1e-9)
             for index in range(BATCH_SIZE):
                 _common.busy_work(index, work_iterations)
             start = time.perf_counter_ns()
             call(round_)
-            cold[name].append((time.perf_counter_ns() - start) * 1e-9)
-    return {"warm": warm, "cold": cold}
+            times["cold"][name].append((time.perf_counter_ns() - start) * 1e-9)
+            next(batches)
+            start = time.perf_counter_ns()
+            call(round_)
+            times["loader"][name].append((time.perf_counter_ns() - start) * 1e-9)
+    return times
 
 
 def rng_calls_table(result: dict[str, Any]) -> list[str]:
     rows = [
-        [name, format_seconds(statistics.median(result["warm"][name])), _seconds_spread(result["cold"][name])]
+        [
+            name,
+            format_seconds(statistics.median(result["warm"][name])),
+            _seconds_spread(result["cold"][name]),
+            _seconds_spread(result["loader"][name]),
+        ]
         for name in result["warm"]
     ]
     return [
         f"- the public calls one by one, µs per call, median (min–max) over {len(next(iter(result['cold'].values())))} "
-        f"rounds: in a tight loop, and once right after a batch of {BATCH_SIZE} samples of 50 µs of work",
+        f"rounds: in a tight loop, once right after a batch of {BATCH_SIZE} samples of 50 µs of work, and once "
+        f"right after a plain DataLoader's batch of the same {BATCH_SIZE} samples (0 workers)",
         "",
-        markdown_table(["call", "tight loop", "after a batch of work"], rows),
+        markdown_table(["call", "tight loop", "after a batch of work", "after a DataLoader batch"], rows),
     ]
 
 
