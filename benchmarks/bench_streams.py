@@ -8,7 +8,9 @@ yields every record once; each restore's first batch equals the uninterrupted ru
 1. Throughput: one epoch of 16 shards x 3,125 records with 50 µs of work per record (a busy
    loop in ``map``, or in the map-style dataset's ``__getitem__``), 0 and 2 workers; a plain
    ``DataLoader`` over the same records as a map-style dataset is the reference. Methods are
-   interleaved in each round; the ratio to the plain DataLoader is taken per round (paired).
+   interleaved in each round; the ratio to the plain DataLoader is taken per round (paired). Our two
+   shuffles run twice: with the default per-batch global-RNG seeding (``global_rng="batch"``, which
+   no peer has) and with ``global_rng=None``, what the pipeline itself costs.
 2. Restore: 16 shards x 62,500 records (10^6); a state is taken at 0, 50 and 90 % of the epoch and
    restored into a freshly built loader, timed from ``load_state_dict`` to the first batch in hand
    (with workers also to the second: warm start moves the workers' start there). Restores are
@@ -115,13 +117,15 @@ def source(paths: list[Path], per_shard: int) -> ShardedIterable:
     return ShardedIterable(paths, read_shard=reader, seed=0, sizes=[per_shard] * len(paths))
 
 
-def ours(paths: list[Path], per_shard: int, shuffle: str, iterations: int = 0) -> Callable[[int], StreamLoader]:
+def ours(
+    paths: list[Path], per_shard: int, shuffle: str, iterations: int = 0, global_rng: str | None = "batch"
+) -> Callable[[int], StreamLoader]:
     def make(workers: int) -> StreamLoader:
         stream: Stream = source(paths, per_shard)
         stream = stream.shuffle_buffer(BUFFER, seed=1) if shuffle == "buffer" else stream.shuffle_window(BUFFER, seed=1)
         if iterations:
             stream = stream.map(Busy(iterations))
-        return StreamLoader(stream, batch_size=BATCH, num_workers=workers)
+        return StreamLoader(stream, batch_size=BATCH, num_workers=workers, global_rng=global_rng)
 
     return make
 
@@ -134,6 +138,15 @@ def record_ids(batch: Any) -> list[int]:
 PLAIN = "DataLoader (map-style, shuffled)"
 OURS_BUFFER = f"StreamLoader, shuffle_buffer({BUFFER:,})"
 OURS_WINDOW = f"StreamLoader, shuffle_window({BUFFER:,})"
+# The same two without the per-batch global-RNG seeding (global_rng=None: records that draw no global
+# randomness, as here, need none), which no peer does: what the pipeline itself costs.
+NO_SEEDING = ", global_rng=None"
+OURS = {
+    OURS_BUFFER: ("buffer", "batch"),
+    OURS_WINDOW: ("window", "batch"),
+    OURS_BUFFER + NO_SEEDING: ("buffer", None),
+    OURS_WINDOW + NO_SEEDING: ("window", None),
+}
 PEERS = {"litdata": "litdata 0.2.76", "mosaic": "Mosaic Streaming 0.13.0"}
 
 
@@ -143,8 +156,9 @@ def build(method: str, data: dict[str, Any], iterations: int, workers: int) -> A
     if method == PLAIN:
         dataset = MapStyle(paths, per_shard, iterations)
         return torch.utils.data.DataLoader(dataset, batch_size=BATCH, shuffle=True, num_workers=workers)
-    if method in (OURS_BUFFER, OURS_WINDOW):
-        return ours(paths, per_shard, "buffer" if method == OURS_BUFFER else "window", iterations)(workers)
+    if method in OURS:
+        shuffle, global_rng = OURS[method]
+        return ours(paths, per_shard, shuffle, iterations, global_rng)(workers)
     peer = next(p for p, name in PEERS.items() if name == method)
     make = _peers.litdata_loader if peer == "litdata" else _peers.mosaic_loader
     return make(Path(data[peer]), batch_size=BATCH, workers=workers, transform=Busy(iterations) if iterations else None)
@@ -412,7 +426,7 @@ def main() -> None:
         data_r = {"paths": [str(p) for p in r_paths], "per_shard": per_r, **{k: str(v) for k, v in peers_r.items()}}
 
         # 1. throughput
-        methods = [PLAIN, OURS_BUFFER, OURS_WINDOW, *(PEERS[p] for p in peers_t)]
+        methods = [PLAIN, *OURS, *(PEERS[p] for p in peers_t)]
         seconds: dict[tuple[str, int], list[float]] = {}
         for round_ in range(rounds):
             for workers in (0, 2):
