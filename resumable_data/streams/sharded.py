@@ -371,13 +371,53 @@ class ShardedIterable(Stream):
         which = np.searchsorted(layout.starts, positions, side="right") - 1
         shards = layout.shards[which]
         offsets = positions - layout.starts[which] + layout.firsts[which]
-        return [(epoch, i, o) for i, o in zip(shards.tolist(), offsets.tolist(), strict=True)]
+        # zip builds the tuples in C: a shuffle buffer's fill asks for a buffer's worth of keys.
+        return list(zip(itertools.repeat(epoch, len(shards)), shards.tolist(), offsets.tolist(), strict=True))
 
     def seek(self, position: int) -> None:
         """Continue this slot's epoch at ``position`` (records it has read), without reading anything."""
         self._remaining = self._remaining_at(self._current(), self._slot, position, self._dealt)
         self._position = position
         self._identities, self._unverified = {}, set()
+
+    def take_keys(self, count: int) -> list[Key] | None:
+        """The keys of this slot's next ``count`` records (fewer at its end), the slot moved past them
+        without reading them: a shuffle buffer then fills with keys and reads each record when it
+        is drawn, as a restore does with the keys it re-reads.
+
+        None, and nothing moved, unless the keys follow from the position (known sizes, no pending
+        records) and the reader reads records by offset (``read_records``: reading them by key
+        costs about what reading them in order does). The shards' identities end up as reading
+        the records would leave them: taken for a shard entered at its start, compared with the
+        checkpoint's for a restored one (a ResumeError before anything moves).
+        """
+        if self._position is None or self._pending or getattr(self.read_shard, "read_records", None) is None:
+            return None
+        layout = self._slot_layout(self._current(), self._slot, self._dealt)
+        position = self._position
+        stop = min(position + count, int(layout.starts[-1]))
+        if stop <= position:
+            return []
+        first = int(np.searchsorted(layout.starts, position, side="right")) - 1
+        last = int(np.searchsorted(layout.starts, stop - 1, side="right")) - 1  # the shard of the last record
+        identities, unverified = dict(self._identities), set(self._unverified)
+        for k in range(first, last + 1):  # what iter_keyed does as it enters each shard, and leaves it
+            index = int(layout.shards[k])
+            entry = position - int(layout.starts[k]) + int(layout.firsts[k]) if k == first else int(layout.firsts[k])
+            done = k < last or stop == int(layout.starts[k + 1])
+            if entry == 0 and self._identity is not None:
+                identity = None if done else self.identity(index)  # a finished shard's would be dropped
+                if identity is not None:
+                    identities[index] = identity
+            elif index in unverified:
+                self._check_identity(index, entry, identities[index])
+                unverified.discard(index)
+            if done:
+                identities.pop(index, None)
+        keys = self.keys_at(np.arange(position, stop, dtype=np.int64))
+        self._remaining = self._remaining_at(self._current(), self._slot, stop, self._dealt)
+        self._position, self._identities, self._unverified = stop, identities, unverified
+        return keys
 
     def _current(self) -> EpochOrder:
         return (self._epoch, self._pieces)
