@@ -120,6 +120,7 @@ DEALT = "dealt"  # with sizes, after layout changes: [[old number of slots, [old
 # only then, with GROWN_STATE_VERSION, so an older release refuses what it would misread.
 EPOCH_SHARDS = "epoch_shards"
 GROWN_STATE_VERSION = 3
+NO_CURSOR = -1  # in an array of cursors by shard index: the slot has no cursor in that shard
 
 
 class ShardedIterable(Stream):
@@ -370,13 +371,53 @@ class ShardedIterable(Stream):
         which = np.searchsorted(layout.starts, positions, side="right") - 1
         shards = layout.shards[which]
         offsets = positions - layout.starts[which] + layout.firsts[which]
-        return [(epoch, i, o) for i, o in zip(shards.tolist(), offsets.tolist(), strict=True)]
+        # zip builds the tuples in C: a shuffle buffer's fill asks for a buffer's worth of keys.
+        return list(zip(itertools.repeat(epoch, len(shards)), shards.tolist(), offsets.tolist(), strict=True))
 
     def seek(self, position: int) -> None:
         """Continue this slot's epoch at ``position`` (records it has read), without reading anything."""
         self._remaining = self._remaining_at(self._current(), self._slot, position, self._dealt)
         self._position = position
         self._identities, self._unverified = {}, set()
+
+    def take_keys(self, count: int) -> list[Key] | None:
+        """The keys of this slot's next ``count`` records (fewer at its end), the slot moved past them
+        without reading them: a shuffle buffer then fills with keys and reads each record when it
+        is drawn, as a restore does with the keys it re-reads.
+
+        None, and nothing moved, unless the keys follow from the position (known sizes, no pending
+        records) and the reader reads records by offset (``read_records``: reading them by key
+        costs about what reading them in order does). The shards' identities end up as reading
+        the records would leave them: taken for a shard entered at its start, compared with the
+        checkpoint's for a restored one (a ResumeError before anything moves).
+        """
+        if self._position is None or self._pending or getattr(self.read_shard, "read_records", None) is None:
+            return None
+        layout = self._slot_layout(self._current(), self._slot, self._dealt)
+        position = self._position
+        stop = min(position + count, int(layout.starts[-1]))
+        if stop <= position:
+            return []
+        first = int(np.searchsorted(layout.starts, position, side="right")) - 1
+        last = int(np.searchsorted(layout.starts, stop - 1, side="right")) - 1  # the shard of the last record
+        identities, unverified = dict(self._identities), set(self._unverified)
+        for k in range(first, last + 1):  # what iter_keyed does as it enters each shard, and leaves it
+            index = int(layout.shards[k])
+            entry = position - int(layout.starts[k]) + int(layout.firsts[k]) if k == first else int(layout.firsts[k])
+            done = k < last or stop == int(layout.starts[k + 1])
+            if entry == 0 and self._identity is not None:
+                identity = None if done else self.identity(index)  # a finished shard's would be dropped
+                if identity is not None:
+                    identities[index] = identity
+            elif index in unverified:
+                self._check_identity(index, entry, identities[index])
+                unverified.discard(index)
+            if done:
+                identities.pop(index, None)
+        keys = self.keys_at(np.arange(position, stop, dtype=np.int64))
+        self._remaining = self._remaining_at(self._current(), self._slot, stop, self._dealt)
+        self._position, self._identities, self._unverified = stop, identities, unverified
+        return keys
 
     def _current(self) -> EpochOrder:
         return (self._epoch, self._pieces)
@@ -391,17 +432,23 @@ class ShardedIterable(Stream):
 
     def _cursors(
         self, order: EpochOrder, slot: Slot, remaining: list[list[int]], position: int | None, dealt: Dealt
-    ) -> dict[int, int]:
-        """The cursor of each shard this slot has yet to finish, by shard index (with a position,
-        built from the layout's arrays: a restore checks every buffered key against it)."""
+    ) -> np.ndarray:
+        """The cursor of each shard this slot has yet to finish, by shard index (``NO_CURSOR`` for the
+        others): an array over the shards, filled from the layout's arrays with a position. Each
+        check of a state builds it (a layout change parses every slot's state several times), so
+        it is never a dict of the slot's shards: at 10^5 shards that costs milliseconds."""
+        cursor_of = np.full(len(self.shards), NO_CURSOR, dtype=np.int64)
         if position is None:
-            return {index: cursor for index, cursor in remaining}
+            if remaining:
+                indices, cursors = zip(*remaining, strict=True)
+                cursor_of[list(indices)] = cursors
+            return cursor_of
         layout = self._slot_layout(order, slot, dealt)
         first = int(np.searchsorted(layout.starts, position, side="right")) - 1
-        cursors = layout.firsts[first:].copy()
-        if len(cursors):
-            cursors[0] += position - int(layout.starts[first])
-        return dict(zip(layout.shards[first:].tolist(), cursors.tolist(), strict=True))
+        cursor_of[layout.shards[first:]] = layout.firsts[first:]
+        if first < len(layout.shards):
+            cursor_of[layout.shards[first]] += position - int(layout.starts[first])
+        return cursor_of
 
     def fetch(self, key: Key) -> Any:
         return self.fetch_many([key])[0]
@@ -636,7 +683,7 @@ class ShardedIterable(Stream):
         identities: dict[int, str] = {}
         for key, identity in identities_raw.items():
             index = int(key) if isinstance(key, str) and key.isascii() and key.isdigit() and len(key) < 20 else -1
-            if index not in cursors or not isinstance(identity, str):
+            if not 0 <= index < len(cursors) or cursors[index] == NO_CURSOR or not isinstance(identity, str):
                 raise ResumeError(
                     f"{_WHAT} state: {IDENTITIES!r} has {brief(key)}: {brief(identity)}, but only shards being read "
                     f"have an identity (a string); pass a state_dict() of this pipeline unchanged"
@@ -679,6 +726,8 @@ class ShardedIterable(Stream):
 
     def _prefix_digest(self, count: int) -> str:
         """The digest of the first ``count`` shard names (what a checkpoint with that many shards holds)."""
+        if count == len(self._names):  # the usual case, computed once at construction
+            return self._digest
         if count not in self._prefix_digests:
             self._prefix_digests[count] = hashlib.sha256("\n".join(self._names[:count]).encode()).hexdigest()[:16]
         return self._prefix_digests[count]
@@ -687,6 +736,8 @@ class ShardedIterable(Stream):
         """The digest of the first ``count`` shard sizes (None without sizes=)."""
         if self.sizes is None:
             return None
+        if count == len(self.sizes):
+            return self._sizes_digest
         if count not in self._prefix_sizes:
             self._prefix_sizes[count] = hashlib.sha256(self._size_array[:count].tobytes()).hexdigest()[:16]
         return self._prefix_sizes[count]
@@ -702,11 +753,11 @@ class ShardedIterable(Stream):
                 "to read it as it is"
             )
 
-    def _reads(self, state: Mapping[str, Any] | None) -> tuple[int | None, dict[int, int], set[tuple[int, int]]]:
-        """What a checked ``state`` has read: its epoch, the cursors of its partly read shards and
-        its pending records (None, nothing, nothing without a state)."""
+    def _reads(self, state: Mapping[str, Any] | None) -> tuple[int | None, np.ndarray, set[tuple[int, int]]]:
+        """What a checked ``state`` has read: its epoch, the cursors of its partly read shards (see
+        ``_cursors``) and its pending records (None, no cursors, nothing without a state)."""
         if state is None:
-            return None, {}, set()
+            return None, np.full(len(self.shards), NO_CURSOR, dtype=np.int64), set()
         epoch, slot, remaining, pending, position, _, dealt, pieces = self._parse_all(state)
         cursors = self._cursors((epoch, pieces), slot, remaining, position, dealt)
         return epoch, cursors, {(i, o) for i, o in pending}
@@ -715,7 +766,7 @@ class ShardedIterable(Stream):
         return self._key_check(*self._reads(state))
 
     def _key_check(
-        self, epoch: int | None, cursors: dict[int, int], pending: set[tuple[int, int]]
+        self, epoch: int | None, cursors: np.ndarray, pending: set[tuple[int, int]]
     ) -> Callable[[Key], None]:
         n = len(self.shards)
 
@@ -740,9 +791,7 @@ class ShardedIterable(Stream):
         epoch, cursors, pending = self._reads(state)  # the state parsed once for both checks
         check = self._key_check(epoch, cursors, pending)
         n = len(self.shards)
-        cursor_of = np.full(n, np.iinfo(np.int64).max, dtype=np.int64)  # no cursor: any offset
-        for index, cursor in cursors.items():
-            cursor_of[index] = cursor
+        cursor_of = np.where(cursors == NO_CURSOR, np.iinfo(np.int64).max, cursors)  # no cursor: any offset
 
         def check_all(keys: Sequence[Key]) -> None:
             # The keys as one array, checked with a few vector comparisons; anything unusual (a
@@ -912,8 +961,9 @@ def _plausible(
     return not pending or pending.isdisjoint(zip(index.tolist(), offset.tolist(), strict=True))
 
 
-def _check_record(index: int, offset: int, n: int, cursors: Mapping[int, int], what: Callable[[], str]) -> None:
-    """Refuse a record (already read: buffered or pending) that cannot exist or was not read yet.
+def _check_record(index: int, offset: int, n: int, cursors: np.ndarray, what: Callable[[], str]) -> None:
+    """Refuse a record (already read: buffered or pending) that cannot exist or was not read yet;
+    ``cursors`` is ``_cursors``'s array (a cursor by shard index).
 
     A record of a shard that is still being read lies before that shard's cursor; whether a
     finished shard has it only a read can tell (the reader then raises a ResumeError). ``what``
@@ -924,8 +974,10 @@ def _check_record(index: int, offset: int, n: int, cursors: Mapping[int, int], w
         raise ResumeError(f"{_WHAT} state: {what()} names shard {brief(index)}, but there are {n} shards (0..{n - 1})")
     if not 0 <= offset <= MAX_COUNT:
         raise ResumeError(f"{_WHAT} state: {what()} has an offset {brief(offset)} outside [0, 2**63) in shard {index}")
-    if index in cursors and offset >= cursors[index]:
+    whole = int(index)  # a key may hold any number equal to a shard index (1.0, True), as a dict lookup took it
+    cursor = int(cursors[whole]) if whole == index else NO_CURSOR
+    if cursor != NO_CURSOR and offset >= cursor:
         raise ResumeError(
             f"{_WHAT} state: {what()} is at offset {brief(offset)} of shard {index}, which is read only up to its "
-            f"cursor {cursors[index]}: that record was not read yet; pass a state_dict() of this pipeline unchanged"
+            f"cursor {cursor}: that record was not read yet; pass a state_dict() of this pipeline unchanged"
         )

@@ -30,6 +30,14 @@ buffered record is still read exactly once, and all of them are read within abou
 draws; the total is a few grouped reads instead of one (a few more shard opens). A missing or truncated shard is
 reported (a ResumeError naming it) by the read that needs one of its records. A read happens
 before the draw and before the source moves, so a failed one leaves the state as it was.
+
+Filling by key. Over a :class:`ShardedIterable` with known sizes whose reader reads by offset
+(``read_records``), an empty (or short) buffer fills with the keys of the source's next records,
+computed from its position (:meth:`ShardedIterable.take_keys`), and reads each record like a
+restored one, ahead of the draws that pick it. An epoch's start, or a restore to it, then reads
+the records of its first 64 draws before its first batch instead of ``size``; the keys, the draws
+and what is yielded are those of a fill that reads the records in order. Other sources fill by
+reading.
 """
 
 from __future__ import annotations
@@ -45,6 +53,7 @@ from ..core.hash import hash_ints, hash_more_array
 from ..core.state import EPOCH, SEED, brief, check_int_arg
 from ..errors import ResumeError
 from .base import DRAWS, SOURCE, Key, Stream, Wrapper, check_same, record_key, require_count, require_key
+from .sharded import ShardedIterable
 
 __all__ = ["ShuffleBuffer"]
 
@@ -52,8 +61,8 @@ _first = itemgetter(0)
 
 
 class _Unread:
-    """The value of a restored buffer slot whose record is not re-read yet (a class, so that it
-    stays itself when a pipeline is pickled for a worker process)."""
+    """The value of a buffer slot whose record is not read yet, restored or filled by key (a class,
+    so that it stays itself when a pipeline is pickled for a worker process)."""
 
 
 FIRST_READ_AHEAD = 64  # draws covered by a restore's first re-read: a batch or two of records
@@ -142,7 +151,26 @@ class ShuffleBuffer(Wrapper):
         self._unread -= len(slots)
         self._read_ahead *= READ_AHEAD_GROWTH
 
+    def _fill_by_key(self) -> None:
+        """Fill the buffer with the keys of the source's next records where the source can tell them
+        (see "Filling by key" above), each record read ahead of the draw that picks it, as a
+        restored buffer's are. The keys, the draws and so what is yielded are those of the
+        records read in order."""
+        source = self.source
+        keys = source.take_keys(self.size - len(self._buffer)) if isinstance(source, ShardedIterable) else None
+        if not keys:
+            return
+        self._buffer.extend(zip(keys, itertools.repeat(_Unread)))
+        self._unread += len(keys)
+        entered = self._entered
+        if entered is not None:  # as if each key had entered in turn
+            entered.extend(keys)
+            if len(entered) > self.size:
+                self._entered = None
+
     def iter_keyed(self) -> Iterator[tuple[Key | None, Any]]:
+        if len(self._buffer) < self.size:
+            self._fill_by_key()  # before the source's records are iterated: it moves the source
         source = self.source.iter_keyed()
         while True:
             full = len(self._buffer) >= self.size
