@@ -14,7 +14,8 @@ yields every record once; each restore's first batch equals the uninterrupted ru
 2. Restore: 16 shards x 62,500 records (10^6); a state is taken at 0, 50 and 90 % of the epoch and
    restored into a freshly built loader, timed from ``load_state_dict`` to the first batch in hand
    (with workers also to the second: warm start moves the workers' start there). Restores are
-   interleaved over the methods in each round.
+   interleaved over the methods in each round; each method's cell process first iterates a plain
+   one-batch DataLoader, so torch's one-time first-use costs are not counted in its first restore.
 
 Every epoch of 1. and every method's checkpoints and restores of 2. run in a process of their own: a
 peer's threads and shared memory outlive its loader and would slow down whatever ran next beside them.
@@ -198,10 +199,23 @@ def checkpoints_cell(method: str, data: dict[str, Any], workers: int, epoch_batc
     return {"taken": out}
 
 
+def warm_up_dataloader() -> None:
+    """One epoch of a one-batch DataLoader of tensors, so that torch's first-use costs in a process are paid
+    before a timed restore: about 2.5 ms here, on the first iteration of any DataLoader (restored
+    or not, ours, litdata's or Mosaic's): the profiler hook it opens per batch imports a module at
+    its first use, the first draw of the base seed from a generator sets that op up, and the first
+    collation stacks tensors for the first time. A training process has paid them before it
+    restores (its model's initialization draws, its first steps)."""
+    records = [torch.zeros(2, dtype=torch.int64)] * 2
+    for _ in torch.utils.data.DataLoader(records, batch_size=2, generator=torch.Generator()):
+        pass
+
+
 def restore_cell(method: str, data: dict[str, Any], workers: int, taken: list[Any]) -> dict[str, Any]:
     """2. Each checkpoint restored into a freshly built loader: seconds to the first and second
     batch (NaN where a restored batch differs from the uninterrupted run's)."""
     torch.set_num_threads(1)
+    warm_up_dataloader()
     times = []
     for _, state, first, second in taken:
         loader = build(method, data, 0, workers)
