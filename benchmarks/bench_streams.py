@@ -14,8 +14,9 @@ yields every record once; each restore's first batch equals the uninterrupted ru
 2. Restore: 16 shards x 62,500 records (10^6); a state is taken at 0, 50 and 90 % of the epoch and
    restored into a freshly built loader, timed from ``load_state_dict`` to the first batch in hand
    (with workers also to the second: warm start moves the workers' start there). Restores are
-   interleaved over the methods in each round; each method's cell process first iterates a plain
-   one-batch DataLoader, so torch's one-time first-use costs are not counted in its first restore.
+   interleaved over the methods in each round, the positions' order turned by one each round; each
+   method's cell process first iterates a plain one-batch DataLoader, so torch's one-time first-use
+   costs are not counted in its first restore.
 
 Every epoch of 1. and every method's checkpoints and restores of 2. run in a process of their own: a
 peer's threads and shared memory outlive its loader and would slow down whatever ran next beside them.
@@ -483,10 +484,14 @@ def main() -> None:
             taken[name] = cell["taken"]
             print(f"checkpoints taken: {name}", flush=True)
         timings: dict[tuple[str, int], list[tuple[float, float]]] = {}
-        for _ in range(restore_rounds):
+        for round_ in range(restore_rounds):
+            # The positions' order turns each round, so that a process's first restore (which pays
+            # the first use of whatever it touches) falls on each position in turn.
+            order = [(f + round_) % len(FRACTIONS) for f in range(len(FRACTIONS))]
             for name, (method, workers) in restorers.items():
-                cell = isolated(restore_cell, method=method, data=data_r, workers=workers, taken=taken[name])
-                for f, t in enumerate(cell["times"]):
+                states = [taken[name][f] for f in order]
+                cell = isolated(restore_cell, method=method, data=data_r, workers=workers, taken=states)
+                for f, t in zip(order, cell["times"], strict=True):
                     timings.setdefault((name, f), []).append(t)
             print("restore round done", flush=True)
         rows = []
