@@ -24,11 +24,12 @@ Re-reading ahead of the draws. A restore does not re-read the whole buffer befor
 record: since the choices are a pure function of the draw number, the buffer knows which slots
 the next draws pick. When a draw is about to pick a slot not re-read yet, it re-reads the slots
 of the next ``64`` draws in one grouped :meth:`~Stream.fetch_many` (each shard opened once per
-read), then of the next 256, 1024, ... draws, and once that many draws cover the buffer, every
-slot left. So a restore reads about what its first batches need (not ``size`` records), each
-buffered record is still read exactly once, and all of them are read within about ``size``
-draws; the total is a few grouped reads instead of one (a few more shard opens). A missing or truncated shard is
-reported (a ResumeError naming it) by the read that needs one of its records. A read happens
+read), then of the next 64 again, then 256, 1024, ... draws, and once a read's draws are at least
+the slots left unread, every slot left (no more records than those draws could pick). So a
+restore reads about what its first batches need (not ``size`` records): a first batch that needs
+a little more than 64 draws reads about 128 draws' records, not 320; each buffered record is still
+read exactly once, and all of them are read within about ``size`` draws; the total is a few
+grouped reads instead of one (a few more shard opens). A missing or truncated shard is reported (a ResumeError naming it) by the read that needs one of its records. A read happens
 before the draw and before the source moves, so a failed one leaves the state as it was.
 """
 
@@ -57,7 +58,7 @@ class _Unread:
 
 
 FIRST_READ_AHEAD = 64  # draws covered by a restore's first re-read: a batch or two of records
-READ_AHEAD_GROWTH = 4  # each later re-read covers this many times more draws: few reads in all
+READ_AHEAD_GROWTH = 4  # each re-read after the second covers this many times more draws: few reads in all
 HASH_CHUNK = 256  # draws whose hashes are computed together (in numpy): a few batches' worth
 
 SIZE = "size"
@@ -91,7 +92,7 @@ class ShuffleBuffer(Wrapper):
         # (key, record) per slot; a restored slot holds (key, _Unread) until it is re-read.
         self._buffer: list[tuple[Key, Any]] = []
         self._unread = 0  # slots holding _Unread
-        self._read_ahead = FIRST_READ_AHEAD  # draws the next re-read covers
+        self._rereads = 0  # grouped re-reads since the restore: they fix how many draws the next covers
         self._draws = 0
         # Keys entered since the last state_update (None: that update's state is not the base of
         # the next one, which is then the whole state); and the draw count at that update.
@@ -120,10 +121,13 @@ class ShuffleBuffer(Wrapper):
         drawn eventually, so a record read early is never read in vain.
         """
         n = len(self._buffer)
-        if self._read_ahead >= n:
+        # 64 draws, 64 again (a first batch that needs more than the first read usually needs a
+        # little more, not 4x more), then 4x more each time.
+        window = FIRST_READ_AHEAD * READ_AHEAD_GROWTH ** max(0, self._rereads - 1)
+        if window >= self._unread:  # reading every slot left reads no more records than the window could
             slots = [s for s in range(n) if self._buffer[s][1] is _Unread]
         else:
-            hashes = draw_hashes(self.seed, self._epoch, self._draws, self._draws + min(self._read_ahead, n))
+            hashes = draw_hashes(self.seed, self._epoch, self._draws, self._draws + window)
             if not draining:
                 picked = {h % n for h in hashes}
             else:
@@ -140,7 +144,7 @@ class ShuffleBuffer(Wrapper):
         for slot, key, record in zip(slots, keys, records, strict=True):
             self._buffer[slot] = (key, record)
         self._unread -= len(slots)
-        self._read_ahead *= READ_AHEAD_GROWTH
+        self._rereads += 1
 
     def iter_keyed(self) -> Iterator[tuple[Key | None, Any]]:
         source = self.source.iter_keyed()
@@ -178,7 +182,7 @@ class ShuffleBuffer(Wrapper):
             yield out
 
     def _reset_own(self) -> None:
-        self._buffer, self._unread, self._read_ahead, self._draws = [], 0, FIRST_READ_AHEAD, 0
+        self._buffer, self._unread, self._rereads, self._draws = [], 0, 0, 0
         self._entered = None
 
     def _own_update(self) -> dict[str, Any]:
@@ -234,7 +238,7 @@ class ShuffleBuffer(Wrapper):
 
         def apply() -> None:
             self._buffer = [(key, _Unread) for key in keys]
-            self._unread, self._read_ahead, self._draws = len(keys), FIRST_READ_AHEAD, draws
+            self._unread, self._rereads, self._draws = len(keys), 0, draws
             self._entered, self._since = [], draws  # updates are relative to this state
 
         return apply
@@ -247,8 +251,10 @@ class ShuffleBuffer(Wrapper):
         def check(key: Key) -> None:
             nonlocal held
             if held is None:
+                # check() has accepted the state, so its buffer is a list of int keys: no need to
+                # parse it again (pack checks one carried key against a whole buffer).
                 assert state is not None
-                held = set(self._buffered_keys(state, self.size))
+                held = set(map(tuple, state[BUFFER]))
             if key in held:
                 raise ResumeError(
                     f"shuffle_buffer state: record key {brief(list(key))} is both buffered and handed out"
