@@ -45,7 +45,18 @@ import numpy as np
 from ..core.hash import hash_ints, hash_more_array
 from ..core.state import EPOCH, SEED, brief, check_int_arg
 from ..errors import ResumeError
-from .base import DRAWS, SOURCE, Key, Stream, Wrapper, check_same, record_key, require_count, require_key
+from .base import (
+    DRAWS,
+    SOURCE,
+    Key,
+    PlainKeys,
+    Stream,
+    Wrapper,
+    check_same,
+    record_key,
+    require_count,
+    require_key,
+)
 
 __all__ = ["ShuffleBuffer"]
 
@@ -274,8 +285,10 @@ class ShuffleBuffer(Wrapper):
         # restore reads a whole buffer of keys. Anything else goes key by key, which accepts tuples
         # and int subclasses and names the first bad key.
         if set(map(type, raw)) <= {list}:
-            keys = list(map(tuple, raw))
-            if set(map(type, itertools.chain.from_iterable(keys))) <= {int} and min(map(len, keys), default=2) >= 2:
+            keys = PlainKeys(map(tuple, raw))
+            widths = set(map(len, keys))
+            if set(map(type, itertools.chain.from_iterable(keys))) <= {int} and min(widths, default=2) >= 2:
+                keys.width = widths.pop() if len(widths) == 1 else 0  # the source's bulk check uses it
                 return keys
         return [require_key(key, "shuffle_buffer state") for key in raw]
 
