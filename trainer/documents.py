@@ -116,7 +116,7 @@ def document_loader(files: list[Path], block_size: int, config: TrainConfig, par
 class StreamData(TrainingData):
     """:class:`TrainingData` of streamed documents; ``twin`` builds another loader of the same batches.
 
-    ``all_true`` tells whether a flag holds on every rank (:meth:`Parallel.all_true`): the ranks read
+    ``all_true`` tells whether a flag holds on every rank (:func:`on_every_rank`): the ranks read
     different files, so their epochs hold different numbers of batches, and an epoch ends on every
     rank when it ends on one (its other batches are dropped, as ``drop_last`` drops a short batch).
     In lockstep, every rank's loader is in the same epoch at every step, so the ranks' states merge
@@ -186,4 +186,11 @@ def document_data(config: TrainConfig, block_size: int, files: list[Path], par: 
         raise ValueError(f"the validation file {val_file} holds fewer than {block_size + 1} tokens: one window")
     described = f"{config.data}: {len(train_files)} files of documents, streamed, {len(val)} val windows of the last"
     twin = partial(document_loader, train_files, block_size, config, par)
-    return StreamData(twin(), val, described, twin, par.all_true)
+    return StreamData(twin(), val, described, twin, on_every_rank(par))
+
+
+def on_every_rank(par: Parallel) -> Callable[[bool], bool]:
+    """Whether a flag holds on every rank: the mean of the flags is 1 (one all-reduce per call)."""
+    if not par.distributed:
+        return bool
+    return lambda flag: par.mean(torch.tensor([float(flag)], dtype=torch.float64, device=par.device)).item() == 1.0

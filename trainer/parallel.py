@@ -59,10 +59,6 @@ class Parallel:
         """Every rank's ``value``, indexed by rank, on every rank."""
         return [value]
 
-    def all_true(self, flag: bool) -> bool:
-        """Whether ``flag`` is true on every rank (one all-reduce)."""
-        return flag
-
     def close(self, *, clean: bool) -> None:
         """Leave the process group, if any (``clean``: every rank got here normally)."""
 
@@ -81,11 +77,6 @@ class _ProcessGroup(Parallel):
         out: list[Any] = [None] * self.world_size
         dist.all_gather_object(out, value)
         return out
-
-    def all_true(self, flag: bool) -> bool:
-        value = torch.tensor([int(flag)], device=self.device)
-        dist.all_reduce(value, op=dist.ReduceOp.MIN)
-        return bool(value.item())
 
     def close(self, *, clean: bool) -> None:
         # A gloo group's C++ threads live as long as anything holds the group, and the DDP model
