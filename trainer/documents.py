@@ -5,8 +5,9 @@ JSONL lines (the cursor a byte offset) or Parquet rows (a row number); a shuffle
 documents; each becomes its text field's UTF-8 bytes, ``pack`` appends an end-of-document token
 (:data:`EOS`: the model's vocabulary grows to 257) and cuts windows of ``block_size + 1`` tokens, and
 a ``StreamLoader`` batches them as ``(x, y)`` pairs. Each ``(rank, worker)`` reads every
-``world_size * num_workers``-th file of the epoch's order, and the loader's state is cursors and a
-few document keys, never tokens. The last file is held out: its first windows are the validation set.
+``world_size * num_workers``-th file of the epoch's order (under torchrun the ranks' epochs end
+together: see :class:`StreamData`), and the loader's state is cursors and a few document keys,
+never tokens. The last file is held out: its first windows are the validation set.
 """
 
 from __future__ import annotations
@@ -113,23 +114,42 @@ def document_loader(files: list[Path], block_size: int, config: TrainConfig, par
 
 @dataclass
 class StreamData(TrainingData):
-    """:class:`TrainingData` of streamed documents; ``twin`` builds another loader of the same batches."""
+    """:class:`TrainingData` of streamed documents; ``twin`` builds another loader of the same batches.
+
+    ``all_true`` tells whether a flag holds on every rank (:func:`on_every_rank`): the ranks read
+    different files, so their epochs hold different numbers of batches, and an epoch ends on every
+    rank when it ends on one (its other batches are dropped, as ``drop_last`` drops a short batch).
+    In lockstep, every rank's loader is in the same epoch at every step, so the ranks' states merge
+    into one checkpoint (which refuses ranks in different epochs) and resume on any number of ranks.
+    """
 
     twin: Callable[[], StreamLoader]
+    all_true: Callable[[bool], bool] = bool  # a single process: its own flag
 
     def batches(self) -> Iterator[Any]:
-        """As :meth:`TrainingData.batches`, refusing a loader whose epochs yield nothing (a stream's
-        length is known only once read, and the loop would wait forever).
+        """Batches forever, epoch after epoch in lockstep over the ranks: each step every rank takes
+        the next batch of the current epoch, or all of them go on with the next epoch.
 
         Raises:
-            ValueError: two passes in a row yield nothing (one may: a restore at an epoch's end).
+            ValueError: two epochs in a row yield nothing (one may: a restore at an epoch's end),
+                which a stream can only tell once it is read; the loop would wait forever.
         """
-        empty = 0
+        epoch, empty = self.loader.epoch, 0
         while empty < 2:
+            # Chosen, not left to the loader: a pass ends with the epoch (a restored one with it,
+            # too) instead of going on with the next one, which the other ranks may not have reached.
+            self.loader.set_epoch(epoch)
             empty += 1
-            for batch in self.loader:
-                empty = 0
-                yield batch
+            with contextlib.closing(iter(self.loader)) as passing:
+                while True:
+                    batch = next(passing, None)
+                    # One all-reduce per batch, on every rank: a rank whose epoch ended says so at
+                    # the step it ends, and the ranks with a batch left drop it.
+                    if not self.all_true(batch is not None):
+                        break
+                    empty = 0
+                    yield batch
+            epoch += 1
         raise ValueError(
             "an epoch of this rank's documents holds no batch (fewer than --batch-size windows per worker); "
             "use more documents, or fewer --num-workers or ranks"
@@ -166,4 +186,11 @@ def document_data(config: TrainConfig, block_size: int, files: list[Path], par: 
         raise ValueError(f"the validation file {val_file} holds fewer than {block_size + 1} tokens: one window")
     described = f"{config.data}: {len(train_files)} files of documents, streamed, {len(val)} val windows of the last"
     twin = partial(document_loader, train_files, block_size, config, par)
-    return StreamData(twin(), val, described, twin)
+    return StreamData(twin(), val, described, twin, on_every_rank(par))
+
+
+def on_every_rank(par: Parallel) -> Callable[[bool], bool]:
+    """Whether a flag holds on every rank: the mean of the flags is 1 (one all-reduce per call)."""
+    if not par.distributed:
+        return bool
+    return lambda flag: par.mean(torch.tensor([float(flag)], dtype=torch.float64, device=par.device)).item() == 1.0

@@ -75,6 +75,14 @@ Key = tuple[int, ...]
 Slot = tuple[int, int]
 """``(slot, num_slots)``: which of the global (rank, worker) slots a pipeline copy serves."""
 
+
+class PlainKeys(list[Key]):
+    """Record keys a stage has checked in bulk to be tuples of plain ints, each ``width`` long (a
+    shuffle buffer's saved keys): a bulk :meth:`Stream.keys_checker` need not look at every int again."""
+
+    width: int = 0  # 0: the keys are not all one length
+
+
 STREAM_STATE_VERSION = 2  # 2: ShardedIterable's shuffled shard order changed (core.permutation.ORDER_VERSION 2)
 # Keys of stream stage states, declared once (EPOCH, SEED, SHUFFLE, WORLD_SIZE come from _state).
 SOURCE = "source"

@@ -28,9 +28,11 @@ import bisect
 import math
 import numbers
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import Any, TypeAlias
+from typing import Any, NamedTuple, TypeAlias
 
-from ..core.hash import hash_ints
+import numpy as np
+
+from ..core.hash import hash_ints, hash_more_array
 from ..core.state import SEED, VERSION, brief, check_int_arg, check_version, require_mapping
 from ..errors import ResumeError
 from .base import (
@@ -53,6 +55,7 @@ __all__ = ["Mix", "mix"]
 _WHAT = "mix"
 WEIGHTS = "weights"
 EXHAUSTED = "exhausted"
+_HASH_CHUNK = 256  # draws whose hashes are computed together (in numpy): a few batches' worth
 
 Weights: TypeAlias = Sequence[float] | Sequence[tuple[int, Sequence[float]]] | Callable[[int], Sequence[float]]
 """Fixed weights, ``(records drawn, weights)`` pieces, or a function of the records drawn."""
@@ -111,6 +114,27 @@ class Schedule:
         return self._checked(self._fn(drawn), f"the schedule's weights at {drawn} records drawn")
 
 
+class _Weighing(NamedTuple):
+    """How a draw weighs the sources: the same for every draw while the schedule's piece and the
+    exhausted sources stay the same, so it is computed once for them, not per draw."""
+
+    piece: list[float]  # the schedule's weights it was computed from
+    exhausted: list[bool]  # a copy of the exhausted flags it was computed for
+    active: list[int]  # the sources still running
+    weights: list[float]  # the piece, or 1 each when every running source has weight 0
+    total: float  # the running sources' weights summed
+    last: int  # the last running source of weight > 0: where float rounding at the top lands
+
+    @staticmethod
+    def of(piece: list[float], exhausted: list[bool]) -> _Weighing:
+        active = [i for i, done in enumerate(exhausted) if not done]
+        weights = piece
+        if not any(weights[i] > 0 for i in active):
+            weights = [1.0] * len(weights)  # only sources at weight 0 are left: they still run out
+        total = sum(weights[i] for i in active)
+        return _Weighing(piece, list(exhausted), active, weights, total, [i for i in active if weights[i] > 0][-1])
+
+
 class Mix(Stream):
     """Records from ``streams`` chosen at random in proportion to ``weights``.
 
@@ -142,20 +166,35 @@ class Mix(Stream):
         self._draws = 0
         self._exhausted = [False] * len(self.streams)
         self._epoch = self.streams[0].epoch
+        self._weighing: _Weighing | None = None  # the last draw's weights, kept while they hold
+        self._hashes: tuple[int, int, list[int]] = (-1, 0, [])  # (epoch, first draw, their hashes)
 
     def _choose(self) -> int:
-        active = [i for i, done in enumerate(self._exhausted) if not done]
         # Records drawn so far: every draw but the one that found each exhausted source ended.
-        weights = self.schedule.at(self._draws - sum(self._exhausted))
-        if not any(weights[i] > 0 for i in active):
-            weights = [1.0] * len(weights)  # only sources at weight 0 are left: they still run out
-        u = hash_ints(self.seed, self._epoch, self._draws) / 2.0**64 * sum(weights[i] for i in active)
+        piece = self.schedule.at(self._draws - sum(self._exhausted))
+        weighing = self._weighing
+        if weighing is None or weighing.piece is not piece or weighing.exhausted != self._exhausted:
+            weighing = self._weighing = _Weighing.of(piece, self._exhausted)
+        u = self._draw_hash(self._draws) / 2.0**64 * weighing.total
         self._draws += 1
-        for i in active:
+        weights = weighing.weights
+        for i in weighing.active:
             u -= weights[i]
             if u < 0:
                 return i
-        return [i for i in active if weights[i] > 0][-1]  # float rounding at the very top of the range
+        return weighing.last  # float rounding at the very top of the range
+
+    def _draw_hash(self, draw: int) -> int:
+        """``hash_ints(seed, epoch, draw)``, from a chunk of draws hashed together in numpy: per draw
+        a list lookup instead of a chain of Python-int mixing."""
+        epoch, first, hashes = self._hashes
+        if epoch != self._epoch or not 0 <= draw - first < len(hashes):
+            first = draw
+            hashes = hash_more_array(
+                hash_ints(self.seed, self._epoch), np.arange(draw, draw + _HASH_CHUNK, dtype=np.uint64)
+            ).tolist()
+            self._hashes = (self._epoch, first, hashes)
+        return hashes[draw - first]
 
     def iter_keyed(self) -> Iterator[tuple[Key | None, Any]]:
         iterators: dict[int, Iterator[tuple[Key | None, Any]]] = {}
@@ -180,12 +219,10 @@ class Mix(Stream):
         return fetch_grouped(keys, 1, fetch)
 
     def key_checker(self, state: Mapping[str, Any] | None) -> Callable[[Key], None]:
-        subs = [
-            stream.key_checker(None if state is None else sub)
-            for stream, sub in zip(
-                self.streams, [None] * len(self.streams) if state is None else self._sources_of(state), strict=True
-            )
-        ]
+        sources = [None] * len(self.streams) if state is None else self._sources_of(state)
+        # A source's checker is built at its first key: pack checks one carried key, and building
+        # a checker parses that source's state.
+        subs: list[Callable[[Key], None] | None] = [None] * len(self.streams)
 
         def check(key: Key) -> None:
             # (epoch, source, *where): the source's own key is (epoch, *where).
@@ -193,7 +230,10 @@ class Mix(Stream):
                 raise ResumeError(
                     f"mix: a record key is [epoch, source < {len(self.streams)}, ...], but got {brief(list(key))}"
                 )
-            subs[key[1]]((key[0], *key[2:]))
+            sub = subs[key[1]]
+            if sub is None:
+                sub = subs[key[1]] = self.streams[key[1]].key_checker(sources[key[1]])
+            sub((key[0], *key[2:]))
 
         return check
 

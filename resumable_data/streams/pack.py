@@ -162,7 +162,8 @@ class Pack(Wrapper):
 
         Tokens are copied into one preallocated array (numpy: a small copy there costs a fraction
         of a ``torch.cat``), and a record's ``eos`` is written after its tokens rather than appended
-        to each record.
+        to each record. A record read here that fits in the rest of the window is copied at once,
+        without passing through the carried records (most records: a window holds many).
         """
         size, eos, carry = self.block_size, self.eos, self._carry
         window = np.empty(size, dtype=np.int64)
@@ -174,7 +175,20 @@ class Pack(Wrapper):
                 if item is None:
                     break
                 key = record_key(item[0], _WHAT)
-                carry.append(_Carried(key, 0, self._tokens(item[1], key)))
+                read = self._tokens(item[1], key)
+                n = len(read)
+                length = n + (eos is not None)
+                if length > size - filled:  # the window ends inside it: carried into the next one
+                    carry.append(_Carried(key, 0, read))
+                elif length:
+                    if first is None:
+                        first = (*key, 0)
+                    window[filled : filled + n] = read
+                    if eos is not None:
+                        window[filled + n] = eos
+                    if positions is not None:
+                        positions[filled : filled + length] = self._arange[:length]
+                    filled += length
                 continue
             head = carry[0]
             tokens = head.tokens
@@ -205,6 +219,8 @@ class Pack(Wrapper):
         return first, torch.from_numpy(window), None if positions is None else torch.from_numpy(positions)
 
     def _tokens(self, record: Any, key: Key) -> np.ndarray:
+        if type(record) is np.ndarray and record.dtype == np.int64 and record.ndim == 1:
+            return record  # what token_array returns for it, without naming the record for an error
         return token_array(record, f"pack: record {list(key)}")
 
     def _reread(self) -> None:

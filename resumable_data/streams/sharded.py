@@ -89,6 +89,7 @@ from .base import (
     MAX_COUNT,
     STREAM_STATE_VERSION,
     Key,
+    PlainKeys,
     Slot,
     Stream,
     check_same,
@@ -934,13 +935,17 @@ def _require_dealt(raw: Any) -> Dealt:
 
 def _as_array(keys: Sequence[Key]) -> np.ndarray | None:
     """``keys`` as an ``(n, 3)`` int64 array, or None unless every key is three plain ints that fit."""
-    if set(map(len, keys)) != {3}:
-        return None
-    flat = list(itertools.chain.from_iterable(keys))
-    if set(map(type, flat)) != {int}:
-        return None
+    flat: Iterable[int]
+    if isinstance(keys, PlainKeys) and keys.width == 3:  # the types checked by the stage that parsed them
+        flat = itertools.chain.from_iterable(keys)
+    else:
+        if set(map(len, keys)) != {3}:
+            return None
+        flat = list(itertools.chain.from_iterable(keys))
+        if set(map(type, flat)) != {int}:
+            return None
     try:
-        return np.fromiter(flat, dtype=np.int64, count=len(flat)).reshape(-1, 3)
+        return np.fromiter(flat, dtype=np.int64, count=3 * len(keys)).reshape(-1, 3)
     except OverflowError:
         return None
 

@@ -24,11 +24,12 @@ Re-reading ahead of the draws. A restore does not re-read the whole buffer befor
 record: since the choices are a pure function of the draw number, the buffer knows which slots
 the next draws pick. When a draw is about to pick a slot not re-read yet, it re-reads the slots
 of the next ``64`` draws in one grouped :meth:`~Stream.fetch_many` (each shard opened once per
-read), then of the next 256, 1024, ... draws, and once that many draws cover the buffer, every
-slot left. So a restore reads about what its first batches need (not ``size`` records), each
-buffered record is still read exactly once, and all of them are read within about ``size``
-draws; the total is a few grouped reads instead of one (a few more shard opens). A missing or truncated shard is
-reported (a ResumeError naming it) by the read that needs one of its records. A read happens
+read), then of the next 64 again, then 256, 1024, ... draws, and once a read's draws are at least
+the slots left unread, every slot left (no more records than those draws could pick). So a
+restore reads about what its first batches need (not ``size`` records): a first batch that needs
+a little more than 64 draws reads about 128 draws' records, not 320; each buffered record is still
+read exactly once, and all of them are read within about ``size`` draws; the total is a few
+grouped reads instead of one (a few more shard opens). A missing or truncated shard is reported (a ResumeError naming it) by the read that needs one of its records. A read happens
 before the draw and before the source moves, so a failed one leaves the state as it was.
 
 Filling by key. Over a :class:`ShardedIterable` with known sizes whose reader reads by offset
@@ -52,7 +53,18 @@ import numpy as np
 from ..core.hash import hash_ints, hash_more_array
 from ..core.state import EPOCH, SEED, brief, check_int_arg
 from ..errors import ResumeError
-from .base import DRAWS, SOURCE, Key, Stream, Wrapper, check_same, record_key, require_count, require_key
+from .base import (
+    DRAWS,
+    SOURCE,
+    Key,
+    PlainKeys,
+    Stream,
+    Wrapper,
+    check_same,
+    record_key,
+    require_count,
+    require_key,
+)
 from .sharded import ShardedIterable
 
 __all__ = ["ShuffleBuffer"]
@@ -66,7 +78,7 @@ class _Unread:
 
 
 FIRST_READ_AHEAD = 64  # draws covered by a restore's first re-read: a batch or two of records
-READ_AHEAD_GROWTH = 4  # each later re-read covers this many times more draws: few reads in all
+READ_AHEAD_GROWTH = 4  # each re-read after the second covers this many times more draws: few reads in all
 HASH_CHUNK = 256  # draws whose hashes are computed together (in numpy): a few batches' worth
 
 SIZE = "size"
@@ -100,7 +112,7 @@ class ShuffleBuffer(Wrapper):
         # (key, record) per slot; a restored slot holds (key, _Unread) until it is re-read.
         self._buffer: list[tuple[Key, Any]] = []
         self._unread = 0  # slots holding _Unread
-        self._read_ahead = FIRST_READ_AHEAD  # draws the next re-read covers
+        self._rereads = 0  # grouped re-reads since the restore: they fix how many draws the next covers
         self._draws = 0
         # Keys entered since the last state_update (None: that update's state is not the base of
         # the next one, which is then the whole state); and the draw count at that update.
@@ -129,10 +141,13 @@ class ShuffleBuffer(Wrapper):
         drawn eventually, so a record read early is never read in vain.
         """
         n = len(self._buffer)
-        if self._read_ahead >= n:
+        # 64 draws, 64 again (a first batch that needs more than the first read usually needs a
+        # little more, not 4x more), then 4x more each time.
+        window = FIRST_READ_AHEAD * READ_AHEAD_GROWTH ** max(0, self._rereads - 1)
+        if window >= self._unread:  # reading every slot left reads no more records than the window could
             slots = [s for s in range(n) if self._buffer[s][1] is _Unread]
         else:
-            hashes = draw_hashes(self.seed, self._epoch, self._draws, self._draws + min(self._read_ahead, n))
+            hashes = draw_hashes(self.seed, self._epoch, self._draws, self._draws + window)
             if not draining:
                 picked = {h % n for h in hashes}
             else:
@@ -149,7 +164,7 @@ class ShuffleBuffer(Wrapper):
         for slot, key, record in zip(slots, keys, records, strict=True):
             self._buffer[slot] = (key, record)
         self._unread -= len(slots)
-        self._read_ahead *= READ_AHEAD_GROWTH
+        self._rereads += 1
 
     def _fill_by_key(self) -> None:
         """Fill the buffer with the keys of the source's next records where the source can tell them
@@ -206,7 +221,7 @@ class ShuffleBuffer(Wrapper):
             yield out
 
     def _reset_own(self) -> None:
-        self._buffer, self._unread, self._read_ahead, self._draws = [], 0, FIRST_READ_AHEAD, 0
+        self._buffer, self._unread, self._rereads, self._draws = [], 0, 0, 0
         self._entered = None
 
     def _own_update(self) -> dict[str, Any]:
@@ -262,7 +277,7 @@ class ShuffleBuffer(Wrapper):
 
         def apply() -> None:
             self._buffer = [(key, _Unread) for key in keys]
-            self._unread, self._read_ahead, self._draws = len(keys), FIRST_READ_AHEAD, draws
+            self._unread, self._rereads, self._draws = len(keys), 0, draws
             self._entered, self._since = [], draws  # updates are relative to this state
 
         return apply
@@ -275,8 +290,10 @@ class ShuffleBuffer(Wrapper):
         def check(key: Key) -> None:
             nonlocal held
             if held is None:
+                # check() has accepted the state, so its buffer is a list of int keys: no need to
+                # parse it again (pack checks one carried key against a whole buffer).
                 assert state is not None
-                held = set(self._buffered_keys(state, self.size))
+                held = set(map(tuple, state[BUFFER]))
             if key in held:
                 raise ResumeError(
                     f"shuffle_buffer state: record key {brief(list(key))} is both buffered and handed out"
@@ -296,8 +313,10 @@ class ShuffleBuffer(Wrapper):
         # restore reads a whole buffer of keys. Anything else goes key by key, which accepts tuples
         # and int subclasses and names the first bad key.
         if set(map(type, raw)) <= {list}:
-            keys = list(map(tuple, raw))
-            if set(map(type, itertools.chain.from_iterable(keys))) <= {int} and min(map(len, keys), default=2) >= 2:
+            keys = PlainKeys(map(tuple, raw))
+            widths = set(map(len, keys))
+            if set(map(type, itertools.chain.from_iterable(keys))) <= {int} and min(widths, default=2) >= 2:
+                keys.width = widths.pop() if len(widths) == 1 else 0  # the source's bulk check uses it
                 return keys
         return [require_key(key, "shuffle_buffer state") for key in raw]
 

@@ -2,11 +2,11 @@
 
 Specifications: a restore reads nothing until the first ``next()``, which re-reads the records the
 next 64 draws pick (all of a smaller buffer), each shard opened once per read, not once per
-record; later reads cover 256, 1024, ... draws, then the rest, so every buffered record is read
-exactly once, within about ``size`` draws; a generic reader is called once per run of consecutive
-records; the records come back in their buffer slots, so the resumed stream equals the
-uninterrupted one, also when it is checkpointed again before every record was re-read; a failed
-re-read changes nothing and names the shard.
+record; the second read covers 64 draws again, later ones 256, 1024, ... draws, then the rest, so
+every buffered record is read exactly once, within about ``size`` draws; a generic reader is
+called once per run of consecutive records; the records come back in their buffer slots, so the
+resumed stream equals the uninterrupted one, also when it is checkpointed again before every
+record was re-read; a failed re-read changes nothing and names the shard.
 """
 
 from __future__ import annotations
@@ -120,10 +120,13 @@ def test_token_buffer_restore_reads_ahead_of_the_draws_grouped_by_shard(tmp_path
     first_read = sum(len(offsets) for _, offsets in counting.rereads)
     assert (first_read == buffered) if buffered <= 64 else (0 < first_read <= 64)
     assert len(counting.rereads) == len({name for name, _ in counting.rereads})
+    # A first batch that needs a little more than 64 draws: the second read covers 64 draws again.
+    got += itertools.islice(items, 99)
+    assert sum(len(offsets) for _, offsets in counting.rereads) <= 128
     got += items
     assert_same(got, expected)
     # Over the rest of the epoch every buffered record was read exactly once, in a few grouped
-    # reads (64, 256, 1024, ... draws, then the rest), each mapping a shard at most once.
+    # reads (64, 64, 256, 1024, ... draws, then the rest), each mapping a shard at most once.
     reread = Counter((name, offset) for name, offsets in counting.rereads for offset in offsets)
     assert reread == Counter((paths[key[1]].name, key[2]) for key in state["buffer"])
     assert len(passes.sizes) <= 2 + max(1, buffer // 64).bit_length() // 2
