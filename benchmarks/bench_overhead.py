@@ -714,8 +714,9 @@ def _add_arguments(parser: Any) -> None:
     )
 
 
-def rng_only(plan: Plan) -> None:
-    """``--rng-only``: the paired global-RNG cells and the machinery cells of the RNG rows."""
+def rng_only(plan: Plan, out: Path) -> None:
+    """``--rng-only``: the paired global-RNG cells, the machinery cells of the RNG rows and the
+    public calls one by one; written to ``bench_overhead_rng.md``."""
     started = time.perf_counter()
     cost = max(plan.sizes)
     work_iterations = _common.calibrate_work(cost)
@@ -738,12 +739,16 @@ def rng_only(plan: Plan) -> None:
         for workers in plan.workers
     }
     calls = run_isolated(rng_calls_cell, {"work_iterations": work_iterations, "rounds": 200}, timeout_s=600)
-    print(_common.machine_header("bench_overhead --rng-only: global-RNG seeding, paired"))
-    print("\n".join(rng_targets(paired, machinery)))
-    print(
-        "\n".join(["", *rng_calls_table(calls)] if "error" not in calls else [f"- the public calls: {calls['error']}"])
-    )
-    print(f"\nTotal run time: {time.perf_counter() - started:.0f} s.")
+    lines = [
+        _common.machine_header("bench_overhead --rng-only: global-RNG seeding, paired"),
+        *rng_targets(paired, machinery),
+        *(["", *rng_calls_table(calls)] if "error" not in calls else [f"- the public calls: {calls['error']}"]),
+        "",
+        f"Total run time: {time.perf_counter() - started:.0f} s.",
+    ]
+    text = "\n".join(lines)
+    print(text)
+    _common.write_report(out, "bench_overhead_rng", text)
 
 
 def main() -> None:
@@ -754,7 +759,7 @@ def main() -> None:
         return
     plan = QUICK if args.quick else FULL
     if args.rng_only:
-        rng_only(plan)
+        rng_only(plan, args.out)
         return
     work_iterations = {cost: _common.calibrate_work(cost) for cost in plan.sizes}
     started = time.perf_counter()
