@@ -29,8 +29,9 @@ the slots left unread, every slot left (no more records than those draws could p
 restore reads about what its first batches need (not ``size`` records): a first batch that needs
 a little more than 64 draws reads about 128 draws' records, not 320; each buffered record is still
 read exactly once, and all of them are read within about ``size`` draws; the total is a few
-grouped reads instead of one (a few more shard opens). A missing or truncated shard is reported (a ResumeError naming it) by the read that needs one of its records. A read happens
-before the draw and before the source moves, so a failed one leaves the state as it was.
+grouped reads instead of one (a few more shard opens). A missing or truncated shard is reported
+(a ResumeError naming it) by the read that needs one of its records. A read happens before the draw
+and before the source moves, so a failed one leaves the state as it was.
 
 Filling by key. Over a :class:`ShardedIterable` with known sizes whose reader reads by offset
 (``read_records``), an empty (or short) buffer fills with the keys of the source's next records,
