@@ -46,6 +46,11 @@ class Map(Wrapper):
         return self.fn(value, generator)
 
     def iter_keyed(self) -> Iterator[tuple[Key | None, Any]]:
+        if self.seed is None:  # the per-record path of most pipelines: no method call in between
+            fn = self.fn
+            for key, value in self.source.iter_keyed():
+                yield key, fn(value)
+            return
         for key, value in self.source.iter_keyed():
             yield key, self._call(key, value)
 

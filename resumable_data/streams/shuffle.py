@@ -120,6 +120,7 @@ class ShuffleBuffer(Wrapper):
         self._entered: list[Key] | None = None
         self._since = 0
         self._hashes: tuple[int, int, list[int]] = (-1, 0, [])  # (epoch, first draw, their hashes)
+        self._applied_hashes: tuple[int, int, list[int]] = (-1, 0, [])  # the same, for apply_update
 
     def _choice(self) -> int:
         return self._draw_hash(self._draws) % len(self._buffer)
@@ -185,41 +186,63 @@ class ShuffleBuffer(Wrapper):
                 self._entered = None
 
     def iter_keyed(self) -> Iterator[tuple[Key | None, Any]]:
+        # The per-record path of every shuffled pipeline: the draws' slots come from a chunk
+        # computed in numpy, the loop keeps its lookups local, and a draw costs a list lookup.
         if len(self._buffer) < self.size:
             self._fill_by_key()  # before the source's records are iterated: it moves the source
         source = self.source.iter_keyed()
-        while True:
-            full = len(self._buffer) >= self.size
-            if full:
-                # The choice does not depend on the incoming record: a slot left to re-read is read
-                # before the source moves, so a failed read changes nothing.
-                choice = self._choice()
-                if self._unread and self._buffer[choice][1] is _Unread:
-                    self._reread_ahead(draining=False)
+        buffer, size = self._buffer, self.size
+        while len(buffer) < size:  # filling: no draws yet
             item = next(source, None)
             if item is None:
                 break
-            keyed = record_key(item[0], "shuffle_buffer"), item[1]
-            entered = self._entered
-            if entered is not None:
-                entered.append(keyed[0])
-                if len(entered) > self.size:  # nobody takes updates: stop logging
-                    self._entered = None
-            if not full:
-                self._buffer.append(keyed)
-                continue
-            self._draws += 1
-            out, self._buffer[choice] = self._buffer[choice], keyed
-            yield out
-        while self._buffer:
+            key = record_key(item[0], "shuffle_buffer")
+            self._log_entered(key)
+            buffer.append((key, item[1]))
+        else:
+            first, slots = -1, list[int]()
+            while True:
+                # The choice does not depend on the incoming record: a slot left to re-read is read
+                # before the source moves, so a failed read changes nothing.
+                d = self._draws - first
+                if not 0 <= d < len(slots):
+                    first, slots = self._draws, self._full_slots(self._draws)
+                    d = 0
+                choice = slots[d]
+                if self._unread and buffer[choice][1] is _Unread:
+                    self._reread_ahead(draining=False)
+                item = next(source, None)
+                if item is None:
+                    break
+                key = record_key(item[0], "shuffle_buffer")
+                self._log_entered(key)
+                self._draws += 1
+                out = buffer[choice]
+                buffer[choice] = (key, item[1])
+                yield out
+        while buffer:
             choice = self._choice()
-            if self._unread and self._buffer[choice][1] is _Unread:
+            if self._unread and buffer[choice][1] is _Unread:
                 self._reread_ahead(draining=True)
             self._draws += 1
-            out = self._buffer[choice]
-            self._buffer[choice] = self._buffer[-1]
-            self._buffer.pop()
+            out = buffer[choice]
+            buffer[choice] = buffer[-1]
+            buffer.pop()
             yield out
+
+    def _log_entered(self, key: Key) -> None:
+        """Note a key that entered the buffer, for the next :meth:`state_update`."""
+        entered = self._entered
+        if entered is not None:
+            entered.append(key)
+            if len(entered) > self.size:  # nobody takes updates: stop logging
+                self._entered = None
+
+    def _full_slots(self, draw: int) -> list[int]:
+        """The slots that draws ``draw, draw + 1, ...`` of a full buffer pick (a chunk of them)."""
+        hashes = hash_more_array(hash_ints(self.seed, self._epoch), np.arange(draw, draw + HASH_CHUNK, dtype=np.int64))
+        slots: list[int] = (hashes % np.uint64(self.size)).tolist()
+        return slots
 
     def _reset_own(self) -> None:
         self._buffer, self._unread, self._rereads, self._draws = [], 0, 0, 0
@@ -244,7 +267,7 @@ class ShuffleBuffer(Wrapper):
             )
         fill = max(0, min(len(entered), self.size - len(buffer)))
         buffer.extend(entered[:fill])
-        hashes = draw_hashes(self.seed, update[EPOCH], draw, update[DRAWS])
+        hashes = self._update_hashes(update[EPOCH], draw, update[DRAWS])
         for key, h in zip(entered[fill:], hashes, strict=False):
             buffer[h % len(buffer)] = key
         for h in hashes[len(entered) - fill :]:  # draining: the last record moves into the drawn slot
@@ -254,6 +277,16 @@ class ShuffleBuffer(Wrapper):
         del state[SINCE], state[ENTERED]
         state[BUFFER] = buffer
         return state
+
+    def _update_hashes(self, epoch: int, start: int, stop: int) -> list[int]:
+        """``draw_hashes(seed, epoch, start, stop)`` for :meth:`apply_update`, from a chunk of draws
+        hashed together (a loader applies a batch's worth per update: numpy's cost per call would
+        otherwise be most of it). Its own chunk: with 0 workers this instance also iterates."""
+        cached_epoch, first, hashes = self._applied_hashes
+        if cached_epoch != epoch or start < first or stop > first + len(hashes):
+            first, hashes = start, draw_hashes(self.seed, epoch, start, max(stop, start + HASH_CHUNK))
+            self._applied_hashes = (epoch, first, hashes)
+        return hashes[start - first : stop - first]
 
     def _own_state(self) -> dict[str, Any]:
         # Taken after every batch (StreamLoader keeps each batch's state): map() instead of a list

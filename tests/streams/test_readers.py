@@ -31,6 +31,24 @@ def test_token_windows_golden(tmp_path: Path, suffix: str) -> None:
     assert reader(path, 0).__next__().dtype == torch.int64
 
 
+def test_token_windows_made_in_chunks_are_the_windows_each_with_its_own_storage(tmp_path: Path) -> None:
+    # The reader makes windows a chunk at a time (warm caches when the consumer works between
+    # records): across chunk boundaries, from any start, each window is the slice of the file, and
+    # none shares storage with another (a buffered record pins nothing but itself).
+    (path,) = write_token_shards(tmp_path, [3 * 100 + 1])
+    tokens = np.fromfile(path, dtype=np.uint16).astype(np.int64)
+    reader = TokenShardReader(3)
+    for start in (0, 1, 31, 32, 33, 70, 99, 100):
+        windows = list(reader(path, start))
+        assert [w.tolist() for w in windows] == [tokens[3 * i : 3 * i + 3].tolist() for i in range(start, 100)]
+        assert len({w.untyped_storage().data_ptr() for w in windows}) == len(windows)
+        assert all(w.untyped_storage().nbytes() == 3 * 8 for w in windows)
+    picked = [0, 31, 32, 33, 64, 99]
+    assert [w.tolist() for w in reader.read_records(path, picked)] == [
+        tokens[3 * i : 3 * i + 3].tolist() for i in picked
+    ]
+
+
 @pytest.mark.parametrize("suffix", [".bin", ".npy"])
 def test_token_stream_resumes_identically(tmp_path: Path, suffix: str) -> None:
     paths = write_token_shards(tmp_path, [40, 25, 0, 33], suffix=suffix)
