@@ -51,3 +51,35 @@ def _finalize(x: np.ndarray) -> None:
     x ^= x >> _S27
     x *= _M2_U64
     x ^= x >> _S31
+
+
+def draw_hash_array(seed: int, epoch: int, start: int, stop: int) -> np.ndarray:
+    """``hash_ints(seed, epoch, d)`` for draws ``d`` in ``[start, stop)`` (non-negative), as uint64."""
+    return hash_more_array(hash_ints(seed, epoch), np.arange(start, max(start, stop), dtype=np.int64))
+
+
+DRAW_CHUNK = 256  # draws whose hashes are computed together: a few batches' worth
+
+
+class DrawHashes:
+    """``hash_ints(seed, epoch, d)`` of draw ``d``, from a chunk of draws hashed together in numpy:
+    per draw a list lookup instead of a chain of Python-int mixing. A stage drawing once per record
+    (a shuffle buffer's slot, a mix's source) keeps one; the values are the same numbers."""
+
+    def __init__(self, seed: int) -> None:
+        self.seed = seed
+        self._epoch, self._first, self._hashes = -1, 0, list[int]()
+
+    def between(self, epoch: int, start: int, stop: int) -> list[int]:
+        """The hashes of draws ``start`` to ``stop - 1`` of ``epoch``."""
+        first, hashes = self._first, self._hashes
+        if epoch != self._epoch or start < first or stop > first + len(hashes):
+            first, hashes = start, draw_hash_array(self.seed, epoch, start, max(stop, start + DRAW_CHUNK)).tolist()
+            self._epoch, self._first, self._hashes = epoch, first, hashes
+        return hashes[start - first : stop - first]
+
+    def at(self, epoch: int, draw: int) -> int:
+        """The hash of draw ``draw`` of ``epoch``."""
+        if epoch != self._epoch or not 0 <= draw - self._first < len(self._hashes):
+            self.between(epoch, draw, draw + 1)
+        return self._hashes[draw - self._first]

@@ -30,9 +30,7 @@ import numbers
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, NamedTuple, TypeAlias
 
-import numpy as np
-
-from ..core.hash import hash_ints, hash_more_array
+from ..core.hash import DrawHashes
 from ..core.state import SEED, VERSION, brief, check_int_arg, check_version, require_mapping
 from ..errors import ResumeError
 from .base import (
@@ -55,7 +53,6 @@ __all__ = ["Mix", "mix"]
 _WHAT = "mix"
 WEIGHTS = "weights"
 EXHAUSTED = "exhausted"
-_HASH_CHUNK = 256  # draws whose hashes are computed together (in numpy): a few batches' worth
 
 Weights: TypeAlias = Sequence[float] | Sequence[tuple[int, Sequence[float]]] | Callable[[int], Sequence[float]]
 """Fixed weights, ``(records drawn, weights)`` pieces, or a function of the records drawn."""
@@ -167,7 +164,7 @@ class Mix(Stream):
         self._exhausted = [False] * len(self.streams)
         self._epoch = self.streams[0].epoch
         self._weighing: _Weighing | None = None  # the last draw's weights, kept while they hold
-        self._hashes: tuple[int, int, list[int]] = (-1, 0, [])  # (epoch, first draw, their hashes)
+        self._hashes = DrawHashes(self.seed)
 
     def _choose(self) -> int:
         # Records drawn so far: every draw but the one that found each exhausted source ended.
@@ -175,7 +172,7 @@ class Mix(Stream):
         weighing = self._weighing
         if weighing is None or weighing.piece is not piece or weighing.exhausted != self._exhausted:
             weighing = self._weighing = _Weighing.of(piece, self._exhausted)
-        u = self._draw_hash(self._draws) / 2.0**64 * weighing.total
+        u = self._hashes.at(self._epoch, self._draws) / 2.0**64 * weighing.total
         self._draws += 1
         weights = weighing.weights
         for i in weighing.active:
@@ -183,18 +180,6 @@ class Mix(Stream):
             if u < 0:
                 return i
         return weighing.last  # float rounding at the very top of the range
-
-    def _draw_hash(self, draw: int) -> int:
-        """``hash_ints(seed, epoch, draw)``, from a chunk of draws hashed together in numpy: per draw
-        a list lookup instead of a chain of Python-int mixing."""
-        epoch, first, hashes = self._hashes
-        if epoch != self._epoch or not 0 <= draw - first < len(hashes):
-            first = draw
-            hashes = hash_more_array(
-                hash_ints(self.seed, self._epoch), np.arange(draw, draw + _HASH_CHUNK, dtype=np.uint64)
-            ).tolist()
-            self._hashes = (self._epoch, first, hashes)
-        return hashes[draw - first]
 
     def iter_keyed(self) -> Iterator[tuple[Key | None, Any]]:
         iterators: dict[int, Iterator[tuple[Key | None, Any]]] = {}

@@ -51,7 +51,7 @@ from typing import Any
 
 import numpy as np
 
-from ..core.hash import hash_ints, hash_more_array
+from ..core.hash import DRAW_CHUNK, DrawHashes, draw_hash_array
 from ..core.state import EPOCH, SEED, brief, check_int_arg
 from ..errors import ResumeError
 from .base import (
@@ -80,7 +80,6 @@ class _Unread:
 
 FIRST_READ_AHEAD = 64  # draws covered by a restore's first re-read: a batch or two of records
 READ_AHEAD_GROWTH = 4  # each re-read after the second covers this many times more draws: few reads in all
-HASH_CHUNK = 256  # draws whose hashes are computed together (in numpy): a few batches' worth
 
 SIZE = "size"
 BUFFER = "buffer"
@@ -119,20 +118,11 @@ class ShuffleBuffer(Wrapper):
         # the next one, which is then the whole state); and the draw count at that update.
         self._entered: list[Key] | None = None
         self._since = 0
-        self._hashes: tuple[int, int, list[int]] = (-1, 0, [])  # (epoch, first draw, their hashes)
-        self._applied_hashes: tuple[int, int, list[int]] = (-1, 0, [])  # the same, for apply_update
+        self._hashes = DrawHashes(self.seed)  # the draws' hashes while iterating
+        self._applied_hashes = DrawHashes(self.seed)  # the same for apply_update: with 0 workers one instance does both
 
     def _choice(self) -> int:
-        return self._draw_hash(self._draws) % len(self._buffer)
-
-    def _draw_hash(self, draw: int) -> int:
-        """``hash_ints(seed, epoch, draw)``, the draw's slot before ``% len(buffer)``, from a chunk of
-        draws hashed together: per draw, a list lookup instead of a chain of Python-int mixing."""
-        epoch, first, hashes = self._hashes
-        if epoch != self._epoch or not 0 <= draw - first < len(hashes):
-            first, hashes = draw, draw_hashes(self.seed, self._epoch, draw, draw + HASH_CHUNK)
-            self._hashes = (self._epoch, first, hashes)
-        return hashes[draw - first]
+        return self._hashes.at(self._epoch, self._draws) % len(self._buffer)
 
     def _reread_ahead(self, draining: bool) -> None:
         """Re-read the restored records that the next draws pick (the next one picks one).
@@ -149,7 +139,7 @@ class ShuffleBuffer(Wrapper):
         if window >= self._unread:  # reading every slot left reads no more records than the window could
             slots = [s for s in range(n) if self._buffer[s][1] is _Unread]
         else:
-            hashes = draw_hashes(self.seed, self._epoch, self._draws, self._draws + window)
+            hashes = draw_hash_array(self.seed, self._epoch, self._draws, self._draws + window).tolist()
             if not draining:
                 picked = {h % n for h in hashes}
             else:
@@ -240,7 +230,7 @@ class ShuffleBuffer(Wrapper):
 
     def _full_slots(self, draw: int) -> list[int]:
         """The slots that draws ``draw, draw + 1, ...`` of a full buffer pick (a chunk of them)."""
-        hashes = hash_more_array(hash_ints(self.seed, self._epoch), np.arange(draw, draw + HASH_CHUNK, dtype=np.int64))
+        hashes = draw_hash_array(self.seed, self._epoch, draw, draw + DRAW_CHUNK)
         slots: list[int] = (hashes % np.uint64(self.size)).tolist()
         return slots
 
@@ -267,7 +257,7 @@ class ShuffleBuffer(Wrapper):
             )
         fill = max(0, min(len(entered), self.size - len(buffer)))
         buffer.extend(entered[:fill])
-        hashes = self._update_hashes(update[EPOCH], draw, update[DRAWS])
+        hashes = self._applied_hashes.between(update[EPOCH], draw, update[DRAWS])
         for key, h in zip(entered[fill:], hashes, strict=False):
             buffer[h % len(buffer)] = key
         for h in hashes[len(entered) - fill :]:  # draining: the last record moves into the drawn slot
@@ -277,16 +267,6 @@ class ShuffleBuffer(Wrapper):
         del state[SINCE], state[ENTERED]
         state[BUFFER] = buffer
         return state
-
-    def _update_hashes(self, epoch: int, start: int, stop: int) -> list[int]:
-        """``draw_hashes(seed, epoch, start, stop)`` for :meth:`apply_update`, from a chunk of draws
-        hashed together (a loader applies a batch's worth per update: numpy's cost per call would
-        otherwise be most of it). Its own chunk: with 0 workers this instance also iterates."""
-        cached_epoch, first, hashes = self._applied_hashes
-        if cached_epoch != epoch or start < first or stop > first + len(hashes):
-            first, hashes = start, draw_hashes(self.seed, epoch, start, max(stop, start + HASH_CHUNK))
-            self._applied_hashes = (epoch, first, hashes)
-        return hashes[start - first : stop - first]
 
     def _own_state(self) -> dict[str, Any]:
         # Taken after every batch (StreamLoader keeps each batch's state): map() instead of a list
@@ -360,10 +340,3 @@ class ShuffleBuffer(Wrapper):
         # Buffered records go back to the sources as pending records, to be read again exactly once.
         held = [key for state in states for key in self._buffered_keys(state)]
         return super().rebalance(states, num_slots, pending + held)
-
-
-def draw_hashes(seed: int, epoch: int, start: int, stop: int) -> list[int]:
-    """``hash_ints(seed, epoch, d)`` for draws ``d`` in ``[start, stop)``, computed in bulk."""
-    if stop <= start:
-        return []
-    return hash_more_array(hash_ints(seed, epoch), np.arange(start, stop, dtype=np.int64)).tolist()
