@@ -10,7 +10,18 @@ its pipeline's state *after* that batch, as a change to the state after its prev
 (:meth:`Stream.state_update`: a shuffle buffer sends the keys that entered it, not its whole key
 list). The loader strips it off and applies it to its copy of that slot's state
 (:meth:`Stream.apply_update`), so its state describes exactly the batches handed to the caller;
-batches still sitting in a prefetch queue are not counted. The state::
+batches still sitting in a prefetch queue are not counted.
+
+With 0 workers the pipeline is this process's own and stops right after each batch, so it holds
+the state after the batch handed out; the loader reads it from there when a state is asked for,
+rather than applying every update to a copy as it goes (a copy whose writes, one per record into
+a list as long as the buffer, cost more than the batch's own state change). It still takes each
+batch's update, for :meth:`StreamLoader.state_dict` with ``unconsumed=1`` (the position before the
+last batch): the updates since its copy was last refreshed are kept, pickled (as hundreds of
+batches' small dicts and lists they would set off the garbage collector's full collections, a
+tenth of a second each beside a large model's objects), and the copy is refreshed from the
+pipeline once they are ``_REFRESH_RATIO`` times its size, so the per-batch cost stays in
+proportion to the batch, whatever the buffer size. The state::
 
     {"version": 1, "epoch": 2, "epoch_done": False, "world_size": 2, "num_workers": 2,
      "next_worker": {"0": 1}, "slots": {"0": {...pipeline state...}, "1": {...}},
@@ -95,6 +106,9 @@ NUM_WORKERS = "num_workers"
 NEXT_WORKER = "next_worker"
 SLOTS = "slots"
 BATCHES = "batches"  # batches each slot has yielded in the epoch: what seeds the global RNGs for the next
+# With 0 workers, the pickled updates kept beside the slot's copy may grow to this many times the
+# copy's pickled size before the copy is refreshed from the pipeline (about one state_dict()).
+_REFRESH_RATIO = 4
 _BATCH_SALT = 0x73747265616D  # "stream": the global-RNG keys must not coincide with other keys
 _END = object()
 # Fields of a pipeline state that say where it stands; every other field says what the pipeline
@@ -201,6 +215,10 @@ class StreamLoader:
         # loading the state again: a restored state is validated once, in load_state_dict, and a
         # shuffle buffer keeps the records it holds after a break (a reload would re-read them).
         self._holds: int | None = None
+        # With 0 workers (see the module docstring): the updates of the batches handed out since
+        # self._states[0] was last brought up to date, pickled; their bytes, and the copy's.
+        self._updates: list[bytes] = []
+        self._updates_size = self._copy_size = 0
         self._start_epoch(0)
 
     @property
@@ -227,6 +245,7 @@ class StreamLoader:
         self._yielded = [0] * self._local
         self._pending = None
         self._holds = self._local - 1
+        self._updates, self._updates_size, self._copy_size = [], 0, 0
 
     def set_epoch(self, epoch: int) -> None:
         """Select ``epoch``; keeps the position if it is already the current (e.g. restored) epoch."""
@@ -248,6 +267,8 @@ class StreamLoader:
         # From here on the pipeline may move (or workers move their copies): nothing is known to
         # hold a recorded state until a batch arrives.
         holds, self._holds = self._holds, None
+        if holds is None:
+            self._apply_updates()  # the pipeline loads the slot's state: it must be up to date
         for local, count, update, batch in self._batches(segment.epoch, holds):
             self._pending = (local, count, update)
             self._fresh, yielded = False, True
@@ -273,9 +294,34 @@ class StreamLoader:
         if self._pending is not None:
             local, count, update = self._pending
             self._pending = None
-            self._states[local] = self._stream.apply_update(self._states[local], update)
+            if self.num_workers:
+                self._states[local] = self._stream.apply_update(self._states[local], update)
+            else:
+                # The pipeline holds this state; the update is kept for state_dict(unconsumed=1)
+                # until the updates outgrow a refresh of the copy from the pipeline.
+                kept = pickle.dumps(update, protocol=pickle.HIGHEST_PROTOCOL)
+                self._updates.append(kept)
+                self._updates_size += len(kept)
+                if self._updates_size > _REFRESH_RATIO * self._copy_size and self._holds == local:
+                    self._refresh()
             self._yielded[local] = count
             self._next_worker = (local + 1) % self._local
+
+    def _refresh(self) -> None:
+        """Make the pipeline's state the slot's copy, with no updates beside it (0 workers, the
+        pipeline holding the state after the last batch handed out)."""
+        kept = pickle.dumps([self._stream.state_dict()], protocol=pickle.HIGHEST_PROTOCOL)
+        self._states = pickle.loads(kept)  # shares nothing with the pipeline
+        self._updates, self._updates_size, self._copy_size = [], 0, len(kept)
+
+    def _apply_updates(self) -> None:
+        """Bring ``self._states[0]`` up to date with the updates kept beside it (0 workers)."""
+        if self._updates:
+            state = self._states[0]
+            for kept in self._updates:
+                state = self._stream.apply_update(state, pickle.loads(kept))
+            self._states[0] = state
+            self._updates, self._updates_size = [], 0
 
     def _batches(self, epoch: int, holds: int | None) -> Iterator[tuple[int, int, dict[str, Any], Any]]:
         """``(slot, batches it has yielded, state update, batch)`` of this pass: the first from this
@@ -336,12 +382,25 @@ class StreamLoader:
         if unconsumed > 1 or (unconsumed and self._pending is None):
             held = "1" if self._pending is not None else "0 (no batch handed out is held back)"
             raise ResumeError(f"state_dict(unconsumed={unconsumed}): can take back at most {held}")
-        states, yielded, next_worker = _copy(self._states), list(self._yielded), self._next_worker
+        yielded, next_worker = list(self._yielded), self._next_worker
         if self._pending is not None and not unconsumed:
             local, count, update = self._pending
-            # On a copy: self._states stays as it is, so a later call can still take the batch back.
-            states[local] = _copy([self._stream.apply_update(states[local], update)])[0]
             yielded[local], next_worker = count, (local + 1) % self._local
+        if self.num_workers == 0 and self._holds is not None and not unconsumed:
+            # The pipeline holds the state after the last batch handed out: read it from there,
+            # and refresh the copy from it unless a batch is still held back.
+            if self._pending is None:
+                self._refresh()
+                states = _copy(self._states)
+            else:
+                states = _copy([self._stream.state_dict()])
+        else:
+            self._apply_updates()
+            states = _copy(self._states)
+            if self._pending is not None and not unconsumed:
+                # On a copy: self._states stays as it is, so a later call can still take the batch
+                # back; copied again, since the state shares lists with the update.
+                states[local] = _copy([self._stream.apply_update(states[local], update)])[0]
         return {
             VERSION: LOADER_STATE_VERSION,
             EPOCH: self._cursor.epoch,
@@ -433,6 +492,7 @@ class StreamLoader:
         self._yielded = yielded
         self._pending = None
         self._holds = self._local - 1
+        self._updates, self._updates_size, self._copy_size = [], 0, 0
         self._cursor.restore(epoch, 0, epoch_done)
 
     @staticmethod

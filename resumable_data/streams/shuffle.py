@@ -242,7 +242,10 @@ class ShuffleBuffer(Wrapper):
         entered, self._entered, since, self._since = self._entered, [], self._since, self._draws
         if entered is None:
             return self._own_state()
-        return {SEED: self.seed, SIZE: self.size, DRAWS: self._draws, SINCE: since, ENTERED: list(map(list, entered))}
+        # The buffer's own key tuples, in the list that logged them: nothing is built per key (a
+        # 0-worker StreamLoader keeps the updates of hundreds of batches, each a set of objects
+        # for the garbage collector to track); apply_update makes the state's lists.
+        return {SEED: self.seed, SIZE: self.size, DRAWS: self._draws, SINCE: since, ENTERED: entered}
 
     def apply_update(self, previous: dict[str, Any], update: dict[str, Any]) -> dict[str, Any]:
         state = super().apply_update(previous, update)
@@ -256,10 +259,10 @@ class ShuffleBuffer(Wrapper):
                 f"state is at draw {previous[DRAWS]} of epoch {previous[EPOCH]}"
             )
         fill = max(0, min(len(entered), self.size - len(buffer)))
-        buffer.extend(entered[:fill])
+        buffer.extend(map(list, entered[:fill]))
         hashes = self._applied_hashes.between(update[EPOCH], draw, update[DRAWS])
         for key, h in zip(entered[fill:], hashes, strict=False):
-            buffer[h % len(buffer)] = key
+            buffer[h % len(buffer)] = list(key)
         for h in hashes[len(entered) - fill :]:  # draining: the last record moves into the drawn slot
             slot = h % len(buffer)
             buffer[slot] = buffer[-1]

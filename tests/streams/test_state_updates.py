@@ -11,6 +11,7 @@ records read since the last one; and so a batch costs about the same with a buff
 from __future__ import annotations
 
 import copy
+import itertools
 import time
 from pathlib import Path
 
@@ -100,3 +101,58 @@ def test_a_batch_costs_the_same_with_a_large_buffer(tmp_path: Path) -> None:
         small.append(_seconds_per_epoch(paths, 64))
         large.append(_seconds_per_epoch(paths, 4096))
     assert min(large) < 4 * min(small), (small, large)
+
+
+# What the caller does after a batch of a 0-worker loader: nothing, save (with or without the
+# batch it holds taken back, in either order), or stop and iterate again.
+NOTHING, SAVE, TAKE_BACK, BOTH, STOP = range(5)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    shape=st.sampled_from(sorted(SHAPES)),
+    sizes=st.lists(st.integers(0, 12), min_size=1, max_size=4),
+    buffer=st.integers(1, 24),
+    batch=st.integers(1, 4),
+    actions=st.lists(st.integers(NOTHING, STOP), min_size=1, max_size=60),
+)
+def test_a_0_worker_loader_reads_its_state_from_the_pipeline_and_takes_a_batch_back_exactly(
+    shape, sizes, buffer, batch, actions
+) -> None:
+    """With 0 workers the loader applies no update per batch: it reads the state from its pipeline
+    and keeps the updates, refreshing its copy from the pipeline once they hold more than it.
+    Whatever the caller does between batches, ``state_dict()`` is the state after the batch just
+    handed out and ``state_dict(unconsumed=1)`` the state before it, as a reference loader that
+    saved after every batch recorded them; small buffers refresh every few batches, large ones
+    take back through a long run of updates."""
+
+    def make() -> StreamLoader:
+        return StreamLoader(SHAPES[shape](sizes, buffer), batch_size=batch)
+
+    reference, recorded, ends = make(), [], []  # per epoch: the states at its start and after each batch; at its end
+    for epoch in range(2):
+        reference.set_epoch(epoch)
+        recorded.append([reference.state_dict()])
+        for _ in reference:
+            recorded[epoch].append(reference.state_dict())
+        ends.append(reference.state_dict())
+    loader, act = make(), itertools.cycle(actions)
+    for epoch in range(2):
+        states, handed_out, stopped = recorded[epoch], 0, True
+        while stopped:
+            loader.set_epoch(epoch)  # (again after a stop: the epoch goes on where it stopped)
+            stopped = False
+            for _ in loader:
+                handed_out += 1
+                action = next(act)
+                if action in (SAVE, BOTH):
+                    assert loader.state_dict() == states[handed_out]
+                if action in (TAKE_BACK, BOTH):
+                    assert loader.state_dict(unconsumed=1) == states[handed_out - 1]
+                if action == STOP:
+                    stopped = True
+                    break
+            if stopped:
+                assert loader.state_dict() == states[handed_out]  # settled: read from the pipeline
+        assert handed_out == len(states) - 1
+        assert loader.state_dict() == ends[epoch]
