@@ -245,7 +245,7 @@ class StreamLoader:
         self._yielded = [0] * self._local
         self._pending = None
         self._holds = self._local - 1
-        self._updates, self._updates_size, self._copy_size = [], 0, 0
+        self._drop_updates(0)
 
     def set_epoch(self, epoch: int) -> None:
         """Select ``epoch``; keeps the position if it is already the current (e.g. restored) epoch."""
@@ -307,12 +307,18 @@ class StreamLoader:
             self._yielded[local] = count
             self._next_worker = (local + 1) % self._local
 
-    def _refresh(self) -> None:
+    def _refresh(self) -> bytes:
         """Make the pipeline's state the slot's copy, with no updates beside it (0 workers, the
-        pipeline holding the state after the last batch handed out)."""
+        pipeline holding the state after the last batch handed out); returns the copy pickled."""
         kept = pickle.dumps([self._stream.state_dict()], protocol=pickle.HIGHEST_PROTOCOL)
         self._states = pickle.loads(kept)  # shares nothing with the pipeline
-        self._updates, self._updates_size, self._copy_size = [], 0, len(kept)
+        self._drop_updates(len(kept))
+        return kept
+
+    def _drop_updates(self, copy_size: int) -> None:
+        """No updates are kept beside the slot's copy, whose pickled size is ``copy_size`` (0: unknown,
+        so the first update kept refreshes it)."""
+        self._updates, self._updates_size, self._copy_size = [], 0, copy_size
 
     def _apply_updates(self) -> None:
         """Bring ``self._states[0]`` up to date with the updates kept beside it (0 workers)."""
@@ -321,7 +327,7 @@ class StreamLoader:
             for kept in self._updates:
                 state = self._stream.apply_update(state, pickle.loads(kept))
             self._states[0] = state
-            self._updates, self._updates_size = [], 0
+            self._drop_updates(self._copy_size)
 
     def _batches(self, epoch: int, holds: int | None) -> Iterator[tuple[int, int, dict[str, Any], Any]]:
         """``(slot, batches it has yielded, state update, batch)`` of this pass: the first from this
@@ -389,11 +395,8 @@ class StreamLoader:
         if self.num_workers == 0 and self._holds is not None and not unconsumed:
             # The pipeline holds the state after the last batch handed out: read it from there,
             # and refresh the copy from it unless a batch is still held back.
-            if self._pending is None:
-                self._refresh()
-                states = _copy(self._states)
-            else:
-                states = _copy([self._stream.state_dict()])
+            held_back = self._pending is not None
+            states = _copy([self._stream.state_dict()]) if held_back else pickle.loads(self._refresh())
         else:
             self._apply_updates()
             states = _copy(self._states)
@@ -492,7 +495,7 @@ class StreamLoader:
         self._yielded = yielded
         self._pending = None
         self._holds = self._local - 1
-        self._updates, self._updates_size, self._copy_size = [], 0, 0
+        self._drop_updates(0)
         self._cursor.restore(epoch, 0, epoch_done)
 
     @staticmethod
