@@ -20,8 +20,12 @@ batch's update, for :meth:`StreamLoader.state_dict` with ``unconsumed=1`` (the p
 last batch): the updates since its copy was last refreshed are kept, pickled (as hundreds of
 batches' small dicts and lists they would set off the garbage collector's full collections, a
 tenth of a second each beside a large model's objects), and the copy is refreshed from the
-pipeline once they are ``_REFRESH_RATIO`` times its size, so the per-batch cost stays in
-proportion to the batch, whatever the buffer size. The state::
+pipeline once they are ``_REFRESH_RATIO`` (8) times its size, so the per-batch cost stays in
+proportion to the batch, whatever the buffer size. The copy stays pickled until it is needed.
+With 0 workers (and no ``pin_memory``) no DataLoader iterates the pipeline either: in this process
+it would only add its per-batch machinery (a profiler range, a fetcher) to every batch (its cost:
+benchmarks/README.md). A DataLoader is still built for each pass, so that the keywords given are
+checked as they always are. The state::
 
     {"version": 1, "epoch": 2, "epoch_done": False, "world_size": 2, "num_workers": 2,
      "next_worker": {"0": 1}, "slots": {"0": {...pipeline state...}, "1": {...}},
@@ -63,7 +67,7 @@ from __future__ import annotations
 import itertools
 import pickle
 import re
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import torch
@@ -108,7 +112,7 @@ SLOTS = "slots"
 BATCHES = "batches"  # batches each slot has yielded in the epoch: what seeds the global RNGs for the next
 # With 0 workers, the pickled updates kept beside the slot's copy may grow to this many times the
 # copy's pickled size before the copy is refreshed from the pipeline (about one state_dict()).
-_REFRESH_RATIO = 4
+_REFRESH_RATIO = 8
 _BATCH_SALT = 0x73747265616D  # "stream": the global-RNG keys must not coincide with other keys
 _END = object()
 # Fields of a pipeline state that say where it stands; every other field says what the pipeline
@@ -216,9 +220,11 @@ class StreamLoader:
         # shuffle buffer keeps the records it holds after a break (a reload would re-read them).
         self._holds: int | None = None
         # With 0 workers (see the module docstring): the updates of the batches handed out since
-        # self._states[0] was last brought up to date, pickled; their bytes, and the copy's.
+        # the slot's copy was last brought up to date, pickled; their bytes, and the copy's. The
+        # copy is self._states[0], or these bytes when refreshed from the pipeline since.
         self._updates: list[bytes] = []
         self._updates_size = self._copy_size = 0
+        self._pickled_states: bytes | None = None
         self._start_epoch(0)
 
     @property
@@ -309,19 +315,27 @@ class StreamLoader:
 
     def _refresh(self) -> bytes:
         """Make the pipeline's state the slot's copy, with no updates beside it (0 workers, the
-        pipeline holding the state after the last batch handed out); returns the copy pickled."""
+        pipeline holding the state after the last batch handed out); returns the copy pickled.
+
+        The copy stays pickled until it is needed (:meth:`_apply_updates`): most are replaced by
+        the next refresh unread, and a buffer's worth of key lists unpickled at every refresh
+        would be that many more objects for the garbage collector to track."""
         kept = pickle.dumps([self._stream.state_dict()], protocol=pickle.HIGHEST_PROTOCOL)
-        self._states = pickle.loads(kept)  # shares nothing with the pipeline
         self._drop_updates(len(kept))
+        self._pickled_states = kept
         return kept
 
     def _drop_updates(self, copy_size: int) -> None:
         """No updates are kept beside the slot's copy, whose pickled size is ``copy_size`` (0: unknown,
-        so the first update kept refreshes it)."""
+        so the first update kept refreshes it), and the copy is ``self._states``."""
         self._updates, self._updates_size, self._copy_size = [], 0, copy_size
+        self._pickled_states = None
 
     def _apply_updates(self) -> None:
-        """Bring ``self._states[0]`` up to date with the updates kept beside it (0 workers)."""
+        """Bring ``self._states[0]`` up to date with the copy and the updates kept beside it (0 workers)."""
+        if self._pickled_states is not None:
+            self._states = pickle.loads(self._pickled_states)
+            self._pickled_states = None
         if self._updates:
             state = self._states[0]
             for kept in self._updates:
@@ -344,7 +358,7 @@ class StreamLoader:
                 yield first
                 # The state after the warm batch (just recorded by the caller), the next slot next.
                 holds = None
-        yield from self._dataloader(epoch, holds)
+        yield from self._slots(epoch, holds)
 
     def _seeding(self, epoch: int) -> _Seeding | None:
         """How this pass seeds the global RNGs before each batch (None: ``global_rng=None``)."""
@@ -352,7 +366,8 @@ class StreamLoader:
             return None
         return _Seeding(hash_ints(epoch, self.num_slots, _BATCH_SALT), self.rank * self._local)
 
-    def _dataloader(self, epoch: int, holds: int | None) -> DataLoader:
+    def _slots(self, epoch: int, holds: int | None) -> Iterable[tuple[int, int, dict[str, Any], Any]]:
+        """The pass's batches from the slots: through a DataLoader's workers, or in this process."""
         dataset = _SlotDataset(
             self._stream, list(self._states), list(self._yielded), self._seeding(epoch), self._next_worker, holds
         )
@@ -360,7 +375,8 @@ class StreamLoader:
         # consume the global RNG (and change model randomness after a resume).
         generator = torch.Generator()
         generator.manual_seed(hash_ints(epoch, self.rank) >> 1)
-        return DataLoader(
+        # Built with 0 workers too: it validates the caller's DataLoader keywords as it always does.
+        loader = DataLoader(
             dataset,
             batch_size=None,
             num_workers=self.num_workers,
@@ -368,6 +384,11 @@ class StreamLoader:
             generator=generator,
             **self._dataloader_kwargs,
         )
+        if self.num_workers == 0 and not loader.pin_memory:
+            # In this process a DataLoader adds nothing but its own per-batch machinery (a profiler
+            # range, the fetcher), so the slot's pipeline is iterated directly.
+            return dataset
+        return loader
 
     # -- state ---------------------------------------------------------------------------------
     def state_dict(self, *, unconsumed: int = 0) -> dict[str, Any]:

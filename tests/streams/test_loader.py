@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -163,6 +164,35 @@ def test_dataloader_options_that_break_exactness_are_refused(kwargs) -> None:
     shards = MemoryShards([3])
     with pytest.raises(ResumeError):
         StreamLoader(ShardedIterable(shards.names, read_shard=shards), **kwargs)
+
+
+def test_a_0_worker_loader_still_checks_dataloader_keywords_and_pins_through_a_dataloader(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """With 0 workers the slot's pipeline is iterated in this process without a DataLoader around
+    it, yet a keyword a DataLoader refuses without workers is refused as before, and with
+    ``pin_memory`` the batches still come through one (which pins them)."""
+    shards = MemoryShards([6, 5])
+
+    def loader(**kwargs: Any) -> StreamLoader:
+        return StreamLoader(ShardedIterable(shards.names, read_shard=shards, seed=1), batch_size=2, **kwargs)
+
+    with pytest.raises(ValueError, match="prefetch_factor"):
+        next(iter(loader(prefetch_factor=2)))
+    built: list[bool] = []
+    real_iter = torch.utils.data.DataLoader.__iter__
+
+    def counted_iter(self: torch.utils.data.DataLoader) -> Any:
+        built.append(self.pin_memory)
+        return real_iter(self)
+
+    monkeypatch.setattr(torch.utils.data.DataLoader, "__iter__", counted_iter)
+    expected = ids(loader())
+    assert built == []  # no DataLoader iterated
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # without an accelerator the DataLoader warns that it cannot pin
+        assert ids(loader(pin_memory=True)) == expected
+    assert built == [True]
 
 
 def test_loader_state_is_small_and_plain(token_paths: list[Path]) -> None:
