@@ -204,14 +204,8 @@ class ShuffleBuffer(Wrapper):
                 item = next(source, None)
                 if item is None:
                     break
-                incoming = item[0]  # record_key, inline (it raises on None)
-                key = incoming if incoming is not None else record_key(incoming, "shuffle_buffer")
-                # _log_entered, inline: this loop runs once per record of every shuffled pipeline.
-                entered = self._entered
-                if entered is not None:
-                    entered.append(key)
-                    if len(entered) > size:
-                        self._entered = None
+                key = record_key(item[0], "shuffle_buffer")
+                self._log_entered(key)
                 self._draws += 1
                 out = buffer[choice]
                 buffer[choice] = (key, item[1])
