@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
 import sys
 from pathlib import Path
 
 import torch
+
+from script_runner import run_script
 
 USER_SCRIPTS = Path(__file__).parent / "user_scripts"
 sys.path.insert(0, str(USER_SCRIPTS))
@@ -45,25 +46,22 @@ def kill_and_resume(
     port = 29400 + os.getpid() % 500
     env = {**os.environ, "PYTHONWARNINGS": "ignore"}
     command = _command(script, processes, port)
-    killed = subprocess.run(
+    code, output = run_script(
         [*command, "--run-dir", str(run), "--kill-at", str(kill_at), *args],
-        capture_output=True,
-        text=True,
+        tmp_path / "killed.log",
         timeout=_TIMEOUT_S,
         env=env,
     )
     # One process dies of the signal; torchrun reports a child killed by it as a failure.
-    expected = -signal.SIGKILL if processes == 1 else 1
-    assert killed.returncode == expected, killed.stderr[-3000:]
+    assert code == (-signal.SIGKILL if processes == 1 else 1), output[-3000:]
     before = len(read_losses(run))
-    resumed = subprocess.run(
+    code, output = run_script(
         [*command, "--run-dir", str(run), "--reference", str(reference), *args],
-        capture_output=True,
-        text=True,
+        tmp_path / "resumed.log",
         timeout=_TIMEOUT_S,
         env=env,
     )
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert code == 0, output[-3000:]
     for rank in range(ranks or processes):
         got, want = read_losses(run, rank), read_losses(reference, rank)
         assert len(want) > before > 0, "the kill must fall inside the run"

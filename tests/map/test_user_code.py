@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import random
 import signal
-import subprocess
 import sys
 import warnings
 from collections.abc import Callable
@@ -27,6 +26,7 @@ from harness import GlobalRandomAugment, checkpoint_roundtrip, resume_from, run_
 from resumable_data import ResumableDataLoader, ResumableSampler, ResumeError, ResumeWarning, wrap
 from resumable_data.streams import ShardedIterable, StreamLoader, TokenShardReader
 from resumable_data.testing import assert_same
+from script_runner import run_script
 from streams_harness import write_token_shards
 
 pytestmark = pytest.mark.filterwarnings("ignore:'set_vital' is deprecated")
@@ -343,16 +343,9 @@ _SCRIPT = Path(__file__).parents[1] / "user_scripts" / "augmented_cnn.py"
 
 
 def _train(run_dir: Path, *flags: str, expect_kill: bool = False) -> None:
-    run_dir.mkdir(exist_ok=True)
-    result = subprocess.run(
-        [sys.executable, str(_SCRIPT), "--run-dir", str(run_dir), *flags],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
-    expected = -signal.SIGKILL if expect_kill else 0
-    assert result.returncode == expected, result.stderr[-2000:]
+    log = run_dir / ("killed.log" if expect_kill else "run.log")
+    code, output = run_script([sys.executable, str(_SCRIPT), "--run-dir", str(run_dir), *flags], log, timeout=120)
+    assert code == (-signal.SIGKILL if expect_kill else 0), output[-2000:]
 
 
 @pytest.fixture(scope="module")
