@@ -300,8 +300,8 @@ class BucketedBatchByTokens(BatchByTokens):
         held = require_count(state, RECORDS, _WHAT) if RECORDS in state else self.bucket
         if count > self.bucket or taken > count or (count and not window) or not count <= held <= self.bucket:
             raise ResumeError(
-                f"{_WHAT} state has {brief(taken)} of {brief(count)} batches of {brief(held)} records taken from "
-                f"window {brief(window)} of {self.bucket} records; pass a state_dict() of this pipeline unchanged"
+                f"{_WHAT} state has {brief(taken)} of {brief(count)} batches taken from window {brief(window)} of "
+                f"{brief(held)} records (at most {self.bucket}); pass a state_dict() of this pipeline unchanged"
             )
         if count and RECORDS not in state and self.source.appends(state[SOURCE]):
             raise ResumeError(
