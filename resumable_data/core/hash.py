@@ -54,8 +54,11 @@ def _finalize(x: np.ndarray) -> None:
 
 
 def draw_hash_array(seed: int, epoch: int, start: int, stop: int) -> np.ndarray:
-    """``hash_ints(seed, epoch, d)`` for draws ``d`` in ``[start, stop)`` (non-negative), as uint64."""
-    return hash_more_array(hash_ints(seed, epoch), np.arange(start, max(start, stop), dtype=np.int64))
+    """``hash_ints(seed, epoch, d)`` for draws ``d`` in ``[start, stop)`` (non-negative), as uint64.
+
+    The draws are counted in uint64: a state may hold any int64 count, and the draws after one
+    near ``2**63 - 1`` lie beyond int64 (``hash_ints`` takes them as they are)."""
+    return hash_more_array(hash_ints(seed, epoch), np.arange(start, max(start, stop), dtype=np.uint64))
 
 
 DRAW_CHUNK = 256  # draws whose hashes are computed together: a few batches' worth

@@ -40,7 +40,8 @@ through these public methods of :class:`Stream`, which a custom stage implements
 * :meth:`~Stream.fetch` ``(key)`` / :meth:`~Stream.fetch_many` ``(keys)`` -- re-read records;
 * :meth:`~Stream.key_checker` ``(state)`` -- refuse keys this stage could not have yielded;
 * :meth:`~Stream.saved_slots` ``(state)`` -- the slots a state's sources were saved for;
-* :meth:`~Stream.rebalance` ``(states, num_slots, pending)`` -- re-split positions over a new layout.
+* :meth:`~Stream.rebalance` ``(states, num_slots, pending)`` -- re-split positions over a new layout;
+* :meth:`~Stream.appends` ``(state)`` -- whether loading a state adds records to its epoch (growth).
 
 A one-source stage subclasses :class:`Wrapper`, which forwards all of them to its source and nests
 the state; it then overrides only what it changes (and :meth:`Wrapper.expected_source_epoch` when
@@ -114,6 +115,10 @@ class Stream:
     keyed: bool = True
     #: Whether a record can be re-read from its key alone (needed by shuffle_buffer).
     fetchable: bool = True
+    #: Whether the stage yields its source's records in their order, each as soon as it is read
+    #: (map, filter, take; a source reads its shards in order): records appended after the
+    #: source's end then come after everything it yielded before (see :func:`growth_reorders`).
+    in_order: bool = False
 
     def __init__(self) -> None:
         self._epoch = 0
@@ -225,6 +230,15 @@ class Stream:
             f"{type(self).__name__} keeps a per-stream count that cannot be split over a different "
             "number of workers or ranks; resume with the checkpoint's num_workers and world_size"
         )
+
+    def appends(self, state: Mapping[str, Any]) -> bool:
+        """Whether loading the (checked) ``state`` adds records to its epoch that it did not hold
+        when saved: a source built with ``growth="append"`` over shards appended since.
+
+        A stage that recorded a source as ended (:func:`mix`) then reads that source again, so
+        the appended records are read in the restored epoch.
+        """
+        return False
 
     # -- public behaviour shared by all stages -------------------------------------------------
     @property
@@ -426,6 +440,9 @@ class Wrapper(Stream):
     def saved_slots(self, state: Mapping[str, Any]) -> list[Slot]:
         return self.source.saved_slots(state[SOURCE])
 
+    def appends(self, state: Mapping[str, Any]) -> bool:
+        return self.source.appends(state[SOURCE])
+
     def expected_source_epoch(self, epoch: int, state: Mapping[str, Any]) -> int:
         """The epoch the source's state must be in when this stage's (checked) state is in ``epoch``.
 
@@ -446,6 +463,33 @@ class Wrapper(Stream):
     def _own_state_fresh(self) -> dict[str, Any]:
         """This stage's own fields at the start of an epoch (used after a rebalance)."""
         return {}
+
+
+def growth_reorders(stream: Stream, state: Mapping[str, Any]) -> bool:
+    """Whether loading the (checked) ``state`` over records appended since (``growth="append"``)
+    changes what ``stream`` yields from it before the old data's end: a stage between the grown
+    source and ``stream`` reacts to where the source ended (a mix's draws, a shuffle buffer's
+    draining, a window's last short window), so a window re-read from ``state`` would read other
+    records than it held."""
+    while stream.appends(state):
+        if not stream.in_order:
+            return True
+        if not isinstance(stream, Wrapper):
+            return False
+        stream, state = stream.source, state[SOURCE]
+    return False
+
+
+def check_reread_growth(what: str, source: Stream, start: Mapping[str, Any]) -> None:
+    """Refuse to re-read an open window from its ``start`` (its source's checked state) where the
+    source grew since in a way that changes what it yields from there (:func:`growth_reorders`)."""
+    if growth_reorders(source, start):
+        raise ResumeError(
+            f"{what} state has a window open, which a restore re-reads from its start; over shards appended "
+            "since (growth='append'), the stages before it (mix, shuffle_buffer, shuffle_window) yield other "
+            "records from there, so some would be read twice and others never. Build the ShardedIterable "
+            "with growth='next_epoch' (the new shards join at the next epoch), or save the state between windows"
+        )
 
 
 def fetch_grouped(keys: Sequence[Key], field: int, fetch: Callable[[int, list[int]], list[Any]]) -> list[Any]:

@@ -22,6 +22,8 @@ class Filter(Wrapper):
         short.load_state_dict(saved)
     """
 
+    in_order = True
+
     def __init__(self, source: Stream, predicate: Callable[[Any], bool]) -> None:
         super().__init__(source)
         self.predicate = predicate

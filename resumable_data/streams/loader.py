@@ -99,6 +99,7 @@ from .repeat import ROUND
 from .sharded import DEALT, IDENTITIES, PENDING, POSITION, REMAINING, SLOT
 from .shuffle import BUFFER
 from .take import TAKEN
+from .token_batch import RECORDS
 from .window import COUNT, POSITIONAL, WINDOW
 
 __all__ = ["StreamLoader"]
@@ -119,7 +120,7 @@ _END = object()
 # is (seeds, shard list, sizes, weights, the number of slots), which all ranks must agree on.
 POSITION_FIELDS = frozenset(
     {EPOCH, REMAINING, PENDING, POSITION, IDENTITIES, SLOT, DRAWS, BUFFER, ROUND, TAKEN, EXHAUSTED, CONSUMED}
-    | {WINDOW, COUNT, POSITIONAL, DEALT, CARRY, CARRY_OFFSETS}
+    | {WINDOW, COUNT, POSITIONAL, DEALT, CARRY, CARRY_OFFSETS, RECORDS}
 )
 # DataLoader arguments the loader decides itself.
 _OWNED = ("batch_size", "shuffle", "sampler", "batch_sampler", "generator", "collate_fn")

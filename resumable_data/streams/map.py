@@ -29,6 +29,8 @@ class Map(Wrapper):
         noisy.load_state_dict(saved)  # the next record gets the same noise as before
     """
 
+    in_order = True
+
     def __init__(self, source: Stream, fn: Callable[..., Any], *, seed: int | None = None) -> None:
         super().__init__(source)
         if seed is not None:

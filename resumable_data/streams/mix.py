@@ -15,6 +15,11 @@ source still yields each of its records once per epoch. A layout change (another
 workers or ranks) starts each new slot at the old slots' mean count: the schedule goes on where
 it stood.
 
+Growth. A source whose shards were appended since the checkpoint (``growth="append"``) reads them
+in the restored epoch, also when the mix had found it exhausted: a restore marks it running again
+and takes back the draw that found it ended. Every unread record of the epoch and every appended
+one is then drawn once, as from a source that grew without a mix around it.
+
 State: ``{"epoch", "seed", "weights", "draws", "exhausted": [bool, ...], "sources": [state, ...]}``:
 the per-source positions plus two small counters; ``"weights"`` is the fixed weights, the
 schedule's pieces, or None for a function (which a state cannot check). A record's key gets its
@@ -229,6 +234,9 @@ class Mix(Stream):
             for slot in stream.saved_slots(sub)
         ]
 
+    def appends(self, state: Mapping[str, Any]) -> bool:
+        return any(stream.appends(sub) for stream, sub in zip(self.streams, self._sources_of(state), strict=True))
+
     def reset(self, epoch: int, slot: Slot | None) -> None:
         self._epoch, self._draws, self._exhausted = epoch, 0, [False] * len(self.streams)
         for stream in self.streams:
@@ -285,6 +293,11 @@ class Mix(Stream):
             raise ResumeError(
                 f"mix state field {EXHAUSTED!r} must be {len(self.streams)} bools, got {brief(exhausted)}"
             )
+        if draws < sum(exhausted):
+            raise ResumeError(
+                f"mix state has {sum(exhausted)} sources {EXHAUSTED} but only {draws} {DRAWS}: each source is found "
+                "exhausted by a draw; pass a state_dict() of this pipeline unchanged"
+            )
         sources = self._sources_of(state)
         applies = [s.check(sub) for s, sub in zip(self.streams, sources, strict=True)]
         for i, sub in enumerate(sources):
@@ -294,6 +307,12 @@ class Mix(Stream):
                     f"mix state is in epoch {epoch} but source {i}'s state is in epoch {brief(sub_epoch)}; "
                     "pass a state_dict() of this pipeline unchanged"
                 )
+        # A source found exhausted that has records appended since (growth="append") runs again; the
+        # draw that found it ended is taken back, so the draws less the exhausted sources still count
+        # the records drawn (the schedule's place).
+        reopened = [e and s.appends(sub) for e, s, sub in zip(exhausted, self.streams, sources, strict=True)]
+        exhausted = [e and not r for e, r in zip(exhausted, reopened, strict=True)]
+        draws -= sum(reopened)
 
         def apply() -> None:
             self._epoch, self._draws, self._exhausted = epoch, draws, list(exhausted)

@@ -242,14 +242,15 @@ class TextLineReader:
 
     @staticmethod
     def _seek_line(file: BinaryIO, path: str, start: int) -> None:
-        """Seek to byte ``start``, refusing one past the end or inside a line."""
+        """Seek to byte ``start``, refusing one past the end or inside a line. The end of the file is
+        a line start even when its last line has no newline: it is where reading that line left off."""
         size = os.fstat(file.fileno()).st_size
         if start > size:
             raise ResumeError(
                 f"text shard {path!r} has {size} bytes but the cursor is at byte {start}: "
                 "it is shorter than when the checkpoint was written (truncated or replaced?)"
             )
-        if start > 0:
+        if 0 < start < size:
             file.seek(start - 1)
             if file.read(1) != b"\n":
                 raise ResumeError(
@@ -257,7 +258,7 @@ class TextLineReader:
                     "the file changed since the checkpoint was written"
                 )
         else:
-            file.seek(0)
+            file.seek(start)
 
     def _decode(self, line: bytes) -> Any:
         text = line.decode(self.encoding).rstrip("\r\n")

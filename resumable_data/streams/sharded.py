@@ -69,7 +69,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from ..core.growth import ERROR, check_growth, grown_pieces, require_pieces
+from ..core.growth import APPEND, ERROR, check_growth, grown_pieces, require_pieces
 from ..core.permutation import PiecewisePermutation
 from ..core.state import (
     SEED,
@@ -170,6 +170,8 @@ class ShardedIterable(Stream):
         >>> list(fresh)
         [2, 3]
     """
+
+    in_order = True  # a slot's appended shards come after every shard it had (see growth)
 
     def __init__(
         self,
@@ -807,6 +809,10 @@ class ShardedIterable(Stream):
 
     def saved_slots(self, state: Mapping[str, Any]) -> list[Slot]:
         return [self._parse(state)[1]]
+
+    def appends(self, state: Mapping[str, Any]) -> bool:
+        # The restored epoch's order takes the shards appended since as a new piece (_parse_all).
+        return self.growth == APPEND and require_int(state, NUM_SHARDS, _WHAT, minimum=1) < len(self.shards)
 
     def check(self, state: Any) -> Callable[[], None]:
         epoch, slot, remaining, pending, position, identities, dealt, pieces = self._parse_all(state)

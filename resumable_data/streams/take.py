@@ -27,6 +27,8 @@ class Take(Wrapper):
             ...
     """
 
+    in_order = True
+
     def __init__(self, source: Stream, n: int) -> None:
         super().__init__(source)
         self.limit = check_int_arg("n", n, minimum=0)

@@ -31,7 +31,7 @@ from ..core.hash import hash_ints
 from ..core.permutation import Permutation
 from ..core.state import SEED, brief, check_int_arg, require_bool
 from ..errors import ResumeError
-from .base import SOURCE, Key, Stream, Wrapper, check_same, record_key, require_count
+from .base import SOURCE, Key, Stream, Wrapper, check_reread_growth, check_same, record_key, require_count
 from .pack import CARRY, carried_keys
 from .window import COUNT, TAKEN, WINDOW, take_records
 
@@ -42,6 +42,7 @@ MAX_TOKENS = "max_tokens"
 PADDED = "padded"
 OVERSIZED = "oversized"
 BUCKET = "bucket"
+RECORDS = "records"  # records of the open bucket window, re-read on restore (absent in older states)
 _OVERSIZED = ("error", "alone")
 
 
@@ -206,10 +207,12 @@ class BucketedBatchByTokens(BatchByTokens):
     with little padding.
 
     State: ``{..., "bucket", "seed", "window": windows begun this epoch, "count": batches of the
-    open window (0: none open), "taken": those handed out, "source": the source's state at the
-    open window's start}``. A restore re-reads that one window (at most ``bucket`` records) and
-    plans it again. A layout change is refused while a window is open (the state must be taken
-    between windows), as for ``shuffle_window`` over sources of unknown size.
+    open window (0: none open), "taken": those handed out, "records": the open window's records,
+    "source": the source's state at the open window's start}``. A restore re-reads that one window
+    (its ``records``, at most ``bucket``: the epoch's last window is shorter, and a source grown
+    since with ``growth="append"`` has more records after it) and plans it again. A layout change
+    is refused while a window is open (the state must be taken between windows), as for
+    ``shuffle_window`` over sources of unknown size.
     """
 
     def __init__(self, source: Stream, max_tokens: int, *, bucket: int, seed: int = 0, **options: Any) -> None:
@@ -219,7 +222,7 @@ class BucketedBatchByTokens(BatchByTokens):
         self._reset_own()
 
     def _reset_own(self) -> None:
-        self._window = self._count = self._taken = 0
+        self._window = self._count = self._taken = self._records = 0
         self._start: dict[str, Any] | None = None  # the source's state at the open window's start
         self._batches: list[list[Any]] | None = None  # the open window's batches (None: re-read them)
 
@@ -228,17 +231,20 @@ class BucketedBatchByTokens(BatchByTokens):
         while True:
             if self._taken >= self._count:  # open the next window
                 start = self.source.state_dict()
-                batches = self._plan(self._window, _keyed(take_records(records, self.bucket)))
+                window = _keyed(take_records(records, self.bucket))
+                batches = self._plan(self._window, window)
                 if not batches:
                     return
                 self._window, self._count, self._taken = self._window + 1, len(batches), 0
-                self._start, self._batches = start, batches
+                self._records, self._start, self._batches = len(window), start, batches
             elif self._batches is None:  # restored: the source stands at the window's start
-                batches = self._plan(self._window - 1, _keyed(take_records(records, self.bucket)))
-                if len(batches) != self._count:
+                window = _keyed(take_records(records, self._records))
+                batches = self._plan(self._window - 1, window)
+                if len(window) != self._records or len(batches) != self._count:
                     raise ResumeError(
-                        f"{_WHAT}: the restored window made {self._count} batches but its records now make "
-                        f"{len(batches)}; the data changed since the checkpoint"
+                        f"{_WHAT}: the restored window held {self._records} records in {self._count} batches, but "
+                        f"its source now yields {len(window)} records in {len(batches)} from the window's start; "
+                        "the data changed since the checkpoint"
                     )
                 self._batches = batches
             while self._taken < self._count:
@@ -267,11 +273,11 @@ class BucketedBatchByTokens(BatchByTokens):
         return {**super()._config(), BUCKET: self.bucket, SEED: self.seed}
 
     def _own_state(self) -> dict[str, Any]:
-        count, taken = (self._count, self._taken) if self._taken < self._count else (0, 0)
-        return {**self._config(), WINDOW: self._window, COUNT: count, TAKEN: taken}
+        count, taken, held = (self._count, self._taken, self._records) if self._taken < self._count else (0, 0, 0)
+        return {**self._config(), WINDOW: self._window, COUNT: count, TAKEN: taken, RECORDS: held}
 
     def _own_state_fresh(self) -> dict[str, Any]:
-        return {**self._config(), WINDOW: 0, COUNT: 0, TAKEN: 0}
+        return {**self._config(), WINDOW: 0, COUNT: 0, TAKEN: 0, RECORDS: 0}
 
     def state_dict(self) -> dict[str, Any]:
         state = super().state_dict()
@@ -289,15 +295,26 @@ class BucketedBatchByTokens(BatchByTokens):
         for field, current in self._config().items():
             check_same(_WHAT, field, state.get(field), current, "build batch_by_tokens with the checkpoint's arguments")
         window, count, taken = (require_count(state, field, _WHAT) for field in (WINDOW, COUNT, TAKEN))
-        if count > self.bucket or taken > count or (count and not window):
+        # A state of an earlier release does not say how many records its open window held: a full
+        # bucket, unless the window was the epoch's last, which a grown source no longer ends.
+        held = require_count(state, RECORDS, _WHAT) if RECORDS in state else self.bucket
+        if count > self.bucket or taken > count or (count and not window) or not count <= held <= self.bucket:
             raise ResumeError(
-                f"{_WHAT} state has {brief(taken)} of {brief(count)} batches taken from window {brief(window)} "
-                f"of {self.bucket} records; pass a state_dict() of this pipeline unchanged"
+                f"{_WHAT} state has {brief(taken)} of {brief(count)} batches taken from window {brief(window)} of "
+                f"{brief(held)} records (at most {self.bucket}); pass a state_dict() of this pipeline unchanged"
+            )
+        if count and RECORDS not in state and self.source.appends(state[SOURCE]):
+            raise ResumeError(
+                f"{_WHAT} state (written by an earlier release) has a window open but no {RECORDS!r}: over shards "
+                "appended since, its re-read cannot tell where the window ended; build the ShardedIterable with "
+                "growth='next_epoch' (the new shards join at the next epoch), or save the state between windows"
             )
         start = dict(state[SOURCE]) if count else None
+        if start is not None:
+            check_reread_growth(_WHAT, self.source, start)
 
         def apply() -> None:
-            self._window, self._count, self._taken = window, count, taken
+            self._window, self._count, self._taken, self._records = window, count, taken, held
             self._start, self._batches = start, None
 
         return apply

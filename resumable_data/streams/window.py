@@ -37,7 +37,7 @@ from ..core.hash import hash_ints
 from ..core.permutation import Permutation
 from ..core.state import SEED, brief, check_int_arg, is_int, require_bool
 from ..errors import ResumeError
-from .base import EPOCH, SOURCE, Key, Stream, Wrapper, check_same, record_key, require_count
+from .base import EPOCH, SOURCE, Key, Stream, Wrapper, check_reread_growth, check_same, record_key, require_count
 from .sharded import POSITION, ShardedIterable
 
 __all__ = ["ShuffleWindow"]
@@ -219,6 +219,8 @@ class ShuffleWindow(Wrapper):
                 "pass a state_dict() of this pipeline unchanged"
             )
         start = dict(state[SOURCE]) if count and not positional else None
+        if start is not None:
+            check_reread_growth(_WHAT, self.source, start)
 
         def apply() -> None:
             self._window, self._count, self._taken, self._positional = window, count, taken, positional
