@@ -40,7 +40,9 @@ through these public methods of :class:`Stream`, which a custom stage implements
 * :meth:`~Stream.fetch` ``(key)`` / :meth:`~Stream.fetch_many` ``(keys)`` -- re-read records;
 * :meth:`~Stream.key_checker` ``(state)`` -- refuse keys this stage could not have yielded;
 * :meth:`~Stream.saved_slots` ``(state)`` -- the slots a state's sources were saved for;
-* :meth:`~Stream.rebalance` ``(states, num_slots, pending)`` -- re-split positions over a new layout.
+* :meth:`~Stream.rebalance` ``(states, num_slots, pending)`` -- re-split positions over a new layout;
+* :meth:`~Stream.expect_rereads` -- told by a stage above that it reads records again (by key, or
+  by iterating again from a saved state): what it reads again must come out the same.
 
 A one-source stage subclasses :class:`Wrapper`, which forwards all of them to its source and nests
 the state; it then overrides only what it changes (and :meth:`Wrapper.expected_source_epoch` when
@@ -117,6 +119,7 @@ class Stream:
 
     def __init__(self) -> None:
         self._epoch = 0
+        self.depth = 0  # stages below this one (0: a source); tells apart stages of one pipeline
 
     # -- the stage protocol: what each stage implements -------------------------------------
     # These methods are public so that stages (and StreamLoader) call each other through a
@@ -225,6 +228,16 @@ class Stream:
             f"{type(self).__name__} keeps a per-stream count that cannot be split over a different "
             "number of workers or ranks; resume with the checkpoint's num_workers and world_size"
         )
+
+    def expect_rereads(self) -> None:
+        """Called by a stage built over this one that reads records again: by key (a shuffle buffer's
+        restore, a carried record) or by iterating again from a saved state (a window's start).
+
+        A record read again must come out as it did the first time, although it is read later,
+        under another batch's global-RNG seed: a stage whose output would then differ makes it
+        the same (a ``map`` without ``seed=`` draws each record's global randomness from its key),
+        and passes the call on to its sources. A source has nothing to do (the default).
+        """
 
     # -- public behaviour shared by all stages -------------------------------------------------
     @property
@@ -336,6 +349,7 @@ class Wrapper(Stream):
         if not isinstance(source, Stream):
             raise TypeError(f"{type(self).__name__} wraps a Stream, got {type(source).__name__}")
         self.source = source
+        self.depth = source.depth + 1
         self._epoch = source.epoch
         self.keyed = source.keyed
         self.fetchable = source.fetchable
@@ -412,6 +426,9 @@ class Wrapper(Stream):
 
     def fetch_many(self, keys: Sequence[Key]) -> list[Any]:
         return self.source.fetch_many(keys)
+
+    def expect_rereads(self) -> None:
+        self.source.expect_rereads()
 
     def key_checker(self, state: Mapping[str, Any] | None) -> Callable[[Key], None]:
         return self.source.key_checker(None if state is None else state[SOURCE])

@@ -105,6 +105,7 @@ class BatchByTokens(Wrapper):
         self.padded = bool(padded)
         self.oversized = oversized
         self.collate_fn = collate_fn
+        source.expect_rereads()  # a restore re-reads the carried record (with bucket, the open window)
         self._carry: tuple[Key, Any] | None = None  # read for the next batch; _Unread after a restore
 
     def iter_keyed(self) -> Iterator[tuple[Key | None, Any]]:

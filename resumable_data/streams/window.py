@@ -71,6 +71,7 @@ class ShuffleWindow(Wrapper):
             raise TypeError("shuffle_window shuffles records; apply it before batch()")
         self.size = check_int_arg("size", size, minimum=1)
         self.seed = check_int_arg("seed", seed, minimum=-(2**63))
+        source.expect_rereads()  # a restore fetches the open window's records, or reads it again
         self._reset_own()
 
     def _reset_own(self) -> None:
