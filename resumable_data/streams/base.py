@@ -42,7 +42,9 @@ through these public methods of :class:`Stream`, which a custom stage implements
 * :meth:`~Stream.saved_slots` ``(state)`` -- the slots a state's sources were saved for;
 * :meth:`~Stream.rebalance` ``(states, num_slots, pending)`` -- re-split positions over a new layout;
 * :meth:`~Stream.expect_rereads` -- told by a stage above that it reads records again (by key, or
-  by iterating again from a saved state): what it reads again must come out the same.
+  by iterating again from a saved state): what it reads again must come out the same;
+* :meth:`~Stream.with_identities` ``(state)`` -- an earlier state of this stage that a restore reads
+  forward from again, with the identities of the shards entered since (so they are checked).
 
 A one-source stage subclasses :class:`Wrapper`, which forwards all of them to its source and nests
 the state; it then overrides only what it changes (and :meth:`Wrapper.expected_source_epoch` when
@@ -239,6 +241,17 @@ class Stream:
         and passes the call on to its sources. A source has nothing to do (the default).
         """
 
+    def with_identities(self, state: dict[str, Any]) -> dict[str, Any]:
+        """``state``, an earlier :meth:`state_dict` of this stage in the current epoch, with the
+        identities of the shards entered since added (see :class:`ShardedIterable`).
+
+        A stage that saves the state at the start of what it holds and reads it again on restore
+        (a window read from its source) saves this instead: the restore then refuses a shard that
+        changed under the held records rather than reading it as it is now. The default (a stage
+        without shards) returns ``state``.
+        """
+        return state
+
     # -- public behaviour shared by all stages -------------------------------------------------
     @property
     def epoch(self) -> int:
@@ -429,6 +442,9 @@ class Wrapper(Stream):
 
     def expect_rereads(self) -> None:
         self.source.expect_rereads()
+
+    def with_identities(self, state: dict[str, Any]) -> dict[str, Any]:
+        return {**state, SOURCE: self.source.with_identities(state[SOURCE])}
 
     def key_checker(self, state: Mapping[str, Any] | None) -> Callable[[Key], None]:
         return self.source.key_checker(None if state is None else state[SOURCE])

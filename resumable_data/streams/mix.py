@@ -202,6 +202,10 @@ class Mix(Stream):
         for stream in self.streams:
             stream.expect_rereads()
 
+    def with_identities(self, state: dict[str, Any]) -> dict[str, Any]:
+        sources = [stream.with_identities(s) for stream, s in zip(self.streams, state[SOURCES], strict=True)]
+        return {**state, SOURCES: sources}
+
     def fetch_many(self, keys: Sequence[Key]) -> list[Any]:
         def fetch(source: int, positions: list[int]) -> list[Any]:
             return self.streams[source].fetch_many([(keys[p][0], *keys[p][2:]) for p in positions])

@@ -277,7 +277,8 @@ class BucketedBatchByTokens(BatchByTokens):
     def state_dict(self) -> dict[str, Any]:
         state = super().state_dict()
         if self._taken < self._count and self._start is not None:
-            state[SOURCE] = self._start  # an open window restores from its start and re-reads it
+            # An open window restores from its start and re-reads it, checking the shards it entered.
+            state[SOURCE] = self.source.with_identities(self._start)
         return state
 
     # Whole states (Stream's default, not Wrapper's change to the source's state): the source's

@@ -187,7 +187,8 @@ class ShuffleWindow(Wrapper):
     def state_dict(self) -> dict[str, Any]:
         state = super().state_dict()
         if self._open() and not self._positional and self._start is not None:
-            state[SOURCE] = self._start  # a read window restores from its start and re-reads it
+            # A read window restores from its start and re-reads it, checking the shards it entered.
+            state[SOURCE] = self.source.with_identities(self._start)
         return state
 
     # Whole states (Stream's default, not Wrapper's change to the source's state): a few ints and
