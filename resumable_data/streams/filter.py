@@ -17,6 +17,10 @@ class Filter(Wrapper):
     The state is the source's position after the last *accepted* record, so records rejected before
     a checkpoint are not read again on resume, and nothing depends on how many were accepted.
 
+    Below a stage that re-reads records the predicate runs under the global RNGs seeded from the
+    record's key (see :class:`~resumable_data.streams.map.Map`): a random subsample is decided
+    the same way when a window is read again after a restore.
+
     Example::
 
         short = stream.filter(lambda doc: len(doc["text"]) < 10_000)

@@ -28,7 +28,7 @@ class Map(Wrapper):
     batch. Below a stage that reads records again (``pack``, ``shuffle_buffer``,
     ``batch_by_tokens``, ``shuffle_window``) they are seeded per record instead, from its key, and
     put back after the call: a record read again after a restore is mapped as it was the first
-    time (see ``record_rngs``; it costs about 20 us per record).
+    time (see ``record_rngs``; ``benchmarks/bench_record_rngs.py`` measures what it costs per record).
 
     Example::
 

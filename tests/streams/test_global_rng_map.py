@@ -91,6 +91,22 @@ def test_a_global_rng_map_before_a_window_read_from_its_source_resumes_identical
     assert_resumes_identically(make, list(range(1, n + 1)), total=n + 3)
 
 
+def keep_some(doc: Any) -> bool:
+    return random.random() < 0.7
+
+
+@pytest.mark.parametrize(("stage", "known"), [("shuffle_window", False), ("bucket", True)])
+def test_a_global_rng_filter_below_a_stage_reading_a_window_again_resumes_identically(stage: str, known: bool) -> None:
+    def make() -> StreamLoader:
+        docs = TokenDocs(LENGTHS)
+        source = ShardedIterable(docs.names, read_shard=docs, seed=1, sizes=docs.sizes if known else None)
+        stream = STAGES[stage](source.filter(keep_some).map(augment))
+        return StreamLoader(stream, **({} if stage in BATCHING else {"batch_size": 2, "collate_fn": list}))
+
+    n = epoch_length(make)
+    assert_resumes_identically(make, list(range(1, n + 1)), total=n + 3)
+
+
 def test_a_global_rng_map_draws_per_record_randomness_below_a_rereading_stage() -> None:
     # The re-read record is mapped under its own key, so its values do not depend on which batch
     # (or worker, or number of restores) maps it; the global RNGs are put back after each record.
