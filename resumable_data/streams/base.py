@@ -41,7 +41,11 @@ through these public methods of :class:`Stream`, which a custom stage implements
 * :meth:`~Stream.key_checker` ``(state)`` -- refuse keys this stage could not have yielded;
 * :meth:`~Stream.saved_slots` ``(state)`` -- the slots a state's sources were saved for;
 * :meth:`~Stream.rebalance` ``(states, num_slots, pending)`` -- re-split positions over a new layout;
-* :meth:`~Stream.appends` ``(state)`` -- whether loading a state adds records to its epoch (growth).
+* :meth:`~Stream.appends` ``(state)`` -- whether loading a state adds records to its epoch (growth);
+* :meth:`~Stream.expect_rereads` -- told by a stage above that it reads records again (by key, or
+  by iterating again from a saved state): what it reads again must come out the same;
+* :meth:`~Stream.with_identities` ``(state)`` -- an earlier state of this stage that a restore reads
+  forward from again, with the identities of the shards entered since (so they are checked).
 
 A one-source stage subclasses :class:`Wrapper`, which forwards all of them to its source and nests
 the state; it then overrides only what it changes (and :meth:`Wrapper.expected_source_epoch` when
@@ -122,6 +126,7 @@ class Stream:
 
     def __init__(self) -> None:
         self._epoch = 0
+        self.depth = 0  # stages below this one (0: a source); tells apart stages of one pipeline
 
     # -- the stage protocol: what each stage implements -------------------------------------
     # These methods are public so that stages (and StreamLoader) call each other through a
@@ -240,6 +245,27 @@ class Stream:
         """
         return False
 
+    def expect_rereads(self) -> None:
+        """Called by a stage built over this one that reads records again: by key (a shuffle buffer's
+        restore, a carried record) or by iterating again from a saved state (a window's start).
+
+        A record read again must come out as it did the first time, although it is read later,
+        under another batch's global-RNG seed: a stage whose output would then differ makes it
+        the same (a ``map`` without ``seed=`` draws each record's global randomness from its key),
+        and passes the call on to its sources. A source has nothing to do (the default).
+        """
+
+    def with_identities(self, state: dict[str, Any]) -> dict[str, Any]:
+        """``state``, an earlier :meth:`state_dict` of this stage in the current epoch, with the
+        identities of the shards entered since added (see :class:`ShardedIterable`).
+
+        A stage that saves the state at the start of what it holds and reads it again on restore
+        (a window read from its source) saves this instead: the restore then refuses a shard that
+        changed under the held records rather than reading it as it is now. The default (a stage
+        without shards) returns ``state``.
+        """
+        return state
+
     # -- public behaviour shared by all stages -------------------------------------------------
     @property
     def epoch(self) -> int:
@@ -350,6 +376,7 @@ class Wrapper(Stream):
         if not isinstance(source, Stream):
             raise TypeError(f"{type(self).__name__} wraps a Stream, got {type(source).__name__}")
         self.source = source
+        self.depth = source.depth + 1
         self._epoch = source.epoch
         self.keyed = source.keyed
         self.fetchable = source.fetchable
@@ -426,6 +453,12 @@ class Wrapper(Stream):
 
     def fetch_many(self, keys: Sequence[Key]) -> list[Any]:
         return self.source.fetch_many(keys)
+
+    def expect_rereads(self) -> None:
+        self.source.expect_rereads()
+
+    def with_identities(self, state: dict[str, Any]) -> dict[str, Any]:
+        return {**state, SOURCE: self.source.with_identities(state[SOURCE])}
 
     def key_checker(self, state: Mapping[str, Any] | None) -> Callable[[Key], None]:
         return self.source.key_checker(None if state is None else state[SOURCE])

@@ -5,7 +5,8 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from .base import Key, Stream, Wrapper
+from .base import Key, Stream, Wrapper, record_key
+from .record_rngs import per_record_salt, seeded_call
 
 __all__ = ["Filter"]
 
@@ -15,6 +16,10 @@ class Filter(Wrapper):
 
     The state is the source's position after the last *accepted* record, so records rejected before
     a checkpoint are not read again on resume, and nothing depends on how many were accepted.
+
+    Below a stage that re-reads records the predicate runs under the global RNGs seeded from the
+    record's key (see :class:`~resumable_data.streams.map.Map`): a random subsample is decided
+    the same way when a window is read again after a restore.
 
     Example::
 
@@ -27,8 +32,21 @@ class Filter(Wrapper):
     def __init__(self, source: Stream, predicate: Callable[[Any], bool]) -> None:
         super().__init__(source)
         self.predicate = predicate
+        self._salt: int | None = None  # set below a re-reading stage (see Map): per-record global RNGs
+
+    def expect_rereads(self) -> None:
+        # A window read again from its start filters its records again: a predicate drawing from
+        # the global RNGs (random subsampling) must decide as it did the first time.
+        self._salt = per_record_salt(self.depth)
+        super().expect_rereads()
 
     def iter_keyed(self) -> Iterator[tuple[Key | None, Any]]:
+        salt, predicate = self._salt, self.predicate
+        if salt is None:
+            for key, value in self.source.iter_keyed():
+                if predicate(value):
+                    yield key, value
+            return
         for key, value in self.source.iter_keyed():
-            if self.predicate(value):
+            if seeded_call(salt, record_key(key, "filter"), predicate, value):
                 yield key, value

@@ -11,6 +11,7 @@ from ..core.hash import hash_ints
 from ..core.state import SEED, check_int_arg
 from ..rng.sample import sample_generator
 from .base import Key, Stream, Wrapper, check_same, record_key
+from .record_rngs import per_record_salt, seeded_call
 
 __all__ = ["Map"]
 
@@ -22,6 +23,12 @@ class Map(Wrapper):
     The generator depends only on the record's identity (shard, offset, epoch), so augmentation is
     bitwise the same after any resume, with any number of workers, and in any order.
     Stateless itself: its state is its source's (plus the seed, checked on load).
+
+    Without ``seed``, ``fn`` may draw from the global RNGs, which :class:`StreamLoader` seeds per
+    batch. Below a stage that reads records again (``pack``, ``shuffle_buffer``,
+    ``batch_by_tokens``, ``shuffle_window``) they are seeded per record instead, from its key, and
+    put back after the call: a record read again after a restore is mapped as it was the first
+    time (see ``record_rngs``; ``benchmarks/bench_record_rngs.py`` measures what it costs per record).
 
     Example::
 
@@ -39,16 +46,24 @@ class Map(Wrapper):
                 raise TypeError("map(seed=...) needs records with an identity; apply it before batch()")
         self.fn = fn
         self.seed = seed
+        self._salt: int | None = None  # set below a re-reading stage: fn runs under per-record global RNGs
+
+    def expect_rereads(self) -> None:
+        if self.seed is None:
+            self._salt = per_record_salt(self.depth)
+        super().expect_rereads()
 
     def _call(self, key: Key | None, value: Any) -> Any:
         if self.seed is None:
+            if self._salt is not None:
+                return seeded_call(self._salt, record_key(key, "map"), self.fn, value)
             return self.fn(value)
         key = record_key(key, "map(seed=...)")
         generator: torch.Generator = sample_generator(self.seed, key[0], hash_ints(*key[1:]))
         return self.fn(value, generator)
 
     def iter_keyed(self) -> Iterator[tuple[Key | None, Any]]:
-        if self.seed is None:  # the per-record path of most pipelines: no method call in between
+        if self.seed is None and self._salt is None:  # the per-record path of most pipelines: no call in between
             fn = self.fn
             for key, value in self.source.iter_keyed():
                 yield key, fn(value)

@@ -165,6 +165,7 @@ class Mix(Stream):
         self.schedule = Schedule(weights, len(self.streams))
         self.seed = check_int_arg("seed", seed, minimum=-(2**63))
         self.fetchable = all(s.fetchable for s in self.streams)
+        self.depth = 1 + max(s.depth for s in self.streams)
         self._draws = 0
         self._exhausted = [False] * len(self.streams)
         self._epoch = self.streams[0].epoch
@@ -201,6 +202,14 @@ class Mix(Stream):
 
     def fetch(self, key: Key) -> Any:
         return self.streams[key[1]].fetch((key[0], *key[2:]))
+
+    def expect_rereads(self) -> None:
+        for stream in self.streams:
+            stream.expect_rereads()
+
+    def with_identities(self, state: dict[str, Any]) -> dict[str, Any]:
+        sources = [stream.with_identities(s) for stream, s in zip(self.streams, state[SOURCES], strict=True)]
+        return {**state, SOURCES: sources}
 
     def fetch_many(self, keys: Sequence[Key]) -> list[Any]:
         def fetch(source: int, positions: list[int]) -> list[Any]:

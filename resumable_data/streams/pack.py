@@ -138,6 +138,7 @@ class Pack(Wrapper):
                 f"{type(source).__name__}"
             )
         self.fetchable = False
+        source.expect_rereads()  # a restore re-reads the carried record by key
         self.block_size = check_int_arg("block_size", block_size, minimum=1)
         self.eos = None if eos is None else check_int_arg("eos", eos, minimum=0)
         self.pad_id = None if pad_id is None else check_int_arg("pad_id", pad_id, minimum=0)

@@ -33,9 +33,13 @@ per old slot, not a cursor per shard.
 
 Shard identity. When a shard is opened at its start, a reader with ``identity(shard)`` (the
 ready-made ones: size plus a digest of the first and last 4 KiB, which holds a Parquet footer) is
-asked for a short fingerprint, kept in ``"identities"`` while the shard is partly read. A restore
-compares it with the file as it is now and refuses a changed shard (truncated, rewritten, replaced
-by same-size content) with a ResumeError naming it, unless ``allow_changed_shards=True``.
+asked for a short fingerprint, kept in ``"identities"`` while the shard is partly read, and while a
+stage above holds records of it that a restore reads again: a ``shuffle_window``'s open window
+(:meth:`ShardedIterable.seek`; for a window read from its source, the state at its start gets the
+fingerprints of the shards the window entered, :meth:`Stream.with_identities`). A restore compares
+each with the file as it is now before reading the shard again (in order or by key) and refuses a
+changed shard (truncated, rewritten, replaced by same-size content) with a ResumeError naming it,
+unless ``allow_changed_shards=True``.
 
 Order. The shards of epoch ``e`` are read in the order of ``Permutation(num_shards, seed, e)``
 (or in list order with ``shuffle=False``). Split over ``S`` (rank, worker) slots, slot ``s`` reads
@@ -214,6 +218,7 @@ class ShardedIterable(Stream):
         self._identity = getattr(read_shard, "identity", None)
         self._identities: dict[int, str] = {}
         self._unverified: set[int] = set()  # restored identities not compared with the shard yet
+        self._entered: dict[int, str] = {}  # every identity taken in this epoch (see with_identities)
         self._position: int | None = None  # with sizes: records this slot has read in its shards' order
         self._dealt: Dealt = ()  # with sizes: the epoch's layout changes so far (see DEALT)
         self._order: tuple[EpochOrder, np.ndarray] | None = None  # the cached shard order of an epoch
@@ -378,10 +383,48 @@ class ShardedIterable(Stream):
         return list(zip(itertools.repeat(epoch, len(shards)), shards.tolist(), offsets.tolist(), strict=True))
 
     def seek(self, position: int) -> None:
-        """Continue this slot's epoch at ``position`` (records it has read), without reading anything."""
+        """Continue this slot's epoch at ``position`` (records it has read), without reading anything.
+
+        The records between the current position and ``position`` are held by the caller (a
+        window that fetches them by key): the identities of their shards are kept, taken now for a
+        shard entered at its start, so that a restore refuses a shard changed under them (a
+        restored one is compared when the shard is next read).
+        """
+        layout = self._slot_layout(self._current(), self._slot, self._dealt)
+        start = self._position or 0
+        first = int(np.searchsorted(layout.starts, start, side="right")) - 1
+        last = int(np.searchsorted(layout.starts, position - 1, side="right")) - 1 if position > start else first - 1
+        identities = {}
+        for index in layout.shards[first : last + 1].tolist():
+            identity = self._identities.get(index)
+            if identity is None:
+                identity = self._take_identity(index)
+            if identity is not None:
+                identities[index] = identity
         self._remaining = self._remaining_at(self._current(), self._slot, position, self._dealt)
         self._position = position
-        self._identities, self._unverified = {}, set()
+        self._identities = identities
+        self._unverified &= identities.keys()
+
+    def _take_identity(self, index: int) -> str | None:
+        """The identity of shard ``index`` as it is now, noted as entered in this epoch."""
+        identity = self.identity(index)
+        if identity is not None:
+            self._entered[index] = identity
+        return identity
+
+    def with_identities(self, state: dict[str, Any]) -> dict[str, Any]:
+        if not self._entered:
+            return state
+        _, cursors, pending = self._reads(state)
+        held = {index for index, _ in pending}
+        saved = state.get(IDENTITIES, {})
+        identities = {
+            str(index): identity
+            for index, identity in self._entered.items()
+            if cursors[index] != NO_CURSOR or index in held
+        }
+        return {**state, IDENTITIES: {**identities, **saved}}
 
     def take_keys(self, count: int) -> list[Key] | None:
         """The keys of this slot's next ``count`` records (fewer at its end), the slot moved past them
@@ -408,13 +451,13 @@ class ShardedIterable(Stream):
             index = int(layout.shards[k])
             entry = position - int(layout.starts[k]) + int(layout.firsts[k]) if k == first else int(layout.firsts[k])
             done = k < last or stop == int(layout.starts[k + 1])
-            if entry == 0 and self._identity is not None:
-                identity = None if done else self.identity(index)  # a finished shard's would be dropped
-                if identity is not None:
-                    identities[index] = identity
-            elif index in unverified:
+            if index in unverified:
                 self._check_identity(index, entry, identities[index])
                 unverified.discard(index)
+            elif entry == 0 and self._identity is not None:
+                identity = None if done else self._take_identity(index)  # a finished shard's would be dropped
+                if identity is not None:
+                    identities[index] = identity
             if done:
                 identities.pop(index, None)
         keys = self.keys_at(np.arange(position, stop, dtype=np.int64))
@@ -470,7 +513,11 @@ class ShardedIterable(Stream):
         return fetch_grouped(keys, 1, read)
 
     def _read_offsets(self, index: int, offsets: list[int]) -> list[Any]:
-        """The records of shard ``index`` at ``offsets`` (ascending); a missing one is a ResumeError."""
+        """The records of shard ``index`` at ``offsets`` (ascending); a missing one is a ResumeError,
+        and so is a shard whose restored identity differs (checked before its first read)."""
+        if index in self._unverified:
+            self._check_identity(index, offsets[0], self._identities[index])
+            self._unverified.discard(index)
         read_records = getattr(self.read_shard, "read_records", None)
         if read_records is not None:
             try:
@@ -515,13 +562,13 @@ class ShardedIterable(Stream):
             if not self._remaining:
                 return
             entry = self._remaining[0]
-            if entry[1] == 0 and self._identity is not None:
-                identity = self.identity(entry[0])
-                if identity is not None:
-                    self._identities[entry[0]] = identity
-            elif entry[0] in self._unverified:  # before the shard's first record is read
+            if entry[0] in self._unverified:  # before the shard's first record is read
                 self._check_identity(entry[0], entry[1], self._identities[entry[0]])
                 self._unverified.discard(entry[0])
+            elif entry[1] == 0 and self._identity is not None:
+                identity = self._take_identity(entry[0])
+                if identity is not None:
+                    self._identities[entry[0]] = identity
             for next_offset, record in self._records(entry[0], entry[1]):
                 key = (epoch, entry[0], entry[1])
                 entry[1] = next_offset
@@ -538,6 +585,7 @@ class ShardedIterable(Stream):
         self._epoch = epoch
         s, num_slots = self._slot
         self._pending, self._identities, self._unverified, self._dealt = deque(), {}, set(), ()
+        self._entered = {}
         self._pieces = (len(self.shards),)  # a new epoch's order covers every shard
         if self.sizes is None:
             self._remaining = [[index, 0] for index in self.shard_order(epoch)[s::num_slots]]
@@ -581,15 +629,9 @@ class ShardedIterable(Stream):
         return state
 
     def state_dict(self) -> dict[str, Any]:
-        identities = self._identities
-        if self.sizes is not None and identities and self._remaining:
-            # Right after its last record a shard is still the head of the list, but a position
-            # already points past it: it is finished, and its identity no longer needed.
-            head, cursor = self._remaining[0]
-            if head in identities and cursor >= self.sizes[head]:
-                identities = {i: v for i, v in identities.items() if i != head}
+        # A shard just finished keeps its identity while a window above holds its records (seek).
         return self._state(
-            self._current(), self._slot, self._remaining, self._pending, identities, self._position, self._dealt
+            self._current(), self._slot, self._remaining, self._pending, self._identities, self._position, self._dealt
         )
 
     def _parse(self, state: Any) -> tuple[int, Slot, list[list[int]], list[list[int]]]:
@@ -686,10 +728,11 @@ class ShardedIterable(Stream):
         identities: dict[int, str] = {}
         for key, identity in identities_raw.items():
             index = int(key) if isinstance(key, str) and key.isascii() and key.isdigit() and len(key) < 20 else -1
-            if not 0 <= index < len(cursors) or cursors[index] == NO_CURSOR or not isinstance(identity, str):
+            # Shards being read, and shards whose records a stage above holds (finished ones too).
+            if not 0 <= index < saved_n or not isinstance(identity, str):
                 raise ResumeError(
-                    f"{_WHAT} state: {IDENTITIES!r} has {brief(key)}: {brief(identity)}, but only shards being read "
-                    f"have an identity (a string); pass a state_dict() of this pipeline unchanged"
+                    f"{_WHAT} state: {IDENTITIES!r} has {brief(key)}: {brief(identity)}, but an identity is a string "
+                    f"by shard index (0..{saved_n - 1}); pass a state_dict() of this pipeline unchanged"
                 )
             identities[index] = identity
         return epoch, (slot, num_slots), remaining, pending, position, identities, dealt, pieces
@@ -820,6 +863,7 @@ class ShardedIterable(Stream):
         def apply() -> None:
             self._epoch, self._slot, self._remaining, self._pending = epoch, slot, remaining, deque(pending)
             self._position, self._identities, self._dealt = position, dict(identities), dealt
+            self._entered = {}
             self._pieces = pieces
             # Compared when the shard is next read: a restore opens no shard it does not read.
             self._unverified = set() if self.allow_changed_shards else set(identities)
@@ -866,7 +910,7 @@ class ShardedIterable(Stream):
                 (s, num_slots),
                 remaining[s::num_slots],
                 records[s::num_slots],
-                {i: identities[i] for i, _ in remaining[s::num_slots] if i in identities},
+                _held_identities(identities, remaining[s::num_slots] + records[s::num_slots]),
             )
             for s in range(num_slots)
         ]
@@ -900,12 +944,9 @@ class ShardedIterable(Stream):
         held = np.fromiter(identities, dtype=np.int64, count=len(identities))
         states = []
         for s in range(num_slots):
-            mine = held[np.isin(held, shards[s::num_slots])].tolist()
-            states.append(
-                self._state(
-                    order, (s, num_slots), [], records[s::num_slots], {i: identities[i] for i in mine}, 0, dealt
-                )
-            )
+            mine = {i: identities[i] for i in held[np.isin(held, shards[s::num_slots])].tolist()}
+            mine.update(_held_identities(identities, records[s::num_slots]))  # pending records' shards
+            states.append(self._state(order, (s, num_slots), [], records[s::num_slots], mine, 0, dealt))
         return states
 
 
@@ -915,6 +956,11 @@ class _Layout(NamedTuple):
     shards: np.ndarray  # shard indices in reading order
     starts: np.ndarray  # the position where each one starts, plus the slot's total
     firsts: np.ndarray  # the offset each one is read from (its cursor at a layout change, else 0)
+
+
+def _held_identities(identities: Mapping[int, str], entries: Iterable[Sequence[int]]) -> dict[int, str]:
+    """The identities of the shards of ``entries`` (``[shard index, cursor or offset]`` each)."""
+    return {entry[0]: identities[entry[0]] for entry in entries if entry[0] in identities}
 
 
 def _require_dealt(raw: Any) -> Dealt:

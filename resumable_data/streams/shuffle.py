@@ -109,6 +109,7 @@ class ShuffleBuffer(Wrapper):
             )
         self.size = check_int_arg("size", size, minimum=1)
         self.seed = check_int_arg("seed", seed, minimum=-(2**63))
+        source.expect_rereads()  # a restore re-reads the buffered records by key
         # (key, record) per slot; a restored slot holds (key, _Unread) until it is re-read.
         self._buffer: list[tuple[Key, Any]] = []
         self._unread = 0  # slots holding _Unread

@@ -106,6 +106,7 @@ class BatchByTokens(Wrapper):
         self.padded = bool(padded)
         self.oversized = oversized
         self.collate_fn = collate_fn
+        source.expect_rereads()  # a restore re-reads the carried record (with bucket, the open window)
         self._carry: tuple[Key, Any] | None = None  # read for the next batch; _Unread after a restore
 
     def iter_keyed(self) -> Iterator[tuple[Key | None, Any]]:
@@ -282,7 +283,8 @@ class BucketedBatchByTokens(BatchByTokens):
     def state_dict(self) -> dict[str, Any]:
         state = super().state_dict()
         if self._taken < self._count and self._start is not None:
-            state[SOURCE] = self._start  # an open window restores from its start and re-reads it
+            # An open window restores from its start and re-reads it, checking the shards it entered.
+            state[SOURCE] = self.source.with_identities(self._start)
         return state
 
     # Whole states (Stream's default, not Wrapper's change to the source's state): the source's

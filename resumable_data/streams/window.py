@@ -22,7 +22,9 @@ window (0: none open), "taken": records of it handed out, "positional": how it i
 {...}}``. A layout change (another ``num_workers`` or world size) is exact for windows read by
 position: the open window's records not handed out yet go back to the sources as pending records,
 which each new slot reads first, as windows of their own (by reading), and then its dealt shards
-by position again. A window read by reading cannot be split; the state then must be taken between
+by position again. Such a window of pending records is split the same way at a later change (its
+records are the first pending ones of the state at its start), so changes chain (2 -> 1 -> 2
+ranks). Any other window read by reading cannot be split; the state then must be taken between
 windows.
 """
 
@@ -38,7 +40,7 @@ from ..core.permutation import Permutation
 from ..core.state import SEED, brief, check_int_arg, is_int, require_bool
 from ..errors import ResumeError
 from .base import EPOCH, SOURCE, Key, Stream, Wrapper, check_reread_growth, check_same, record_key, require_count
-from .sharded import POSITION, ShardedIterable
+from .sharded import PENDING, POSITION, ShardedIterable
 
 __all__ = ["ShuffleWindow"]
 
@@ -71,6 +73,7 @@ class ShuffleWindow(Wrapper):
             raise TypeError("shuffle_window shuffles records; apply it before batch()")
         self.size = check_int_arg("size", size, minimum=1)
         self.seed = check_int_arg("seed", seed, minimum=-(2**63))
+        source.expect_rereads()  # a restore fetches the open window's records, or reads it again
         self._reset_own()
 
     def _reset_own(self) -> None:
@@ -184,7 +187,8 @@ class ShuffleWindow(Wrapper):
     def state_dict(self) -> dict[str, Any]:
         state = super().state_dict()
         if self._open() and not self._positional and self._start is not None:
-            state[SOURCE] = self._start  # a read window restores from its start and re-reads it
+            # A read window restores from its start and re-reads it, checking the shards it entered.
+            state[SOURCE] = self.source.with_identities(self._start)
         return state
 
     # Whole states (Stream's default, not Wrapper's change to the source's state): a few ints and
@@ -238,20 +242,31 @@ class ShuffleWindow(Wrapper):
     ) -> list[dict[str, Any]]:
         # The open window's records not handed out yet go back to the sources as pending records.
         held: list[Key] = []
+        split: list[Mapping[str, Any]] = []
+        sharded = self.source if isinstance(self.source, ShardedIterable) else None
         for state in states:
-            count, taken = state[COUNT], state[TAKEN]
-            if not count:
-                continue
-            if not state[POSITIONAL] or not isinstance(self.source, ShardedIterable):
-                raise ResumeError(
-                    f"{_WHAT}: a window read from a source of unknown sizes cannot be split over another number of "
-                    "workers or ranks; resume with the checkpoint's num_workers and world_size, or give the "
-                    "ShardedIterable sizes="
-                )
-            permutation = Permutation(count, hash_ints(self.seed, state[WINDOW] - 1) >> 1, state[EPOCH])
-            positions = permutation(np.arange(taken, count, dtype=np.int64)) + (state[SOURCE][POSITION] - count)
-            held.extend(self.source.keys_at(positions, state[SOURCE]))
-        return super().rebalance(states, num_slots, pending + held)
+            count, taken, source = state[COUNT], state[TAKEN], state[SOURCE]
+            if count:
+                permutation = Permutation(count, hash_ints(self.seed, state[WINDOW] - 1) >> 1, state[EPOCH])
+                order = permutation(np.arange(taken, count, dtype=np.int64))
+                sized = sharded is not None and POSITION in source
+                if sharded is not None and sized and state[POSITIONAL]:
+                    held.extend(sharded.keys_at(order + (source[POSITION] - count), source))
+                elif sized and count <= len(source[PENDING]):
+                    # A window read from the records held back at an earlier layout change: the first
+                    # ``count`` pending records of the state at its start (see _read_size).
+                    pending_records = source[PENDING]
+                    held.extend((state[EPOCH], *pending_records[p]) for p in order.tolist())
+                    state = {**state, SOURCE: {**source, PENDING: pending_records[count:]}}
+                else:
+                    raise ResumeError(
+                        f"{_WHAT}: a window read from its source cannot be split over another number of workers or "
+                        "ranks; only shuffle_window directly over a ShardedIterable with sizes= can (its windows are "
+                        "read by position). Resume with the checkpoint's num_workers and world_size, or build the "
+                        "pipeline so (map after the shuffle)"
+                    )
+            split.append(state)
+        return super().rebalance(split, num_slots, pending + held)
 
 
 def take_records(records: Iterator[tuple[Key | None, Any]], n: int) -> list[tuple[Key | None, Any]]:
