@@ -22,7 +22,10 @@ def small_disk(folder: Path, size: str = "1m") -> Iterator[Path]:
     """Mount a tmpfs of ``size`` on ``folder`` (created if missing) for the block; skip if that fails."""
     folder.mkdir(parents=True, exist_ok=True)
     mounted = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(folder)], capture_output=True, text=True, check=False
+        ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(folder)],
+        capture_output=True,
+        text=True,
+        check=False,
     )
     if mounted.returncode != 0:
         pytest.skip(f"cannot mount a tmpfs for a real full disk: {mounted.stderr.strip() or mounted.returncode}")

@@ -30,7 +30,9 @@ from trainer.train import train
 def files_of(run_dir: str) -> dict[str, bytes]:
     """Every file of a run folder but the locks, by relative path: what a refused relaunch must not change."""
     root = Path(run_dir)
-    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file() and p.name != ".lock"}
+    return {
+        str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file() and p.name != ".lock"
+    }
 
 
 def refused(config: TrainConfig, capsys: pytest.CaptureFixture[str]) -> str:
