@@ -68,9 +68,8 @@ class Checkpoints(contextlib.AbstractContextManager["Checkpoints"]):
         so a second job on it stops before touching anything, and picks once for every rank.
 
         Raises:
-            ResumeError: the folder is locked by another trainer, ``--resume`` cannot be followed, no
-                checkpoint can be resumed although there are some, or the run's checkpoints are in the
-                other ``--checkpoint-format``.
+            ResumeError: the folder is locked by another trainer, ``--resume`` cannot be followed (no
+                checkpoint can be resumed, though some exist), or the checkpoints are in the other format.
         """
 
         def on_rank_zero() -> Path | None:
@@ -88,15 +87,13 @@ class Checkpoints(contextlib.AbstractContextManager["Checkpoints"]):
         return resumable_data.decide_on_rank_zero(on_rank_zero)
 
     def _refuse_the_other_format(self) -> None:
-        """A run keeps one format: a checkpoint folder of the other one means the history is there, and
-        training from scratch beside it (the other format's folder looks empty) would fork the run."""
-        other, folder = ("dcp or dcp-async", DCP_FOLDER) if self.store is None else ("file", CHECKPOINT_FOLDER)
-        steps = sorted(p.name for p in (self.run_dir / folder).glob("step-*") if p.is_dir())
-        if steps:
+        """The other format's checkpoints are the run's history: starting from scratch here would fork it."""
+        other, folder = ("dcp", DCP_FOLDER) if self.store is None else ("file", CHECKPOINT_FOLDER)
+        if steps := sorted(p.name for p in (self.run_dir / folder).glob("step-*") if p.is_dir()):
             raise ResumeError(
-                f"--checkpoint-format {self.format}, but {self.run_dir / folder} holds this run's checkpoints "
-                f"written with --checkpoint-format {other} (newest {steps[-1]}); a run keeps one format: resume "
-                f"with --checkpoint-format {other.split()[0]}, or train with {self.format} in another --run-dir"
+                f"--checkpoint-format {self.format}, but {self.run_dir / folder} holds this run's checkpoints, written "
+                f"with --checkpoint-format {other} (newest {steps[-1]}): resume with --checkpoint-format {other}, "
+                f"or train with {self.format} in another --run-dir"
             )
 
     def read(self, path: Path | None) -> dict[str, Any] | None:
@@ -198,10 +195,8 @@ def audit(
     next (batch size, gradient accumulation, seed, schedule): compare this run's ``next_batch``
     fingerprint (:func:`next_step_fingerprint`) and learning rate with the checkpoint's. ``next_batch``
     is None after a world-size change, when batches are cut differently: only the learning rate compares.
-    The fingerprint holds window indices, not tokens, so the corpus's ``data_sha256`` is compared too
-    (when both the checkpoint and this run have one: checkpoints written before it was recorded, and
-    streamed documents, have none). The restored optimizer would silently keep the old weight decay, so a changed one is
-    refused too.
+    The fingerprint hashes indices, not tokens: the corpus's ``data_sha256`` is compared too (if both have
+    one). The restored optimizer would silently keep the old weight decay, so a changed one is refused too.
 
     Raises:
         ResumeError: something differs; the message says what probably changed.

@@ -3,9 +3,8 @@ what the loop reads (:class:`TrainingData`; ``documents.py`` streams ``.jsonl``/
 
 The default corpus needs no download: the Python standard library's own source, in sorted order and
 capped, so it is the same on every run on a machine. Tokens are bytes, written once to ``train.bin``
-and ``val.bin`` in a cache folder named by a hash of the inputs; later runs only memmap them. The
-build also records the sha256 of the tokens, which a checkpoint keeps: a resume on a corpus whose
-content changed (another Python's standard library, an edited file of the same size) is refused.
+and ``val.bin`` in a cache folder named by a hash of the inputs; later runs only memmap them. Their
+sha256, recorded at the build, goes into each checkpoint: a resume on changed content is refused.
 """
 
 from __future__ import annotations
@@ -36,8 +35,7 @@ TOKEN_DTYPE = np.uint8
 # The default corpus is capped so building it and one epoch over it stay small on a laptop.
 DEFAULT_CORPUS_BYTES = 4 * 2**20
 VAL_FRACTION = 0.1
-# Bumped when the way the files are turned into tokens changes, so old caches are not reused.
-# 2: meta.json records the tokens' sha256.
+# Bumped when the way the files are turned into tokens changes, so old caches are not reused (2: sha256).
 CACHE_FORMAT = 2
 _SEPARATOR = b"\n"
 
@@ -132,8 +130,7 @@ def _build(files: list[Path], cap: int | None, folder: Path, meta: dict[str, Any
     scratch.mkdir()
     try:
         written = 0
-        # The bytes in file order are train.bin's, then val.bin's: one digest covers both.
-        digest = hashlib.sha256()
+        digest = hashlib.sha256()  # of train.bin's bytes, then val.bin's
         with open(scratch / "train.bin", "wb") as train, open(scratch / "val.bin", "wb") as val:
             for path in files:
                 # Files are read one at a time, so a large folder never has to fit in memory.
@@ -211,8 +208,7 @@ class TrainingData:
     loader: Any  # a ResumableDataLoader here, a StreamLoader in documents.StreamData
     val: list[tuple[torch.Tensor, torch.Tensor]]
     description: str
-    # The corpus's sha256, kept in each checkpoint and compared on resume; None for streamed
-    # documents (never read whole; the stream checks the identity of each shard it resumes in).
+    # The corpus's, compared on resume; None for documents (the stream checks each shard it resumes in).
     sha256: str | None = field(default=None, kw_only=True)
 
     def batches(self) -> Iterator[Any]:
