@@ -36,7 +36,7 @@ CHECKPOINT_KEYS = (MODEL, OPTIMIZER, LR_SCHEDULER, DATALOADER, RNG, TRAIN_STATE,
 # A DCP checkpoint keeps model, optimizer and data state in DCP's shards, the rest in trainer.pt.
 DCP_KEYS = (MODEL, OPTIMIZER, DATALOADER)
 EXTRA_KEYS = tuple(key for key in CHECKPOINT_KEYS if key not in DCP_KEYS)
-NEXT_BATCH, NEXT_LR = "next_batch", "next_lr"  # inside "audit"
+NEXT_BATCH, NEXT_LR, DATA_SHA256 = "next_batch", "next_lr", "data_sha256"  # inside "audit"
 CHECKPOINT_FOLDER, DCP_FOLDER = "checkpoints", "dcp"
 
 
@@ -48,6 +48,7 @@ class Checkpoints(contextlib.AbstractContextManager["Checkpoints"]):
 
     def __init__(self, run_dir: Path, config: TrainConfig, par: parallel.Parallel) -> None:
         self.run_dir, self.par, self.keep_last, self.async_save = run_dir, par, config.keep_last, config.async_save
+        self.format = config.checkpoint_format
         self.store: DcpCheckpoints | None = None
         if config.checkpoint_format != "file":
             async_dcp = config.async_save or config.checkpoint_format == "dcp-async"
@@ -60,14 +61,15 @@ class Checkpoints(contextlib.AbstractContextManager["Checkpoints"]):
     def __exit__(self, *exc: object) -> None:
         with self._stack:
             if self.store is not None:
-                self.store.wait()
+                self.store.close()
 
     def choose(self, resume: str) -> Path | None:
         """The checkpoint ``--resume`` asks for (None: from scratch). Rank 0 locks the run folder first,
         so a second job on it stops before touching anything, and picks once for every rank.
 
         Raises:
-            ResumeError: the folder is locked by another trainer, or ``--resume`` cannot be followed.
+            ResumeError: the folder is locked by another trainer, ``--resume`` cannot be followed (no
+                checkpoint can be resumed, though some exist), or the checkpoints are in the other format.
         """
 
         def on_rank_zero() -> Path | None:
@@ -75,6 +77,7 @@ class Checkpoints(contextlib.AbstractContextManager["Checkpoints"]):
             self.manager = self._stack.enter_context(
                 CheckpointManager(folder, keep_last=self.keep_last, async_save=self.async_save)
             )
+            self._refuse_the_other_format()
             if self.store is not None:
                 self.store.remove_leftovers()
             return resumable_data.choose_checkpoint(
@@ -82,6 +85,16 @@ class Checkpoints(contextlib.AbstractContextManager["Checkpoints"]):
             )
 
         return resumable_data.decide_on_rank_zero(on_rank_zero)
+
+    def _refuse_the_other_format(self) -> None:
+        """The other format's checkpoints are the run's history: starting from scratch here would fork it."""
+        other, folder = ("dcp", DCP_FOLDER) if self.store is None else ("file", CHECKPOINT_FOLDER)
+        if steps := sorted(p.name for p in (self.run_dir / folder).glob("step-*") if p.is_dir()):
+            raise ResumeError(
+                f"--checkpoint-format {self.format}, but {self.run_dir / folder} holds this run's checkpoints, written "
+                f"with --checkpoint-format {other} (newest {steps[-1]}): resume with --checkpoint-format {other}, "
+                f"or train with {self.format} in another --run-dir"
+            )
 
     def read(self, path: Path | None) -> dict[str, Any] | None:
         """This rank's copy of checkpoint ``path`` (under DCP its rank-0 part; the shards load in
@@ -170,6 +183,7 @@ def next_step_fingerprint(data: TrainingData, grad_accum: int, par: parallel.Par
 def audit(
     recorded: Mapping[str, Any],
     next_batch: str | None,
+    data_sha256: str | None,
     optimizer: torch.optim.Optimizer,
     config: TrainConfig,
     step: int,
@@ -181,7 +195,8 @@ def audit(
     next (batch size, gradient accumulation, seed, schedule): compare this run's ``next_batch``
     fingerprint (:func:`next_step_fingerprint`) and learning rate with the checkpoint's. ``next_batch``
     is None after a world-size change, when batches are cut differently: only the learning rate compares.
-    The restored optimizer would silently keep the old weight decay, so a changed one is refused too.
+    The fingerprint hashes indices, not tokens: the corpus's ``data_sha256`` is compared too (if both have
+    one). The restored optimizer would silently keep the old weight decay, so a changed one is refused too.
 
     Raises:
         ResumeError: something differs; the message says what probably changed.
@@ -192,6 +207,13 @@ def audit(
             f"after step {step} it expects the next batch {recorded[NEXT_BATCH]}, but this run would read {next_batch}: "
             "the data order changed (most likely --batch-size, --grad-accum or --seed differs, or the corpus: "
             "--data, --text-field, --block-size)"
+        )
+    saved_data = recorded.get(DATA_SHA256)
+    if saved_data is not None and data_sha256 is not None and saved_data != data_sha256:
+        problems.append(
+            f"it was trained on a corpus of sha256 {saved_data[:16]}..., but this run's corpus has "
+            f"{data_sha256[:16]}...: the data's content changed (an edited --data file, or for the default corpus "
+            "another Python's standard library)"
         )
     # The schedule as this run's flags define it, not the scheduler's restored value: a changed
     # --lr, --min-lr, --warmup-steps or --max-steps shows up only here.

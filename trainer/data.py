@@ -3,7 +3,8 @@ what the loop reads (:class:`TrainingData`; ``documents.py`` streams ``.jsonl``/
 
 The default corpus needs no download: the Python standard library's own source, in sorted order and
 capped, so it is the same on every run on a machine. Tokens are bytes, written once to ``train.bin``
-and ``val.bin`` in a cache folder named by a hash of the inputs; later runs only memmap them.
+and ``val.bin`` in a cache folder named by a hash of the inputs; later runs only memmap them. Their
+sha256, recorded at the build, goes into each checkpoint: a resume on changed content is refused.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import sysconfig
 import time
 import uuid
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -34,19 +35,20 @@ TOKEN_DTYPE = np.uint8
 # The default corpus is capped so building it and one epoch over it stay small on a laptop.
 DEFAULT_CORPUS_BYTES = 4 * 2**20
 VAL_FRACTION = 0.1
-# Bumped when the way the files are turned into tokens changes, so old caches are not reused.
-CACHE_FORMAT = 1
+# Bumped when the way the files are turned into tokens changes, so old caches are not reused (2: sha256).
+CACHE_FORMAT = 2
 _SEPARATOR = b"\n"
 
 
 @dataclass(frozen=True)
 class TokenData:
-    """Where a prepared corpus lives and what it was built from."""
+    """Where a prepared corpus lives, what it was built from, and a digest of its tokens."""
 
     train: Path
     val: Path
     source: str
     n_files: int
+    sha256: str  # of train.bin's bytes, then val.bin's
 
     def describe(self) -> str:
         """One line for the log: the source and the split sizes."""
@@ -97,12 +99,15 @@ def prepare_data(data: str | os.PathLike[str] | None, cache_dir: Path, say: Call
     listing = [(str(f.resolve()), f.stat().st_size, f.stat().st_mtime_ns) for f in files]
     key = hashlib.sha256(json.dumps([CACHE_FORMAT, cap, VAL_FRACTION, listing]).encode()).hexdigest()[:16]
     folder = cache_dir / key
-    prepared = TokenData(folder / "train.bin", folder / "val.bin", source, len(files))
-    if not (folder / "meta.json").is_file():
+    built = not (folder / "meta.json").is_file()
+    if built:
         # The first launch on a machine builds the corpus: say so, rather than stay silent.
         say(f"tokenizing {len(files)} files of {source} into {folder} (once; later runs reuse it)")
         started = time.perf_counter()
         _build(files, cap, folder, {"source": source, "files": len(files)})
+    sha256 = json.loads((folder / "meta.json").read_text())["sha256"]
+    prepared = TokenData(folder / "train.bin", folder / "val.bin", source, len(files), sha256)
+    if built:
         say(f"tokenized: {prepared.describe()} in {time.perf_counter() - started:.1f} s")
     return prepared
 
@@ -125,6 +130,7 @@ def _build(files: list[Path], cap: int | None, folder: Path, meta: dict[str, Any
     scratch.mkdir()
     try:
         written = 0
+        digest = hashlib.sha256()  # of train.bin's bytes, then val.bin's
         with open(scratch / "train.bin", "wb") as train, open(scratch / "val.bin", "wb") as val:
             for path in files:
                 # Files are read one at a time, so a large folder never has to fit in memory.
@@ -132,10 +138,12 @@ def _build(files: list[Path], cap: int | None, folder: Path, meta: dict[str, Any
                 cut = max(0, min(len(chunk), split - written))
                 train.write(chunk[:cut])
                 val.write(chunk[cut:])
+                digest.update(chunk)
                 written += len(chunk)
                 if written >= total:
                     break
-        (scratch / "meta.json").write_text(json.dumps({**meta, "bytes": written, "split": split}))
+        record = {**meta, "bytes": written, "split": split, "sha256": digest.hexdigest()}
+        (scratch / "meta.json").write_text(json.dumps(record))
     except BaseException:
         shutil.rmtree(scratch, ignore_errors=True)
         raise
@@ -200,6 +208,8 @@ class TrainingData:
     loader: Any  # a ResumableDataLoader here, a StreamLoader in documents.StreamData
     val: list[tuple[torch.Tensor, torch.Tensor]]
     description: str
+    # The corpus's, compared on resume; None for documents (the stream checks each shard it resumes in).
+    sha256: str | None = field(default=None, kw_only=True)
 
     def batches(self) -> Iterator[Any]:
         """Batches forever: each new ``iter()`` continues the loader's epoch, or starts the next."""
@@ -245,4 +255,4 @@ def training_data(config: TrainConfig, block_size: int, par: Parallel, say: Call
             "--batch-size or --block-size, or more data"
         )
     val = [val_windows[i] for i in val_windows.spread(config.eval_batches * config.batch_size)]
-    return TrainingData(loader, val, data.describe())
+    return TrainingData(loader, val, data.describe(), sha256=data.sha256)

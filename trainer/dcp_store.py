@@ -4,9 +4,10 @@ Layout: ``RUN_DIR/dcp/step-00000040/`` holds DCP's shards and ``.metadata`` (mod
 data state: written by every rank, each its own shard), ``trainer.pt`` (scheduler, per-rank RNG
 states, step counters, model config, audit: small, written by rank 0, read with
 ``weights_only=True``) and ``manifest.json`` (every file's size and sha256). The folders are the
-library's :class:`resumable_data.DcpStore`: every rank saves into its staging folder, rank 0 then
-fsyncs everything, renames it to ``step-N`` and prunes; ``--resume auto`` takes the newest folder
-whose files all verify, falling back with a warning.
+library's :class:`resumable_data.DcpStore`: every rank saves into its staging folder (through the
+store's writer, so a full disk is reported with its errno and file), rank 0 then fsyncs everything,
+renames it to ``step-N`` and prunes, holding the folder's lock; ``--resume auto`` takes the newest
+folder whose files all verify, falling back with a warning.
 
 Trust: DCP reads ``.metadata`` with ``pickle`` and non-tensor values with full unpickling, so
 unlike ``CheckpointManager``'s files, a DCP checkpoint must come from someone you trust.
@@ -51,8 +52,15 @@ class DcpCheckpoints:
         self._group = dist.new_group(backend="gloo") if async_save and dist.is_initialized() else None
 
     def remove_leftovers(self) -> None:
-        """Rank 0, before any save: delete half-written folders of an earlier, killed job."""
+        """Rank 0, before any save: lock the folder and delete half-written folders of an earlier, killed job."""
         self.store.remove_leftovers()
+
+    def close(self) -> None:
+        """Finish an asynchronous save, then release the folder's lock (rank 0)."""
+        try:
+            self.wait()
+        finally:
+            self.store.close()
 
     def read_extras(self, path: Path) -> dict[str, Any]:
         """The rank-0 part of a checkpoint, verified against its manifest, read with ``weights_only=True``.
@@ -80,13 +88,14 @@ class DcpCheckpoints:
         """
         self.wait()
         staging = self.store.staging(step)
+        writer = self.store.writer(step)
         with dcp_errors("save", staging):
             if self.async_save:
-                future = dcp.async_save(app_state, checkpoint_id=str(staging), process_group=self._group)
+                future = dcp.async_save(app_state, storage_writer=writer, process_group=self._group)
                 # The extras are written when the shards are done: copy them as they are now.
                 self._pending = (future, step, copy.deepcopy(extras))
                 return self._folder(step)
-            dcp.save(app_state, checkpoint_id=str(staging))
+            dcp.save(app_state, storage_writer=writer)
         return self._publish(step, extras)
 
     def wait(self) -> None:

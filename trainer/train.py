@@ -132,7 +132,7 @@ def _train(config: TrainConfig, par: parallel.Parallel) -> TrainResult:
             # After a world-size change the batches are cut differently: only the learning rate compares.
             same_world = "world_size" not in plan.changes
             next_batch = ckpt.next_step_fingerprint(data, grad_accum, par) if same_world else None
-            ckpt.audit(checkpoint[ckpt.AUDIT], next_batch, optimizer, config, state.step, resume_path)
+            ckpt.audit(checkpoint[ckpt.AUDIT], next_batch, data.sha256, optimizer, config, state.step, resume_path)
             lr = optimizer.param_groups[0]["lr"]
             say(
                 f"resuming at step {state.step}: epoch {loader.epoch}, {data.done()}; "
@@ -199,6 +199,7 @@ def _train(config: TrainConfig, par: parallel.Parallel) -> TrainResult:
                 ckpt.AUDIT: {
                     ckpt.NEXT_BATCH: ckpt.next_step_fingerprint(data, grad_accum, par),
                     ckpt.NEXT_LR: optimizer.param_groups[0]["lr"],
+                    ckpt.DATA_SHA256: data.sha256,
                 },
             }
             path = checkpoints.save(state.step, states, metric=val_loss)

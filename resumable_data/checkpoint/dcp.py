@@ -10,18 +10,23 @@ Layout of the store's folder::
         manifest.json                            step, time, library version, size + sha256 of every file
       .tmp-step-00000060/                        a save in progress (or cut off by a crash); never read
 
-Every rank saves into :meth:`DcpStore.staging` (the same path on every rank); once DCP's save has
+Every rank saves into :meth:`DcpStore.staging` (the same path on every rank), with
+:meth:`DcpStore.writer` so that a failed write reports the OS error; once DCP's save has
 returned on rank 0 (its coordinator, which returns after every rank's files are written), rank 0
 calls :meth:`DcpStore.publish`: it fsyncs every file in the staging folder (DCP's writer syncs its
 own data files, not the folder entries), writes the payloads and the manifest, each fsynced,
 fsyncs the folder, renames it to ``step-N`` and fsyncs the store's folder. A ``step-N`` folder
 therefore counts only once it is complete and durable; a crash at any point leaves the previous
-set of checkpoints, or that set plus the new one, and a ``.tmp-*`` leftover.
+set of checkpoints, or that set plus the new one, and a ``.tmp-*`` leftover. A publish that fails
+(disk full) removes what it wrote into the staging folder, so it can be called again. The writing
+rank holds ``DIRECTORY/.lock`` (:class:`RunLock`, as :class:`CheckpointManager` does) from its first
+write until :meth:`DcpStore.close`, so a second writer on the same folder is refused.
 
 :meth:`DcpStore.latest` returns the newest folder whose files all have the size and sha256 the
 manifest records (a zero-length, truncated, missing or changed file makes it invalid) and falls
 back to the one before with a warning. Replacing a step and pruning rename the old folder to a
-``.tmp-*`` name first, so a crash mid-delete never leaves half a ``step-N``.
+``.tmp-*`` name first, so a crash mid-delete never leaves half a ``step-N``; a folder a newer release
+wrote is never replaced or pruned.
 
 Trust: DCP itself reads ``.metadata`` with ``pickle`` and non-tensor values with full unpickling;
 the manifest proves a folder complete and unchanged, not that its writer was benign. Load DCP
@@ -31,6 +36,7 @@ checkpoints only from sources you trust. The payloads (``trainer.pt``) load with
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import os
@@ -42,16 +48,38 @@ import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from types import TracebackType
+from typing import TYPE_CHECKING, Any
 
 from ..core.state import VERSION, is_int
 from ..core.version import __version__
 from ..errors import ResumeError
 from . import durable
-from .manifest import MANIFEST_NAME, STEP_RE, file_digest, name_problem, read_json_object, step_name, step_of
+from .lock import RunLock
+from .manifest import (
+    MANIFEST_NAME,
+    file_digest,
+    name_problem,
+    read_json_object,
+    refuse_to_replace_newer,
+    step_folders,
+    step_name,
+    written_by_newer,
+)
 from .weights_only import is_mapping, load_weights_only, snapshot
 
-__all__ = ["DCP_METADATA", "DcpManifest", "DcpStore", "dcp_checkpoint_problem", "read_dcp_manifest"]
+if TYPE_CHECKING:
+    from .dcp_writer import ErrnoFileSystemWriter
+
+__all__ = [
+    "DCP_METADATA",
+    "DcpManifest",
+    "DcpStore",
+    "dcp_checkpoint_problem",
+    "is_dcp_folder",
+    "read_dcp_manifest",
+    "verify_payload",
+]
 
 DCP_MANIFEST_VERSION = 1
 # DCP's own index of the shards: written last by DCP's coordinator, so a folder without it is incomplete.
@@ -161,6 +189,17 @@ def read_dcp_manifest(folder: Path) -> DcpManifest:
     )
 
 
+def is_dcp_folder(folder: Path) -> bool:
+    """Whether ``folder`` looks like a DCP step folder: DCP's ``.metadata``, or a manifest of kind
+    ``dcp`` (a folder that lost its ``.metadata`` is still one, and is judged as one)."""
+    if (folder / DCP_METADATA).exists():
+        return True
+    try:
+        return read_json_object(folder / MANIFEST_NAME, max_bytes=MAX_DCP_MANIFEST_BYTES).get(KIND) == KIND_DCP
+    except ResumeError:
+        return False
+
+
 def dcp_checkpoint_problem(folder: Path, *, verify: bool, check_name: bool = True) -> str | None:
     """What is wrong with a DCP step folder, or None if it is complete (and, with ``verify``, every
     file's sha256 matches the manifest). Never raises for anything found on disk.
@@ -197,6 +236,38 @@ def dcp_checkpoint_problem(folder: Path, *, verify: bool, check_name: bool = Tru
     return None
 
 
+def verify_payload(folder: Path, name: str) -> DcpManifest:
+    """Check the payload ``name`` of a DCP step folder against the folder's manifest (listed as a
+    payload, size and sha256), without reading the rest of the folder.
+
+    Returns:
+        The folder's manifest.
+
+    Raises:
+        ResumeError: ``cannot load FOLDER/NAME: ...`` naming what does not match.
+    """
+    try:
+        manifest = read_dcp_manifest(folder)
+    except ResumeError as e:
+        raise ResumeError(f"cannot load {folder / name}: {e}") from None
+    if name not in manifest.payloads:
+        raise ResumeError(
+            f"cannot load {folder / name}: the manifest lists no payload {name!r} (payloads: "
+            f"{list(manifest.payloads)}; DCP's own files load only with DCP)"
+        )
+    size, sha256 = manifest.files[name]
+    try:
+        actual, actual_size = file_digest(folder / name)
+    except OSError as e:
+        raise ResumeError(f"cannot load {folder / name}: {e.strerror}") from None
+    if (actual_size, actual) != (size, sha256):
+        raise ResumeError(
+            f"cannot load {folder / name}: it has {actual_size} bytes and sha256 {actual}, "
+            f"the manifest records {size} bytes and {sha256}"
+        )
+    return manifest
+
+
 @dataclass
 class DcpStore:
     """The ``step-N`` DCP checkpoints of one run: staging, durable publishing, newest-valid lookup,
@@ -206,6 +277,9 @@ class DcpStore:
         directory: The store's folder (DCP's save creates it; :meth:`publish` makes its entry durable).
         keep_last: How many of the newest *valid* checkpoints to keep (at least 2, so a checkpoint
             found corrupt still leaves one to fall back to).
+        lock: Lock the folder at the first write (:meth:`remove_leftovers` or :meth:`publish`: rank 0's
+            calls) until :meth:`close` or the end of the process, so two jobs cannot write the same
+            store. Reading never locks.
 
     Raises:
         ResumeError: ``keep_last`` is below 2.
@@ -214,19 +288,22 @@ class DcpStore:
 
         store = DcpStore("runs/exp1/dcp", keep_last=3)
         if rank == 0:
-            store.remove_leftovers()  # before any rank saves
+            store.remove_leftovers()  # before any rank saves; takes the folder's lock
         path = store.latest() if rank == 0 else None  # broadcast it, then on every rank:
         if path is not None:
             dcp.load(app_state, checkpoint_id=path)
             extras = store.load_payload(path, "trainer.pt")
         ...
-        dcp.save(app_state, checkpoint_id=store.staging(step))  # every rank
+        dcp.save(app_state, storage_writer=store.writer(step))  # every rank
         if rank == 0:
             store.publish(step, payloads={"trainer.pt": {"step": step, "rng": ...}})
+        store.close()  # at the end: releases the lock
     """
 
     directory: Path
     keep_last: int = 2
+    lock: bool = True
+    _lock: RunLock | None = field(default=None, init=False, repr=False)
     # Verdicts of full verifications, so pruning does not re-read every kept checkpoint on every
     # save. Trusted only while every file's inode, size and mtime are unchanged.
     _verified: dict[Path, tuple[tuple[int, ...], bool]] = field(default_factory=dict, init=False, repr=False)
@@ -239,7 +316,47 @@ class DcpStore:
                 f"resume from, but got keep_last={self.keep_last!r}"
             )
 
+    def __enter__(self) -> DcpStore:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Release the folder's lock, if this store took it. Safe to call twice."""
+        lock, self._lock = self._lock, None
+        if lock is not None:
+            lock.release()
+
     # -- writing ---------------------------------------------------------------------------------
+
+    def _locked(self) -> None:
+        """Take the folder's lock before the first write (see ``lock``).
+
+        Raises:
+            CheckpointLockedError: Another process (or another open store) holds it.
+        """
+        if self.lock and self._lock is None:
+            durable.make_dirs(self.directory)
+            self._lock = RunLock(self.directory)
+
+    def writer(self, step: int, **options: Any) -> ErrnoFileSystemWriter:
+        """A DCP storage writer for :meth:`staging` of ``step``: pass it as ``dcp.save(state,
+        storage_writer=store.writer(step))`` on every rank. A write that fails raises the OS error
+        (errno, reason, file) rather than torch's ``unexpected pos`` (``dcp_errors`` shows it).
+
+        Args:
+            step: The step to stage.
+            **options: ``FileSystemWriter``'s options (``thread_count``, ``sync_files``...).
+
+        Raises:
+            ResumeError: ``step`` is not an int >= 0.
+        """
+        from .dcp_writer import ErrnoFileSystemWriter  # torch.distributed.checkpoint: only when saving
+
+        return ErrnoFileSystemWriter(self.staging(step), **options)
 
     def staging(self, step: int) -> Path:
         """The folder every rank saves step ``step`` into (the same path on every rank).
@@ -253,9 +370,12 @@ class DcpStore:
 
     def remove_leftovers(self) -> None:
         """Delete ``.tmp-*`` folders of saves cut off by a crash (a symlink is unlinked, never
-        followed). Call it on rank 0 before any rank of this job saves."""
-        if not self.directory.is_dir():
-            return
+        followed). Call it on rank 0 before any rank of this job saves: it takes the folder's lock.
+
+        Raises:
+            CheckpointLockedError: Another writer holds the folder.
+        """
+        self._locked()
         for path in self.directory.glob(f"{_TMP_PREFIX}*"):
             _remove_quietly(path)
 
@@ -274,11 +394,14 @@ class DcpStore:
 
         Raises:
             ResumeError: No DCP save is staged for ``step``, a payload name is not a plain file
-                name or collides with a file of DCP's, or a payload holds something that
-                ``weights_only`` loading would refuse.
+                name or collides with a file of DCP's, a payload holds something that
+                ``weights_only`` loading would refuse, or a newer release wrote ``step-N``.
+            CheckpointLockedError: Another writer holds the folder.
             OSError: A write, sync or rename failed: the message names the checkpoint and the OS
-                error, and the earlier checkpoints are as they were.
+                error, the earlier checkpoints are as they were, and the staged save is as DCP
+                left it (call publish again once the cause is fixed).
         """
+        self._locked()
         tmp = self.staging(step)
         if not (tmp / DCP_METADATA).is_file():
             raise ResumeError(
@@ -293,10 +416,18 @@ class DcpStore:
                 raise ResumeError(f"payload {name!r} must be a dict, but got {type(state).__name__}")
             checked[name] = snapshot(state, name, copy=False, memo={})
         target = self.directory / step_name(step)
+        refuse_to_replace_newer(target, DCP_MANIFEST_VERSION, max_bytes=MAX_DCP_MANIFEST_BYTES)
         try:
             self._publish(step, tmp, checked, target)
-        except OSError as e:
-            raise durable.write_error(target, e, "the earlier checkpoints are intact") from e
+        except BaseException as e:
+            # What this call wrote goes, so the staging folder is DCP's save again and publish can retry.
+            for name in (*checked, MANIFEST_NAME):
+                with contextlib.suppress(OSError):
+                    (tmp / name).unlink(missing_ok=True)
+            if isinstance(e, OSError):
+                outcome = "the earlier checkpoints are intact and the staged save can be published again"
+                raise durable.write_error(target, e, outcome) from e
+            raise
         self._prune(keep=target)
         return target
 
@@ -341,7 +472,8 @@ class DcpStore:
         valid_kept = 0
         for path in reversed(self._step_folders()):
             if valid_kept >= self.keep_last:
-                if path == keep:
+                newer = written_by_newer(path, DCP_MANIFEST_VERSION, max_bytes=MAX_DCP_MANIFEST_BYTES)
+                if path == keep or newer is not None:
                     continue
                 try:
                     durable.remove_tree(self._move_aside(path))
@@ -377,6 +509,13 @@ class DcpStore:
             warnings.warn(f"skipping checkpoint {path}: {problem}", stacklevel=2)
         return None
 
+    def problem(self, path: str | os.PathLike[str]) -> str | None:
+        """What makes the step folder ``path`` unusable (manifest, every file's size and sha256 are
+        checked), or None when it can be loaded."""
+        problem = dcp_checkpoint_problem(Path(path), verify=True)
+        self._remember(Path(path), valid=problem is None)
+        return problem
+
     def load_payload(self, folder: str | os.PathLike[str], name: str) -> dict[str, Any]:
         """A payload of a checkpoint, loaded with ``torch.load(weights_only=True)`` after checking
         its size and sha256 against the manifest.
@@ -386,32 +525,14 @@ class DcpStore:
                 payload, or the file does not match it or does not hold a dict.
         """
         folder = Path(folder)
-        try:
-            manifest = read_dcp_manifest(folder)
-        except ResumeError as e:
-            raise ResumeError(f"cannot load {folder / name}: {e}") from None
-        if name not in manifest.payloads:
-            raise ResumeError(f"cannot load {folder / name}: the manifest lists no payload {name!r}")
-        size, sha256 = manifest.files[name]
-        try:
-            actual, actual_size = file_digest(folder / name)
-        except OSError as e:
-            raise ResumeError(f"cannot load {folder / name}: {e.strerror}") from None
-        if (actual_size, actual) != (size, sha256):
-            raise ResumeError(
-                f"cannot load {folder / name}: it has {actual_size} bytes and sha256 {actual}, "
-                f"the manifest records {size} bytes and {sha256}"
-            )
+        verify_payload(folder, name)
         state = load_weights_only(folder / name, map_location="cpu")
         if not isinstance(state, dict):
             raise ResumeError(f"cannot load {folder / name}: expected a dict, got {type(state).__name__}")
         return state
 
     def _step_folders(self) -> list[Path]:
-        if not self.directory.is_dir():
-            return []
-        folders = [p for p in self.directory.iterdir() if STEP_RE.match(p.name) and p.is_dir()]
-        return sorted(folders, key=step_of)
+        return step_folders(self.directory)
 
     def _is_valid(self, path: Path) -> bool:
         key = _stat_key(path)

@@ -19,7 +19,7 @@ import torch
 
 from ..core.state import EPOCH, POSITION, VERSION, WORLD_SIZE
 from ..errors import ResumeError
-from .dcp import DCP_METADATA, DcpManifest, dcp_checkpoint_problem, read_dcp_manifest
+from .dcp import DcpManifest, dcp_checkpoint_problem, is_dcp_folder, read_dcp_manifest, verify_payload
 from .manifest import MANIFEST_NAME, PAYLOAD_NAME, STEP_RE, Manifest, checkpoint_problem, read_manifest, step_of
 from .weights_only import load_weights_only
 
@@ -41,7 +41,7 @@ class Report:
     """A verified checkpoint's summary.
 
     Attributes:
-        payload: The ``state.pt`` that was loaded.
+        payload: The ``state.pt`` (or a DCP folder's payload, e.g. ``trainer.pt``) that was loaded.
         verified: Whether a manifest vouched for the payload (size and sha256 checked).
         manifest: The manifest, when there is one.
         step: From the manifest, else from a ``step-N`` folder name, else None.
@@ -58,12 +58,20 @@ class Report:
     payload_bytes: int
     data_states: dict[str, Mapping[str, Any]] = field(default_factory=dict)
     sizes: dict[str, TensorBytes] = field(default_factory=dict)
+    dcp_manifest: DcpManifest | None = None  # the DCP folder's, when the payload is one of its payloads
 
     def lines(self) -> list[str]:
         """The human-readable report."""
         out = [f"checkpoint {self.payload.parent if self.manifest else self.payload}"]
         out.append(f"  step          {'unknown' if self.step is None else self.step}")
-        if self.manifest is not None:
+        if self.dcp_manifest is not None:
+            sha256 = self.dcp_manifest.files[self.payload.name][1]
+            out.append(
+                f"  integrity     ok: the DCP folder's {MANIFEST_NAME} matches {self.payload.name} (size and "
+                f"sha256 {sha256[:16]}...); the DCP files were not checked: inspect the folder for that"
+            )
+            out.append(f"  written by    resumable_data {self.dcp_manifest.library_version or '?'}")
+        elif self.manifest is not None:
             out.append(
                 f"  integrity     ok: {MANIFEST_NAME} matches {PAYLOAD_NAME} (size and sha256 {self.manifest.sha256[:16]}...)"
             )
@@ -80,7 +88,7 @@ class Report:
         for where, state in self.data_states.items():
             world = state.get(WORLD_SIZE, "?")
             out.append(f"  data position {where}: epoch {state[EPOCH]}, position {state[POSITION]}, world size {world}")
-        out.append(f"  size          {self.payload_bytes:,} bytes in {PAYLOAD_NAME}")
+        out.append(f"  size          {self.payload_bytes:,} bytes in {self.payload.name}")
         for key, sizes in self.sizes.items():
             out.append(
                 f"    {key:<20} {sizes.nbytes:>14,} bytes in {sizes.count} tensor{'s' if sizes.count != 1 else ''}"
@@ -89,12 +97,13 @@ class Report:
 
     def as_json(self) -> dict[str, Any]:
         """The same report as plain data (for scripts)."""
+        manifest = self.manifest or self.dcp_manifest
         return {
             "payload": str(self.payload),
             "verified": self.verified,
             "step": self.step,
-            "created": None if self.manifest is None else self.manifest.created,
-            "library_version": None if self.manifest is None else self.manifest.library_version,
+            "created": None if manifest is None else manifest.created,
+            "library_version": None if manifest is None else manifest.library_version,
             "metric": None if self.manifest is None else self.manifest.metric,
             "payload_bytes": self.payload_bytes,
             "data_states": {where: _plain(state) for where, state in self.data_states.items()},
@@ -174,8 +183,10 @@ def inspect_checkpoint(path: str | os.PathLike[str]) -> Report | DcpReport:
 
     A folder must be a complete checkpoint (manifest and payload; for DCP, every file the manifest
     lists, with its size and sha256). A file is verified against the ``manifest.json`` beside it
-    when there is one, and reported as not verified otherwise. DCP's own files are never loaded
-    (they unpickle); its weights-only payloads are.
+    when there is one (a DCP folder's payload, e.g. ``trainer.pt``, against its entry), and reported
+    as not verified otherwise. DCP's own files are never loaded (they unpickle); its weights-only
+    payloads are. A DCP folder is recognized by DCP's ``.metadata`` or by its manifest, so one
+    that lost its ``.metadata`` is reported as such.
 
     Raises:
         ResumeError: one line naming the path and what is wrong with it.
@@ -183,8 +194,14 @@ def inspect_checkpoint(path: str | os.PathLike[str]) -> Report | DcpReport:
     path = Path(path)
     if not path.exists():
         raise ResumeError(f"{path}: no such file or folder")
-    if path.is_dir() and (path / DCP_METADATA).exists():
+    if path.is_dir() and is_dcp_folder(path):
         return _inspect_dcp(path)
+    dcp_manifest = None
+    if not path.is_dir() and is_dcp_folder(path.parent):
+        try:
+            dcp_manifest = verify_payload(path.parent, path.name)
+        except ResumeError as e:
+            raise ResumeError(str(e).replace("cannot load ", "", 1)) from e
     if path.is_dir():
         if not (path / MANIFEST_NAME).exists() and not (path / PAYLOAD_NAME).exists():
             runs = sorted(p.name for p in path.iterdir() if STEP_RE.match(p.name))
@@ -194,7 +211,7 @@ def inspect_checkpoint(path: str | os.PathLike[str]) -> Report | DcpReport:
         with_manifest = True
     else:
         folder, payload = path.parent, path
-        with_manifest = payload.name == PAYLOAD_NAME and (folder / MANIFEST_NAME).exists()
+        with_manifest = dcp_manifest is None and payload.name == PAYLOAD_NAME and (folder / MANIFEST_NAME).exists()
     manifest = None
     if with_manifest:
         # A folder copied out of a run folder under another name is judged by its manifest alone.
@@ -216,14 +233,16 @@ def inspect_checkpoint(path: str | os.PathLike[str]) -> Report | DcpReport:
         raise ResumeError(str(e).replace("cannot load checkpoint ", "", 1)) from e
     if not isinstance(state, Mapping):
         raise ResumeError(f"{payload}: not a checkpoint state: it holds a {type(state).__name__}, expected a dict")
+    known = manifest or dcp_manifest
     return Report(
         payload=payload,
-        verified=manifest is not None,
+        verified=known is not None,
         manifest=manifest,
-        step=manifest.step if manifest is not None else _step_from_name(payload),
+        step=known.step if known is not None else _step_from_name(payload),
         payload_bytes=size,
         data_states=dict(_data_states(state)),
         sizes=_tensor_bytes(state),
+        dcp_manifest=dcp_manifest,
     )
 
 

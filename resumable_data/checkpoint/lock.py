@@ -82,7 +82,7 @@ class RunLock:
                 raise CheckpointLockedError(
                     f"checkpoint folder {directory} is locked by pid {holder.get(PID, '?')} on host "
                     f"{holder.get(HOST, '?')} (lock file {self.path}); stop that job, close its "
-                    f"CheckpointManager, or use another folder"
+                    f"CheckpointManager or DcpStore, or use another folder"
                 ) from e
             raise
         self._fd: int | None = fd

@@ -17,7 +17,8 @@ complete: a crash at any point leaves either the previous set of checkpoints or 
 plus the new one, and ``.tmp-*`` leftovers that the next save removes (a symlink is unlinked, never
 followed). Pruning runs only after the new checkpoint is in place, renames a folder to ``.tmp-*``
 before deleting it (so a crash mid-delete cannot leave a half-deleted ``step-N``), keeps the newest
-``keep_last`` *valid* checkpoints and never touches the best one. A failed write raises an
+``keep_last`` *valid* checkpoints and never touches the best one, nor one written by a newer release
+(whose manifest this one cannot judge). A failed write raises an
 ``OSError`` naming the checkpoint and the OS error, and leaves the folder as it was.
 
 The manager's jobs live in small modules: the lock (``lock``), the manifest and what makes a
@@ -42,13 +43,16 @@ from . import durable
 from .lock import CheckpointLockedError, RunLock
 from .manifest import (
     MANIFEST_NAME,
+    MANIFEST_VERSION,
     PAYLOAD_NAME,
-    STEP_RE,
     Manifest,
     checkpoint_problem,
     file_digest,
     read_manifest,
+    refuse_to_replace_newer,
+    step_folders,
     step_name,
+    written_by_newer,
 )
 from .manifest import step_of as _step_of
 from .weights_only import is_mapping, load_weights_only, snapshot
@@ -158,8 +162,9 @@ class CheckpointManager:
             The checkpoint folder. With ``async_save`` it exists only once :meth:`wait` returns.
 
         Raises:
-            ResumeError: ``step`` or ``metric`` is invalid, or ``state`` holds something that
-                ``weights_only`` loading would refuse (the message names its key path).
+            ResumeError: ``step`` or ``metric`` is invalid, ``state`` holds something that
+                ``weights_only`` loading would refuse (the message names its key path), or the
+                step's folder exists and was written by a newer release.
             OSError: The write failed (disk full, read-only, I/O error): the message names the
                 checkpoint and the OS error, ``errno`` is the OS's, and the run folder is as it was.
                 With ``async_save``, a failure of the previous background save is raised here.
@@ -177,6 +182,7 @@ class CheckpointManager:
             metric = float(metric)
         if not is_mapping(state):
             raise ResumeError(f"state must be a dict, but got {type(state).__name__}")
+        refuse_to_replace_newer(self.directory / step_name(step), MANIFEST_VERSION)
         # The snapshot also validates; async copies tensors to CPU now, because the caller may
         # update them in place as soon as save() returns.
         copied = snapshot(state, "state", copy=self.async_save, memo={})
@@ -271,7 +277,7 @@ class CheckpointManager:
 
         Invalid checkpoints never count towards ``keep_last``: one newer than the K-th valid one
         stays (skipped with a warning when reading; replaced when its step is saved again), older
-        ones go with the valid ones there.
+        ones go with the valid ones there, except those a newer release wrote, which always stay.
         """
         folders = self._step_folders()
         survivors = {keep}
@@ -288,7 +294,7 @@ class CheckpointManager:
             if best is not None:
                 survivors.add(best)
         for path in doomed:
-            if path not in survivors:
+            if path not in survivors and written_by_newer(path, MANIFEST_VERSION) is None:
                 try:
                     durable.remove_tree(self._move_aside(path))
                 except OSError as e:
@@ -319,6 +325,12 @@ class CheckpointManager:
             warnings.warn(f"could not remove the leftover {path}: {e}; the next save tries again", stacklevel=4)
 
     # -- validity --------------------------------------------------------------------------------
+
+    def problem(self, path: str | os.PathLike[str]) -> str | None:
+        """What makes the checkpoint folder ``path`` unusable (manifest, size and checksum are
+        checked), or None when it can be loaded."""
+        self._settle()
+        return self._problem(Path(path))
 
     def _problem(self, path: Path) -> str | None:
         """Verify ``path`` fully (manifest and checksum) and remember the verdict for pruning."""
@@ -456,8 +468,7 @@ class CheckpointManager:
 
     def _step_folders(self) -> list[Path]:
         """Every ``step-N`` folder (or symlink to one), complete or not, ordered by step."""
-        folders = [p for p in self.directory.iterdir() if STEP_RE.match(p.name) and p.is_dir()]
-        return sorted(folders, key=_step_of)
+        return step_folders(self.directory)
 
     def _resolve(self, path: Path) -> Path:
         """Map a user's path (folder, payload file, or a name inside the run folder) to a folder."""

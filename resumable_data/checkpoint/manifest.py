@@ -34,6 +34,9 @@ __all__ = [
     "file_digest",
     "read_json_object",
     "read_manifest",
+    "refuse_to_replace_newer",
+    "step_folders",
+    "written_by_newer",
 ]
 
 MANIFEST_VERSION = 1
@@ -114,6 +117,40 @@ def step_of(path: str | os.PathLike[str]) -> int:
 
 def step_name(step: int) -> str:
     return f"step-{step:08d}"
+
+
+def step_folders(directory: Path) -> list[Path]:
+    """Every ``step-N`` folder (or symlink to one) in ``directory``, complete or not, ordered by step."""
+    if not directory.is_dir():
+        return []
+    return sorted((p for p in directory.iterdir() if STEP_RE.match(p.name) and p.is_dir()), key=step_of)
+
+
+def written_by_newer(folder: Path, reads: int, *, max_bytes: int = MAX_MANIFEST_BYTES) -> int | None:
+    """The manifest version of ``folder`` when it is above ``reads`` (a newer release wrote the folder,
+    complete as far as anyone here can tell), else None. Never raises for anything found on disk.
+
+    Such a folder is never pruned or replaced: this release cannot judge it, so it keeps it.
+    """
+    try:
+        version = read_json_object(folder / MANIFEST_NAME, max_bytes=max_bytes).get(VERSION)
+    except ResumeError:
+        return None
+    return version if is_int(version) and version > reads else None
+
+
+def refuse_to_replace_newer(folder: Path, reads: int, *, max_bytes: int = MAX_MANIFEST_BYTES) -> None:
+    """Refuse to save over ``folder`` when a newer release wrote it (see :func:`written_by_newer`).
+
+    Raises:
+        ResumeError: naming the folder, both manifest versions and what to do.
+    """
+    version = written_by_newer(folder, reads, max_bytes=max_bytes)
+    if version is not None:
+        raise ResumeError(
+            f"cannot save {folder}: a newer resumable_data wrote it (manifest version {version}, this release "
+            f"writes version {reads}), and it is never replaced; continue with that release, or save into another folder"
+        )
 
 
 def read_manifest(folder: Path) -> Manifest:

@@ -7,6 +7,7 @@ DCP runs here in one process (no process group), as it does for a single-rank jo
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shutil
@@ -21,7 +22,8 @@ import torch.distributed.checkpoint as dcp
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from resumable_data import CheckpointManager, DcpStore, ResumeError
+from full_disk import fill, small_disk
+from resumable_data import CheckpointLockedError, CheckpointManager, DcpStore, ResumeError, dcp_errors
 from resumable_data.__main__ import main as cli
 from resumable_data.checkpoint.dcp import dcp_checkpoint_problem
 
@@ -297,3 +299,74 @@ def test_a_fuzzed_dcp_manifest_field_is_either_valid_or_skipped_with_a_warning(
         assert any("skipping checkpoint" in str(w.message) for w in caught)
     else:  # the change left a manifest that still vouches for every file exactly
         assert dcp_checkpoint_problem(chosen, verify=True) is None
+
+
+# -- a full disk, a second writer, inspect of a damaged folder (issue 36, item 15) ----------------------
+
+
+def test_a_dcp_save_on_a_full_disk_raises_the_errno_naming_the_file_not_torchs_stream_position(
+    tmp_path: Path,
+) -> None:
+    """DCP writes each tensor with ``torch.save``, which reports a failed write as ``[enforce fail at
+    inline_container.cc] unexpected pos``; the store's writer raises what the OS said, with the file."""
+    with small_disk(tmp_path / "disk") as disk:
+        store = DcpStore(disk / "dcp")
+        fill(disk, leave=16 * 1024)
+        with pytest.raises(ResumeError) as info, dcp_errors("save", store.staging(1)):
+            dcp.save({"model": {"w": torch.zeros(64, 1024)}}, storage_writer=store.writer(1))
+        message = str(info.value)
+        assert f"[Errno {errno.ENOSPC}] {os.strerror(errno.ENOSPC)}" in message, message
+        assert str(store.staging(1) / "__0_0.distcp") in message and "enforce fail" not in message
+        store.close()
+
+
+def test_a_publish_that_failed_on_a_full_disk_can_be_retried_once_space_is_freed(tmp_path: Path) -> None:
+    """The failed publish removes the payload it had begun to write, so calling it again works (on
+    main it was refused: "payload name 'trainer.pt' must be a plain file name that DCP's files do not
+    use"), and the earlier checkpoint stays the newest until then."""
+    with small_disk(tmp_path / "disk") as disk:
+        store = DcpStore(disk / "dcp")
+        save(store, 1)
+        dcp.save(app_state(2), checkpoint_id=store.staging(2))
+        big = {"step": 2, "rng": torch.zeros(256 * 1024, dtype=torch.uint8)}
+        filler = fill(disk, leave=64 * 1024)
+        with pytest.raises(OSError) as info:
+            store.publish(2, payloads={EXTRAS: big})
+        assert info.value.errno == errno.ENOSPC and "step-00000002" in str(info.value)
+        assert store.latest() == store.directory / "step-00000001"
+        filler.unlink()
+        assert store.publish(2, payloads={EXTRAS: big}) == store.latest() == store.directory / "step-00000002"
+        assert torch.equal(store.load_payload(store.latest(), EXTRAS)["rng"], big["rng"])
+        store.close()
+
+
+def test_a_second_writer_on_a_dcp_store_is_refused_until_the_first_closes(store: DcpStore) -> None:
+    """As with CheckpointManager: the folder's lock is taken at the first write, held until close."""
+    second = DcpStore(store.directory)
+    assert second.latest() == store.directory / "step-00000006"  # reading never locks
+    dcp.save(app_state(9), checkpoint_id=store.staging(9))
+    with pytest.raises(CheckpointLockedError, match=r"is locked by pid \d+"):
+        second.publish(9)
+    store.close()
+    with second:
+        assert second.publish(9) == store.directory / "step-00000009"
+
+
+def test_inspect_judges_a_dcp_folder_without_metadata_and_its_payload_by_the_dcp_manifest(
+    store: DcpStore, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A DCP folder that lost ``.metadata`` is reported as such (on main: the manifest "lacks the
+    field 'sha256'", the file format's); ``inspect STEP/trainer.pt`` is verified against the folder's
+    manifest (on main: "NOT VERIFIED: no manifest.json beside the file", exit 0 after a changed byte)."""
+    folder = store.directory / "step-00000006"
+    assert cli(["inspect", str(folder / EXTRAS)]) == 0
+    out = capsys.readouterr().out
+    assert "integrity     ok" in out and "step          6" in out and "NOT VERIFIED" not in out
+    _flip(folder / EXTRAS)
+    assert cli(["inspect", str(folder / EXTRAS)]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and f"{EXTRAS}: it has" in err and "the manifest records" in err
+    (folder / ".metadata").unlink()
+    assert cli(["inspect", str(folder)]) == 1
+    err = capsys.readouterr().err
+    assert ".metadata is missing" in err and "sha256" not in err and len(err.splitlines()) == 1

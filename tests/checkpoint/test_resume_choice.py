@@ -3,6 +3,7 @@ refusals that keep one run folder to one history; the same for CheckpointManager
 
 from __future__ import annotations
 
+import json
 import tempfile
 import warnings
 from collections.abc import Iterator
@@ -95,3 +96,60 @@ def test_a_path_is_accepted_exactly_when_no_newer_checkpoint_exists(steps: set[i
         else:
             with pytest.raises(ResumeError, match="holds newer checkpoints"):
                 choose_checkpoint(manager, paths[chosen])
+
+
+def _as_if_written_by_a_newer_release(folder: Path) -> None:
+    manifest = folder / "manifest.json"
+    manifest.write_text(json.dumps({**json.loads(manifest.read_text()), "version": 99}))
+
+
+def test_auto_refuses_a_folder_whose_checkpoints_all_fail_naming_each_and_why(manager: CheckpointManager) -> None:
+    """Issue 36 item 9: on main ``auto`` returned None (train from scratch), whose saves then replaced
+    and pruned the checkpoints; ``never`` did not count the newer release's ones at all."""
+    two, four = saved(manager, 2, 4)
+    (two / "state.pt").write_bytes(b"")
+    _as_if_written_by_a_newer_release(four)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # latest() warns about each; the error names them too
+        with pytest.raises(ResumeError) as info:
+            choose_checkpoint(manager, "auto", option="--resume")
+    message = str(info.value)
+    assert message.startswith("--resume auto: ") and "none can be resumed" in message
+    assert "step-00000004: manifest" in message and "has version 99" in message
+    assert "step-00000002: state.pt has 0 bytes" in message and "--resume never" in message
+    (two / "state.pt").unlink()
+    (two / "manifest.json").unlink()
+    with pytest.raises(ResumeError, match=r"already holds checkpoints \(newest step-00000004\)"):
+        choose_checkpoint(manager, "never")
+
+
+@pytest.mark.parametrize("kind", ["file", "dcp"])
+def test_a_checkpoint_a_newer_release_wrote_is_never_pruned_or_replaced(tmp_path: Path, kind: str) -> None:
+    """It cannot be judged here, so it stays: on main step 2 was pruned once two newer ones were valid."""
+    store: CheckpointManager | DcpStore
+    if kind == "file":
+        store = CheckpointManager(tmp_path / "checkpoints", keep_last=2)
+
+        def save(step: int) -> Path:
+            return store.save(step, {"step": step})  # type: ignore[union-attr]
+    else:
+        store = DcpStore(tmp_path / "dcp", keep_last=2)
+
+        def save(step: int) -> Path:
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+                dcp.save({"w": torch.full((2,), float(step))}, checkpoint_id=store.staging(step))  # type: ignore[union-attr]
+            return store.publish(step)  # type: ignore[union-attr]
+
+    newer = save(2)
+    _as_if_written_by_a_newer_release(newer)
+    before = {p.name: p.read_bytes() for p in newer.iterdir()}
+    for step in (4, 6, 8):
+        save(step)
+    assert [p.name for p in sorted(store.directory.glob("step-*"))] == [
+        "step-00000002", "step-00000006", "step-00000008"
+    ]  # fmt: skip
+    with pytest.raises(ResumeError, match=r"step-00000002: a newer resumable_data wrote it \(manifest version 99"):
+        save(2)
+    assert {p.name: p.read_bytes() for p in newer.iterdir()} == before
+    store.close()

@@ -389,7 +389,7 @@ def test_checkpoint_layout(tmp_path: Path, corpus: Path) -> None:
         "dropout": 0.1,
     }
     assert state["dataloader"]["position"] == 6 * 4 and state["dataloader"]["epoch"] == 0
-    assert set(state["audit"]) == {"next_batch", "next_lr"}
+    assert set(state["audit"]) == {"next_batch", "next_lr", "data_sha256"}
     assert isinstance(state["library_version"], str)
 
 

@@ -1,5 +1,5 @@
 """The trainer reads top to bottom: its reading path never imports the test instrumentation in
-``trainer/harness/``, its six core files fit in 1,250 lines, the training function fits in one
+``trainer/harness/``, its six core files fit in 1,300 lines, the training function fits in one
 sitting, the harness is cut into functions of at most 50 lines, and nothing is exempt from the formatter."""
 
 from __future__ import annotations
@@ -31,9 +31,10 @@ def test_the_reading_path_never_imports_the_harness() -> None:
         assert not [m for m in imported if "harness" in m], f"trainer/{name}.py imports the harness"
 
 
-def test_the_six_core_files_of_the_reading_path_fit_in_1250_lines() -> None:
+def test_the_six_core_files_of_the_reading_path_fit_in_1300_lines() -> None:
+    # 1,250 until the refusals of issue 36 (the other checkpoint format, the corpus digest) took 33 more.
     lines = {name: len((TRAINER / f"{name}.py").read_text().splitlines()) for name in CORE}
-    assert sum(lines.values()) <= 1250, lines
+    assert sum(lines.values()) <= 1300, lines
 
 
 def test_the_training_function_fits_in_one_reading_and_the_harness_in_short_functions() -> None:
