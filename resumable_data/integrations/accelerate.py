@@ -62,6 +62,6 @@ def skip_first_batches(dataloader: DataLoader, num_batches: int = 0) -> DataLoad
     if found is None:
         return accelerate_skip_first_batches(dataloader, num_batches)
     batches, processes = found
-    epoch, start = batches.sampler.cursor.next_segment()
+    epoch, start = batches.sampler.cursor.next_pass()
     batches.load_state_dict(batches.state_for(epoch, batches.position_after(epoch, start, num_batches * processes)))
     return dataloader
