@@ -95,7 +95,9 @@ class EpochCursor:
         self._selection = Progress(generation=0)
         self._selection_pinned = False  # the selection came from set_epoch
         self._restored = False  # the selection is a restore and no pass has drawn since
-        self._through_iterator = False  # that restore came through a sampler pass's iterator
+        # (epoch, set_epoch's argument before it) of a restore through an iterator at an epoch's end,
+        # until the next selection or pass: the fresh pass after it is the one set_epoch was meant for.
+        self._ended: tuple[int, int | None] | None = None
         self._offset = 0  # added to set_epoch's argument (a caller whose counter restarted)
         self._requested: int | None = None  # set_epoch's argument since the last pass began
         self._generation = 0
@@ -159,16 +161,18 @@ class EpochCursor:
     def _pass_start(self) -> tuple[int, int, bool, int]:
         """``(epoch, start, done, offset)`` of the next sampler pass."""
         selection = self._selection
-        if not self._restored:
-            return selection.epoch, 0, False, self._offset
-        if self._through_iterator and selection.done:
-            # The restored iterator was replaced before it drew: torchdata does that for a state taken
-            # after its epoch had ended, so this is a fresh pass: the same epoch again, as any pass
-            # without set_epoch; after set_epoch(k), the next epoch, which k was meant to number.
-            if self._requested is None:
-                return selection.epoch, 0, False, self._offset
-            return selection.epoch + 1, 0, False, selection.epoch + 1 - self._requested
-        return selection.epoch, selection.position, selection.done, self._offset
+        if self._ended is not None:
+            # A fresh pass after the restored iterator's epoch had ended (torchdata replaces an iterator
+            # restored from a state taken after the epoch's end, with workers after it has drawn its
+            # empty rest): the same epoch again, as any pass without set_epoch; after set_epoch(k), the
+            # next epoch, which k was meant to number.
+            epoch, requested = self._ended
+            if requested is None:
+                return epoch, 0, False, self._offset
+            return epoch + 1, 0, False, epoch + 1 - requested
+        if self._restored:
+            return selection.epoch, selection.position, selection.done, self._offset
+        return selection.epoch, 0, False, self._offset
 
     def next_pass(self) -> tuple[int, int]:
         """``(epoch, start)`` the next sampler pass covers, without changing anything."""
@@ -194,10 +198,11 @@ class EpochCursor:
         ``through_iterator``: the state is applied to a sampler pass's iterator (torchdata's
         ``StatefulDataLoader``), after whatever ``set_epoch`` the caller made for that pass.
         """
-        self._restored, self._through_iterator = True, through_iterator
         requested = self._requested if through_iterator else None
         self._offset = 0 if requested is None else epoch - requested
         self._select(epoch, position, done, pinned=False, leaving=False)
+        self._restored = True
+        self._ended = (epoch, requested) if through_iterator and done else None
         return Segment(epoch, position, self._generation)
 
     def set_epoch(self, epoch: int) -> bool:
@@ -225,7 +230,6 @@ class EpochCursor:
                     ResumeWarning,
                     stacklevel=3,
                 )
-        self._restored = self._through_iterator = False
         self._select(target, 0, False, pinned=True, leaving=True)
         return True
 
@@ -273,6 +277,7 @@ class EpochCursor:
         """Make ``(epoch, position)`` what the next pass covers; a new generation."""
         if leaving and epoch != self._selection.epoch and self._on_new_epoch is not None:
             self._on_new_epoch()
+        self._restored, self._ended = False, None
         self._generation += 1  # an iterator of the old selection must not move the new one
         self._selection = Progress(epoch, position, done, self._generation)
         self._selection_pinned = pinned
@@ -280,6 +285,7 @@ class EpochCursor:
 
     def _new_pass(self, epoch: int, start: int, done: bool) -> Segment:
         self._consume()
+        self._ended = None
         if epoch != self._selection.epoch:  # the pass moved on to another epoch by itself
             self._select(epoch, 0, False, pinned=False, leaving=True)
         else:
@@ -289,5 +295,5 @@ class EpochCursor:
 
     def _consume(self) -> None:
         """A pass has begun or drawn: the pending restore and the caller's request are spent."""
-        self._restored = self._through_iterator = False
+        self._restored = False
         self._requested = None

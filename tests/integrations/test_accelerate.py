@@ -19,8 +19,9 @@ pytest.importorskip("accelerate", reason="the [accelerate] extra is not installe
 from accelerate import Accelerator
 from accelerate import skip_first_batches as accelerate_skip
 from accelerate.data_loader import BatchSamplerShard
+from accelerate.utils import DataLoaderConfiguration
 
-from harness import GlobalRandomAugment
+from harness import GlobalRandomAugment, checkpoint_roundtrip
 from integrations_harness import kill_and_resume
 from resumable_data import Permutation, ResumableDataLoader, ResumeError, wrap
 from resumable_data.integrations.accelerate import skip_first_batches
@@ -120,6 +121,80 @@ def test_padding_without_the_batch_seeding_is_refused() -> None:
     )
     with pytest.raises(ResumeError, match="without its global-RNG seeding"):
         list(rebuilt)
+
+
+# -- the configurations users combine, resumed in-process: routes x set_epoch x cut points --------------
+# A resume here is what save_state/load_state do to the loader (its state_dict through a checkpoint file,
+# into a freshly built and prepared one: accelerate's DataLoaderShard counts passes from 0 again), and the
+# user's loop resumes as accelerate's examples do: at the epoch the next batch belongs to
+# (starting_epoch = step // len(loader)). The SIGKILLed scripts below run the same matrix for real.
+EPOCHS, PER_EPOCH = 3, 6  # GlobalRandomAugment(24) in batches of 4
+ROUTES = ("stateful", "register", "skip_accelerate", "skip_ours")
+# After a batch of epoch 0 / its last batch / mid epoch 1 / epoch 1's last / the first of epoch 2.
+CUTS = (3, PER_EPOCH, PER_EPOCH + 3, 2 * PER_EPOCH, 2 * PER_EPOCH + 1)
+
+
+def _route_cases() -> list[tuple[str, bool]]:
+    # The skip routes save no loader state: the epoch can only come from the loop's set_epoch.
+    return [(route, set_epoch) for route in ROUTES for set_epoch in (True, False) if set_epoch or "skip" not in route]
+
+
+def _train_loader(route: str, num_workers: int) -> tuple[DataLoader, ResumableDataLoader]:
+    loader = _loader(num_workers)
+    if route == "register":
+        return loader, loader
+    config = DataLoaderConfiguration(use_stateful_dataloader=route == "stateful")
+    return Accelerator(cpu=True, dataloader_config=config).prepare(loader), loader
+
+
+def _user_loop(
+    route: str, set_epoch: bool, num_workers: int, resume: dict | None = None, cuts: tuple[int, ...] = ()
+) -> tuple[list, dict[int, object]]:
+    """The batches of the user's loop (from ``resume``, or from the start) and the states at ``cuts``."""
+    train_loader, loader = _train_loader(route, num_workers)
+    done = 0 if resume is None else resume["batches"]
+    if resume is not None and route in ("stateful", "register"):
+        train_loader.load_state_dict(resume["loader"])
+    batches, states = [], {}
+    for epoch in range(done // PER_EPOCH, EPOCHS):
+        if set_epoch:
+            train_loader.set_epoch(epoch)
+        active, skip = train_loader, done % PER_EPOCH if epoch == done // PER_EPOCH else 0
+        if skip and route == "skip_accelerate":
+            active = accelerate_skip(train_loader, skip)
+        elif skip and route == "skip_ours":
+            active = skip_first_batches(train_loader, skip)
+        for batch in active:
+            batches.append(batch)
+            if done + len(batches) in cuts:
+                state = train_loader.state_dict() if route in ("stateful", "register") else None
+                states[done + len(batches)] = {"batches": done + len(batches), "loader": checkpoint_roundtrip(state)}
+    return batches, states
+
+
+def _assert_resumes_at_every_cut(route: str, set_epoch: bool, num_workers: int) -> None:
+    reference, states = _user_loop(route, set_epoch, num_workers, cuts=CUTS)
+    assert len(reference) == EPOCHS * PER_EPOCH
+    for cut in CUTS:
+        resumed, _ = _user_loop(route, set_epoch, num_workers, resume=states[cut])
+        assert_same(reference[cut:], resumed, f"batches resumed after batch {cut}")
+
+
+@pytest.mark.parametrize(("route", "set_epoch"), _route_cases())
+def test_every_route_resumes_exactly_with_and_without_set_epoch(route: str, set_epoch: bool) -> None:
+    # Found on main: with use_stateful_dataloader and no set_epoch, the epoch after the resumed one was
+    # empty (accelerate's set_epoch(iteration) restarts at 0) and the run ended an epoch short.
+    _assert_resumes_at_every_cut(route, set_epoch, 0)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("route", "set_epoch"), _route_cases())
+def test_every_route_resumes_exactly_with_workers(route: str, set_epoch: bool) -> None:
+    _assert_resumes_at_every_cut(route, set_epoch, 2)
+
+
+def test_stateful_route_without_set_epoch_resumes_exactly_with_workers() -> None:
+    _assert_resumes_at_every_cut("stateful", False, 2)
 
 
 # -- a user's script, SIGKILLed mid-epoch and resumed (one case here, the matrix slow) ---------------
