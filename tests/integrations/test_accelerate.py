@@ -140,19 +140,19 @@ def _route_cases() -> list[tuple[str, bool]]:
     return [(route, set_epoch) for route in ROUTES for set_epoch in (True, False) if set_epoch or "skip" not in route]
 
 
-def _train_loader(route: str, num_workers: int) -> tuple[DataLoader, ResumableDataLoader]:
+def _train_loader(route: str, num_workers: int) -> DataLoader:
     loader = _loader(num_workers)
     if route == "register":
-        return loader, loader
+        return loader
     config = DataLoaderConfiguration(use_stateful_dataloader=route == "stateful")
-    return Accelerator(cpu=True, dataloader_config=config).prepare(loader), loader
+    return Accelerator(cpu=True, dataloader_config=config).prepare(loader)
 
 
 def _user_loop(
     route: str, set_epoch: bool, num_workers: int, resume: dict | None = None, cuts: tuple[int, ...] = ()
 ) -> tuple[list, dict[int, object]]:
     """The batches of the user's loop (from ``resume``, or from the start) and the states at ``cuts``."""
-    train_loader, loader = _train_loader(route, num_workers)
+    train_loader = _train_loader(route, num_workers)
     done = 0 if resume is None else resume["batches"]
     if resume is not None and route in ("stateful", "register"):
         train_loader.load_state_dict(resume["loader"])

@@ -252,7 +252,11 @@ def test_set_epoch_after_a_break_starts_the_epoch_and_a_plain_iter_continues_it(
 
 def test_a_loader_owns_its_position_inspecting_its_sampler_moves_nothing() -> None:
     loader = _loader(12, 2, shuffle=True, drop_last=False, rank=0, world_size=1, num_workers=0)
-    listed = list(loader.sampler), [[key.index for key in batch] for batch in loader.batch_sampler], loader.peek_indices(6)
+    listed = (
+        list(loader.sampler),
+        [[key.index for key in batch] for batch in loader.batch_sampler],
+        loader.peek_indices(6),
+    )
     assert (loader.epoch, loader.position) == (0, 0)
     assert [batch[0].tolist() for batch in loader] == listed[2] == listed[1]
     other = ResumableDataLoader(loader.dataset, 2, sampler=loader.sampler)
