@@ -102,6 +102,7 @@ class EpochCursor:
         self._requested: int | None = None  # set_epoch's argument since the last pass began
         self._generation = 0
         self._report = Progress(generation=0)
+        self._undrawn = False  # the newest generation is a pass that has not drawn yet
         self._owner = Progress()
 
     @property
@@ -188,6 +189,7 @@ class EpochCursor:
         if segment.generation == self._generation:
             report = self._report
             report.position, report.done = position, done
+            self._undrawn = False
             if self._restored:
                 self._consume()
 
@@ -230,6 +232,8 @@ class EpochCursor:
                     ResumeWarning,
                     stacklevel=3,
                 )
+        elif self._undrawn and (self._report.epoch, self._report.position) == (target, 0):
+            return True  # a loader's pass of that epoch from its start has begun (Lightning calls iter() first)
         self._select(target, 0, False, pinned=True, leaving=True)
         return True
 
@@ -277,23 +281,25 @@ class EpochCursor:
         """Make ``(epoch, position)`` what the next pass covers; a new generation."""
         if leaving and epoch != self._selection.epoch and self._on_new_epoch is not None:
             self._on_new_epoch()
-        self._restored, self._ended = False, None
+        self._restored, self._ended, self._undrawn = False, None, False
         self._generation += 1  # an iterator of the old selection must not move the new one
         self._selection = Progress(epoch, position, done, self._generation)
         self._selection_pinned = pinned
         self._report = Progress(epoch, position, done, self._generation)
 
     def _new_pass(self, epoch: int, start: int, done: bool) -> Segment:
-        self._consume()
-        self._ended = None
+        # A pending restore stays pending until the pass draws: a set_epoch of its epoch between a
+        # loader's iter() and its first batch (Lightning's order) keeps it.
+        self._requested, self._ended = None, None
         if epoch != self._selection.epoch:  # the pass moved on to another epoch by itself
             self._select(epoch, 0, False, pinned=False, leaving=True)
         else:
             self._generation += 1
             self._report = Progress(epoch, start, done, self._generation)
+        self._undrawn = True
         return Segment(epoch, start, self._generation)
 
     def _consume(self) -> None:
-        """A pass has begun or drawn: the pending restore and the caller's request are spent."""
+        """A pass has drawn: the pending restore and the caller's request are spent."""
         self._restored = False
         self._requested = None
