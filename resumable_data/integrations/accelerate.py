@@ -14,6 +14,18 @@ accelerate, build the loader with ``world_size=1, rank=0``: ``prepare`` gives ea
 - accelerate's ``skip_first_batches(prepared, n)`` skips the right batches with their augmentations,
   but walks the ``n`` batches' index lists; :func:`skip_first_batches` here moves the position
   instead, in O(1).
+
+Epochs. A prepared loader calls ``set_epoch(iteration)`` on the batch sampler before each pass, with a
+pass counter accelerate does not save: after a resume it counts from 0 again. On the stateful route
+the restored state reaches the batch sampler's iterator after that call, and the sampler records the
+difference between the restored epoch and the counter, so later passes select the right epochs
+without the loop calling ``set_epoch`` (see :class:`~resumable_data.core.cursor.EpochCursor`); the
+register route saves the loader's own epoch. accelerate marks a state saved on an epoch's last batch
+as finished: the resumed loader's next pass is the next epoch, so resume the loop at the epoch the next
+batch belongs to (``starting_epoch = step // len(loader)``, as accelerate's examples do). The skip
+routes save no loader state, so there the loop's ``set_epoch(epoch)`` is what names the epoch; so it
+is with several processes on the stateful route, where torchdata replays the sharded batches instead
+of restoring a state.
 """
 
 from __future__ import annotations
@@ -62,6 +74,6 @@ def skip_first_batches(dataloader: DataLoader, num_batches: int = 0) -> DataLoad
     if found is None:
         return accelerate_skip_first_batches(dataloader, num_batches)
     batches, processes = found
-    epoch, start = batches.sampler.cursor.next_segment()
+    epoch, start = batches.sampler.cursor.next_pass()
     batches.load_state_dict(batches.state_for(epoch, batches.position_after(epoch, start, num_batches * processes)))
     return dataloader

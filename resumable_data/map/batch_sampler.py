@@ -12,10 +12,11 @@ Two ways to be iterated:
 - By its ResumableDataLoader, which counts the batches it hands out (workers draw ahead of that):
   the loader says which stretch of the epoch to cover (:meth:`ResumableBatchSampler.driven`), and
   the iteration moves nothing itself.
-- By anyone else (a rebuilt loader): each ``iter()`` continues where the sampler stands and moves
-  the position as batches are *drawn*, like the standalone sampler; the iterator is itself stateful,
-  so torchdata's ``StatefulDataLoader`` (accelerate's ``use_stateful_dataloader=True``) snapshots
-  the position of the very batches it handed out.
+- By anyone else (a rebuilt loader, ``list()``): like the standalone sampler, each ``iter()`` is a
+  pass over the selected epoch from its start (or from a pending restore) that owns its progress,
+  so it moves nothing the loader or a later pass yields; ``state_dict()`` reports the newest pass's
+  progress. The iterator is itself stateful, so torchdata's ``StatefulDataLoader`` (accelerate's
+  ``use_stateful_dataloader=True``) snapshots the position of the very batches it handed out.
 """
 
 from __future__ import annotations
@@ -44,7 +45,9 @@ class ResumableBatchSampler(torch.utils.data.Sampler[list[int]]):
     """Batches of a :class:`~resumable_data.ResumableSampler`'s order, each carrying its global-RNG key.
 
     Built by :class:`~resumable_data.ResumableDataLoader` (``loader.batch_sampler``); it shares the
-    loader's position, so ``loader.state_dict()`` and ``loader.batch_sampler.state_dict()`` agree.
+    loader's sampler, so ``set_epoch`` and ``load_state_dict`` on either act on both, and
+    ``loader.state_dict()`` and ``loader.batch_sampler.state_dict()`` agree until the batch sampler
+    is iterated by something else (then it reports that pass).
 
     Args:
         sampler: the order (``loader.sampler``).
@@ -59,8 +62,8 @@ class ResumableBatchSampler(torch.utils.data.Sampler[list[int]]):
         >>> loader = ResumableDataLoader(list(range(6)), batch_size=4, shuffle=False)
         >>> [list(batch) for batch in loader.batch_sampler]
         [[0, 1, 2, 3], [4, 5]]
-        >>> loader.batch_sampler.state_dict()["epoch"], loader.position
-        (0, 6)
+        >>> loader.batch_sampler.state_dict()["position"], loader.position  # the loader did not move
+        (6, 0)
     """
 
     def __init__(
@@ -83,7 +86,7 @@ class ResumableBatchSampler(torch.utils.data.Sampler[list[int]]):
         self._stand_ins = 0
 
     def set_epoch(self, epoch: int) -> None:
-        """As :meth:`ResumableSampler.set_epoch`: the restored epoch keeps its position."""
+        """As :meth:`ResumableSampler.set_epoch`: epoch ``epoch`` from its start, or a pending restore of it."""
         self.sampler.set_epoch(epoch)
 
     # -- the arithmetic of batches ---------------------------------------------------------------
@@ -178,7 +181,7 @@ class ResumableBatchSampler(torch.utils.data.Sampler[list[int]]):
 
     # -- state -----------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        """The loader's state: the sampler's, with the batch size."""
+        """The sampler's state (its newest pass's progress), with the batch size."""
         state = self.sampler.state_dict()
         state[keys.BATCH_SIZE] = self.batch_size
         return state
@@ -195,7 +198,7 @@ class ResumableBatchSampler(torch.utils.data.Sampler[list[int]]):
 
 
 class _BatchIterator(Iterator[BatchIndices]):
-    """One pass of a batch sampler iterated by a rebuilt loader; moves the position as it draws.
+    """One pass of a batch sampler iterated by a rebuilt loader; owns its progress, reported as it draws.
 
     Entered lazily, on the first ``next()``, so that a ``load_state_dict`` between ``iter()`` and
     ``next()`` (what StatefulDataLoader does on a restore) decides where it starts.
@@ -227,23 +230,23 @@ class _BatchIterator(Iterator[BatchIndices]):
         owner, cursor = self._owner, self._owner.sampler.cursor
         if owner.main_fetch:
             restore_pending()  # a fetch that raised before collation left the RNGs forked
-        segment = self._segment or self._enter(cursor.begin())
+        segment = self._segment or self._enter(cursor.begin_pass())
         if self._taken >= self._total:
-            cursor.advance(segment, owner.sampler.end_position(segment.epoch, segment.start), True)
+            cursor.advance_pass(segment, owner.sampler.end_position(segment.epoch, segment.start), True)
             raise StopIteration
         batch = next(self._batches)
         self._taken += 1
         position = owner.position_after(segment.epoch, segment.start, self._taken)
-        cursor.advance(segment, position, owner.sampler.is_end(segment.epoch, position))
+        cursor.advance_pass(segment, position, owner.sampler.is_end(segment.epoch, position))
         return batch
 
     def state_dict(self) -> dict[str, Any]:
         """The state after the batches this iterator has drawn (before any: where it will start)."""
         if self._segment is None:
-            return self._owner.state_for(*self._owner.sampler.cursor.next_segment())
+            return self._owner.state_for(*self._owner.sampler.cursor.next_pass())
         epoch = self._segment.epoch
         return self._owner.state_for(epoch, self._owner.position_after(epoch, self._segment.start, self._taken))
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
-        """Continue this iterator (and the sampler) from ``state_dict``."""
-        self._enter(self._owner.sampler.check_state(state_dict, strict=True, what=_WHAT)())
+        """Continue this iterator from ``state_dict`` (the sampler's next pass too, if this one never draws)."""
+        self._enter(self._owner.sampler.check_state(state_dict, strict=True, what=_WHAT, through_iterator=True)())

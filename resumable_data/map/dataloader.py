@@ -26,7 +26,7 @@ import torch.utils.data
 from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, RandomSampler, SequentialSampler
 from torchdata.stateful_dataloader.sampler import BatchSampler as StatefulBatchSampler
 
-from ..core.cursor import EpochCursor, Segment
+from ..core.cursor import EpochCursor, Progress, Segment
 from ..core.dist import distributed_defaults
 from ..core.growth import ERROR
 from ..core.hash import hash_ints
@@ -145,6 +145,7 @@ class ResumableDataLoader(DataLoader):
         # otherwise consume the global RNG (and change model randomness after a resume).
         self._seed_generator = torch.Generator()
         self._cursor = sampler.cursor
+        self._progress = Progress()  # this loader's own: another loader or pass over the sampler does not move it
         self._batches = ResumableBatchSampler(
             sampler,
             batch_size,
@@ -203,15 +204,19 @@ class ResumableDataLoader(DataLoader):
     @property
     def epoch(self) -> int:
         """The current epoch."""
-        return self._cursor.epoch
+        return self._cursor.state_of(self._progress).epoch
 
     @property
     def position(self) -> int:
         """Global samples handed out in the current epoch (all ranks together)."""
-        return self._cursor.position
+        return self._cursor.state_of(self._progress).position
 
     def set_epoch(self, epoch: int) -> None:
-        """As :meth:`ResumableSampler.set_epoch`: the restored epoch keeps its position."""
+        """The next pass is epoch ``epoch`` from its start; a pending restore of that epoch is kept.
+
+        So a loop calling ``set_epoch(epoch)`` at the top of every epoch resumes mid-epoch, and a
+        loader given the same epoch again (Lightning's validation loop) makes a full pass each time.
+        """
         self._cursor.set_epoch(epoch)
 
     def epochs(self, num_epochs: int) -> Iterator[int]:
@@ -222,7 +227,7 @@ class ResumableDataLoader(DataLoader):
             >>> [(epoch, [b.tolist() for b in loader]) for epoch in loader.epochs(2)]
             [(0, [[0, 1, 2], [3, 4, 5]]), (1, [[0, 1, 2], [3, 4, 5]])]
         """
-        return self._cursor.epochs(num_epochs)
+        return self._cursor.epochs(num_epochs, owner=self._progress)
 
     def peek_indices(self, n_batches: int = 1) -> list[list[int]]:
         """Dataset indices of the next ``n_batches`` batches iteration would yield (changes nothing).
@@ -230,7 +235,7 @@ class ResumableDataLoader(DataLoader):
         Useful to fingerprint the next batch in a checkpoint and check it after a resume.
         """
         check_int_arg("n_batches", n_batches, minimum=1)
-        epoch, start = self._cursor.next_segment()
+        epoch, start = self._cursor.next_segment(self._progress)
         size = self.batch_size
         count = min(n_batches, self._batches.batch_count(epoch, start)) * size
         flat = [i for chunk in self.sampler.index_chunks(epoch, start, count) for i in chunk.tolist()]
@@ -240,7 +245,7 @@ class ResumableDataLoader(DataLoader):
         if self._warm_pass is not None:  # a previous warm pass's thread may still hold the workers
             self._warm_pass.close()
             self._warm_pass = None
-        segment = self._cursor.begin()
+        segment = self._cursor.begin(self._progress)
         self._seed_generator.manual_seed(hash_ints(self.sampler.seed, segment.epoch, segment.start) >> 1)
         inner: Iterator[Any]
         if self._warm_start and self.num_workers > 0:
@@ -253,7 +258,7 @@ class ResumableDataLoader(DataLoader):
             self._warm_pass = warm.handle
         else:
             inner = self._worker_iterator(segment, None)
-        return _ResumableIterator(inner, self._cursor, self._batches, segment)
+        return _ResumableIterator(inner, self._cursor, self._progress, self._batches, segment)
 
     def _pin_device(self) -> str | None:
         """Where DataLoader's pin thread would pin batches (None: it would not), for warm start."""
@@ -278,7 +283,8 @@ class ResumableDataLoader(DataLoader):
         O(1) time and size (under 512 bytes serialized), whatever the dataset size, position,
         world size or number of workers.
         """
-        return self._batches.state_dict()
+        state = self._cursor.state_of(self._progress)
+        return self._batches.state_for(state.epoch, state.position)
 
     def load_state_dict(self, state_dict: Mapping[str, Any], *, strict: bool = True) -> None:
         """Continue from ``state_dict``; see :meth:`ResumableSampler.load_state_dict`.
@@ -345,10 +351,16 @@ class _ResumableIterator(Iterator[Any]):
     """Wraps the DataLoader's iterator and advances the cursor as each batch is handed out."""
 
     def __init__(
-        self, inner: Iterator[Any], cursor: EpochCursor, batches: ResumableBatchSampler, segment: Segment
+        self,
+        inner: Iterator[Any],
+        cursor: EpochCursor,
+        progress: Progress,
+        batches: ResumableBatchSampler,
+        segment: Segment,
     ) -> None:
         self._inner = inner
         self._cursor = cursor
+        self._progress = progress
         self._batches = batches
         self._segment = segment
         self._n_batches = batches.batch_count(segment.epoch, segment.start)
@@ -365,11 +377,11 @@ class _ResumableIterator(Iterator[Any]):
         try:
             batch = next(self._inner)
         except StopIteration:
-            self._cursor.advance(self._segment, sampler.end_position(epoch, start), True)
+            self._cursor.advance(self._segment, sampler.end_position(epoch, start), True, self._progress)
             raise
         self._yielded += 1
         position = self._batches.position_after(epoch, start, self._yielded)
-        self._cursor.advance(self._segment, position, sampler.is_end(epoch, position))
+        self._cursor.advance(self._segment, position, sampler.is_end(epoch, position), self._progress)
         return batch
 
 

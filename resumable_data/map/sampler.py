@@ -19,11 +19,13 @@ lengths it was built over, which the state records as ``"epoch_lengths"`` (with 
 a state of an epoch that never grew is the version-2 state it always was). The next epoch's order
 covers the whole dataset. Positions stay global counts, so any world size still resumes.
 
-Where the sampler stands is an :class:`~resumable_data.core.cursor.EpochCursor` (the epoch rules live
-there). Each ``iter()`` returns an iterator that owns its stretch of the epoch and is itself
-stateful, so a consumer that snapshots iterators (torchdata's ``StatefulDataLoader``) gets the state
-of the very iterator whose indices it handed out, and an iterator it creates and throws away on a
-restore moves nothing.
+Which epoch the next ``iter()`` covers, and from where, is an
+:class:`~resumable_data.core.cursor.EpochCursor` (the epoch rules live there). ``iter()`` is pure
+given it: the selected epoch from its start (or from a pending restore), as ``DistributedSampler``,
+so inspecting the sampler (``list(sampler)``) changes nothing a later pass yields. Each iterator
+owns its progress and is itself stateful, so a consumer that snapshots iterators (torchdata's
+``StatefulDataLoader``) gets the state of the very iterator whose indices it handed out, and an
+iterator it creates and throws away on a restore moves nothing.
 """
 
 from __future__ import annotations
@@ -80,13 +82,13 @@ class ResumableSampler(torch.utils.data.Sampler[int]):
             from the next epoch; ``"append"`` finishes it with the new samples, shuffled, after the
             rest of its order. A shorter dataset is always refused.
 
-    Epochs: ``set_epoch(e)`` selects epoch ``e`` (from position 0, unless ``e`` is the epoch the
-    sampler is already in, e.g. just restored: then the position is kept, so loops that call
-    ``set_epoch(epoch)`` at the top of every epoch resume mid-epoch). Without ``set_epoch``, an
-    ``iter()`` after an exhausted epoch starts the next epoch by itself. ``epochs(n)`` yields the
-    epochs still to run.
+    Epochs, as ``DistributedSampler``: every ``iter()`` yields the selected epoch from its start,
+    and ``set_epoch(e)`` selects epoch ``e``. After ``load_state_dict`` the first iterator that
+    draws continues from the restored position (``set_epoch`` with the restored epoch keeps it, so
+    loops that call ``set_epoch(epoch)`` at the top of every epoch resume mid-epoch). ``epochs(n)``
+    yields the epochs still to run.
 
-    Used on its own, the position advances as the newest iterator's indices are *drawn*.
+    ``state_dict()`` reports the newest iterator's progress, advanced as its indices are *drawn*.
     torchdata's ``StatefulDataLoader`` snapshots the iterator when it sends indices to a worker, so
     its state is exact at every point (mid-epoch, after the loop, with workers and prefetching). A
     plain ``DataLoader`` with workers draws ahead of what it has yielded: use
@@ -96,11 +98,12 @@ class ResumableSampler(torch.utils.data.Sampler[int]):
         >>> from torchdata.stateful_dataloader import StatefulDataLoader
         >>> data = list(range(10))
         >>> loader = StatefulDataLoader(data, sampler=ResumableSampler(data, seed=0), batch_size=4)
-        >>> first = next(iter(loader)).tolist()
+        >>> batches = iter(loader)
+        >>> first = next(batches).tolist()
         >>> state = loader.state_dict()
         >>> resumed = StatefulDataLoader(data, sampler=ResumableSampler(data, seed=0), batch_size=4)
         >>> resumed.load_state_dict(state)
-        >>> [b.tolist() for b in resumed] == [b.tolist() for b in loader]
+        >>> [b.tolist() for b in resumed] == [b.tolist() for b in batches]
         True
     """
 
@@ -132,26 +135,26 @@ class ResumableSampler(torch.utils.data.Sampler[int]):
         self._adopt_seed = bool(adopt_checkpoint_seed)
         self._drop_last = bool(drop_last)
         self._growth = check_growth(growth)
-        # The piece ends of the current epoch's order when a restore grew it, else None (the order
-        # is then over the whole dataset); dropped as soon as the cursor enters another epoch.
-        self._grown: tuple[int, ...] | None = None
+        # The epoch a restore grew and the piece ends of its order, else None (the order is then
+        # over the whole dataset); dropped as soon as the cursor enters another epoch.
+        self._grown: tuple[int, tuple[int, ...]] | None = None
         self._cursor = EpochCursor("sampler", on_new_epoch=self._forget_growth)
         self._permutation: PiecewisePermutation | None = None
 
     # -- read-only views ---------------------------------------------------------------------
     @property
     def epoch(self) -> int:
-        """The current epoch."""
+        """The epoch of the newest iterator (or of ``set_epoch``, or the restored one)."""
         return self._cursor.epoch
 
     @property
     def position(self) -> int:
-        """Global samples consumed in the current epoch (all ranks together)."""
+        """Global samples the newest iterator has drawn in its epoch (all ranks together)."""
         return self._cursor.position
 
     @property
     def cursor(self) -> EpochCursor:
-        """Where the sampler stands; a loader that drives this sampler advances it."""
+        """Which epoch the next pass covers; a loader that drives this sampler reads and advances it."""
         return self._cursor
 
     @property
@@ -186,8 +189,8 @@ class ResumableSampler(torch.utils.data.Sampler[int]):
     def epoch_lengths(self, epoch: int) -> tuple[int, ...]:
         """The lengths epoch ``epoch``'s order is built over: ``(dataset_length,)`` unless a restore
         grew the current epoch (then the checkpoint's lengths, plus this one's with ``"append"``)."""
-        if self._grown is not None and epoch == self._cursor.epoch:
-            return self._grown
+        if self._grown is not None and epoch == self._grown[0]:
+            return self._grown[1]
         return (self._length,)
 
     def epoch_length(self, epoch: int) -> int:
@@ -199,12 +202,12 @@ class ResumableSampler(torch.utils.data.Sampler[int]):
 
     # -- epochs --------------------------------------------------------------------------------
     def set_epoch(self, epoch: int) -> None:
-        """Select ``epoch``; keeps the position if it is already the current (e.g. restored) epoch."""
+        """The next pass is epoch ``epoch`` from its start; a pending restore of that epoch is kept."""
         self._cursor.set_epoch(epoch)
 
     def epochs(self, num_epochs: int) -> Iterator[int]:
         """``for epoch in sampler.epochs(n)``: the epochs still to run, each already ``set_epoch``-ed."""
-        return self._cursor.epochs(num_epochs)
+        return self._cursor.pass_epochs(num_epochs)
 
     def __len__(self) -> int:
         """This rank's samples in a full pass of the current epoch (a restored epoch that grew with
@@ -283,7 +286,7 @@ class ResumableSampler(torch.utils.data.Sampler[int]):
         return state
 
     def state_dict(self) -> dict[str, Any]:
-        """A small plain dict: ``version``, ``epoch``, ``position`` and what fixes the order."""
+        """A small plain dict: ``version``, ``epoch``, ``position`` (the newest iterator's) and what fixes the order."""
         return self.state_for(self._cursor.epoch, self._cursor.position)
 
     def load_state_dict(self, state_dict: Mapping[str, Any], *, strict: bool = True) -> None:
@@ -301,12 +304,15 @@ class ResumableSampler(torch.utils.data.Sampler[int]):
         """
         self.check_state(state_dict, strict=strict, what=_WHAT)()
 
-    def check_state(self, state: Mapping[str, Any], *, strict: bool, what: str) -> Callable[[], Segment]:
+    def check_state(
+        self, state: Mapping[str, Any], *, strict: bool, what: str, through_iterator: bool = False
+    ) -> Callable[[], Segment]:
         """Validate ``state`` (errors name ``what``); return a thunk that restores it.
 
         The thunk moves the cursor to the state's position and returns that as the current
         segment. Nothing changes until it is called, so a caller can validate its own fields too
-        before anything moves.
+        before anything moves. ``through_iterator``: the state is restored into a sampler pass's
+        iterator (see :meth:`EpochCursor.restore`).
         """
         state = require_mapping(state, what)
         version = require_int(state, keys.VERSION, what)
@@ -380,8 +386,8 @@ class ResumableSampler(torch.utils.data.Sampler[int]):
                     stacklevel=4,
                 )
                 self._seed = seed
-            self._grown = grown
-            return self._cursor.restore(epoch, position, position >= lengths[-1])
+            self._grown = None if grown is None else (epoch, grown)
+            return self._cursor.restore(epoch, position, position >= lengths[-1], through_iterator=through_iterator)
 
         return apply
 
@@ -406,7 +412,7 @@ class ResumableSampler(torch.utils.data.Sampler[int]):
 
 
 class _SamplerIterator(Iterator[int]):
-    """One pass of a standalone sampler over its stretch of an epoch; itself stateful.
+    """One pass of a standalone sampler over its stretch of an epoch; owns its progress, itself stateful.
 
     The stretch is entered lazily, on the first ``next()``, so that a ``load_state_dict`` between
     ``iter()`` and ``next()`` (what StatefulDataLoader does on a restore) decides it.
@@ -432,23 +438,23 @@ class _SamplerIterator(Iterator[int]):
 
     def __next__(self) -> int:
         sampler = self._sampler
-        segment = self._segment or self._enter(sampler.cursor.begin())
+        segment = self._segment or self._enter(sampler.cursor.begin_pass())
         if self._taken >= self._total:
-            sampler.cursor.advance(segment, sampler.end_position(segment.epoch, segment.start), True)
+            sampler.cursor.advance_pass(segment, sampler.end_position(segment.epoch, segment.start), True)
             raise StopIteration
         index = next(self._indices)
         self._taken += 1
         position = sampler.position_after(segment.epoch, segment.start, self._taken)
-        sampler.cursor.advance(segment, position, sampler.is_end(segment.epoch, position))
+        sampler.cursor.advance_pass(segment, position, sampler.is_end(segment.epoch, position))
         return index
 
     def state_dict(self) -> dict[str, Any]:
         """The sampler's state after the indices this iterator has drawn (before any: where it will start)."""
         if self._segment is None:
-            return self._sampler.state_for(*self._sampler.cursor.next_segment())
+            return self._sampler.state_for(*self._sampler.cursor.next_pass())
         epoch = self._segment.epoch
         return self._sampler.state_for(epoch, self._sampler.position_after(epoch, self._segment.start, self._taken))
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
-        """Continue this iterator (and the sampler) from ``state_dict``."""
-        self._enter(self._sampler.check_state(state_dict, strict=True, what=_WHAT)())
+        """Continue this iterator from ``state_dict`` (the sampler's next pass too, if this one never draws)."""
+        self._enter(self._sampler.check_state(state_dict, strict=True, what=_WHAT, through_iterator=True)())

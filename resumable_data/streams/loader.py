@@ -255,10 +255,9 @@ class StreamLoader:
         self._drop_updates(0)
 
     def set_epoch(self, epoch: int) -> None:
-        """Select ``epoch``; keeps the position if it is already the current (e.g. restored) epoch."""
-        if epoch != self._cursor.epoch:
-            self._start_epoch(epoch)
-        self._cursor.set_epoch(epoch)
+        """The next pass is epoch ``epoch`` from its start; a pending restore of that epoch is kept."""
+        if self._cursor.set_epoch(epoch):  # from its start (not a kept restored position)
+            self._start_epoch(self._cursor.epoch)
 
     def epochs(self, num_epochs: int) -> Iterator[int]:
         """The epochs still to run, each already ``set_epoch``-ed; starts at the restored epoch."""

@@ -210,3 +210,55 @@ def test_restore_fetches_no_consumed_sample() -> None:
     # Only the 8 samples of the first resumed batch were read, none of the 9,000 consumed ones.
     assert dataset.fetched == batch.tolist()
     assert len(dataset.fetched) == 8
+
+
+# -- set_epoch means "the next pass is that epoch from its start" -----------------------------------------
+@pytest.mark.parametrize("limit", [None, 2], ids=["full", "limit_val_batches"])
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_repeated_validation_passes_with_set_epoch_of_the_same_epoch_are_full_and_equal(
+    limit: int | None, num_workers: int
+) -> None:
+    # Lightning calls set_epoch(current_epoch) on a validation loader before each pass, several times
+    # per epoch with val_check_interval, and stops early with limit_val_batches. Found on main: every
+    # second pass was empty (set_epoch on a finished epoch kept its end).
+    loader = _loader(10, 3, shuffle=True, drop_last=False, rank=0, world_size=1, num_workers=num_workers)
+    passes = []
+    for _ in range(3):
+        loader.set_epoch(0)
+        batches = []
+        for batch in loader:
+            batches.append(batch[0].tolist())
+            if len(batches) == limit:
+                break
+        passes.append(batches)
+    assert len(passes[0]) == (limit or 4) and passes == [passes[0]] * 3
+    loader.set_epoch(1)
+    assert [batch[0].tolist() for batch in loader] != passes[0], "another epoch, another order"
+
+
+def test_set_epoch_after_a_break_starts_the_epoch_and_a_plain_iter_continues_it() -> None:
+    make = lambda: _loader(12, 2, shuffle=True, drop_last=False, rank=0, world_size=1, num_workers=0)
+    epoch = [batch[0].tolist() for batch in make()]
+    loader = make()
+    head = [batch[0].tolist() for _, batch in zip(range(2), loader, strict=False)]
+    assert head == epoch[:2] and loader.position == 4
+    loader.set_epoch(0)
+    assert loader.position == 0 and [batch[0].tolist() for batch in loader] == epoch
+    for _ in zip(range(2), loader, strict=False):  # epoch 1, broken off after 2 batches
+        pass
+    assert (loader.epoch, loader.position) == (1, 4)
+    assert len(list(loader)) == 4, "a new iter() without set_epoch goes on after the last batch handed out"
+
+
+def test_a_loader_owns_its_position_inspecting_its_sampler_moves_nothing() -> None:
+    loader = _loader(12, 2, shuffle=True, drop_last=False, rank=0, world_size=1, num_workers=0)
+    listed = (
+        list(loader.sampler),
+        [[key.index for key in batch] for batch in loader.batch_sampler],
+        loader.peek_indices(6),
+    )
+    assert (loader.epoch, loader.position) == (0, 0)
+    assert [batch[0].tolist() for batch in loader] == listed[2] == listed[1]
+    other = ResumableDataLoader(loader.dataset, 2, sampler=loader.sampler)
+    assert [batch[0].tolist() for batch in other] == listed[2], "a second loader over the sampler starts it"
+    assert loader.position == 12 and loader.state_dict()["position"] == 12

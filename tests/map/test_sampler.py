@@ -7,6 +7,8 @@ import collections
 import itertools
 import json
 import pickle
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import pytest
@@ -175,16 +177,76 @@ def test_plain_dataloader_with_the_sampler_is_resumable_at_num_workers_0() -> No
     assert head + [b.tolist() for b in DataLoader(dataset, batch_size=4, sampler=fresh)] == reference
 
 
-def test_exhausted_epoch_advances_by_itself_but_not_after_set_epoch() -> None:
+# -- whose position: a pass over the sampler owns its progress (torchdata's test_sampler.py, adapted) ----
+def _indices(loader: Any) -> list[int]:
+    return [int(i) for batch in loader for i in batch.reshape(-1).tolist()]
+
+
+_LOADERS: dict[str, Callable[[ResumableSampler, int], Any]] = {
+    "DataLoader": lambda sampler, batch: DataLoader(torch.arange(sampler.dataset_length), batch, sampler=sampler),
+    "StatefulDataLoader": lambda sampler, batch: StatefulDataLoader(
+        torch.arange(sampler.dataset_length), batch, sampler=sampler
+    ),
+    "ResumableDataLoader": lambda sampler, batch: ResumableDataLoader(
+        torch.arange(sampler.dataset_length), batch, sampler=sampler
+    ),
+}
+
+
+@pytest.mark.parametrize("kind", list(_LOADERS))
+@pytest.mark.parametrize("shuffle", [True, False])
+def test_listing_the_sampler_changes_nothing_a_loader_over_it_yields(kind: str, shuffle: bool) -> None:
+    # torchdata's test_data_order_with(out)_shuffle. Found on main: the loader yielded epoch 1's order.
+    sampler = ResumableSampler(100, shuffle=shuffle, seed=0)
+    listed = list(iter(sampler))
+    assert (listed != list(range(100))) == shuffle
+    assert _indices(_LOADERS[kind](sampler, 32)) == listed
+    assert list(sampler) == listed, "without set_epoch every pass is the same epoch, as with DistributedSampler"
+
+
+@pytest.mark.parametrize("kind", list(_LOADERS))
+def test_a_loader_over_a_sampler_an_earlier_loop_broke_out_of_starts_the_epoch(kind: str) -> None:
+    # torchdata's test_dataloader_state_dict: break after 5 batches, resume from the state into a new
+    # sampler, then a new loader over the first sampler. Found on main: it continued at sample 50.
+    sampler = ResumableSampler(100, shuffle=False)
+    loader = _LOADERS[kind](sampler, 10)
+    for i, _ in enumerate(loader):
+        if i == 4:
+            break
+    state = (loader if kind != "DataLoader" else sampler).state_dict()
+    resumed_sampler = ResumableSampler(100, shuffle=False)
+    resumed = _LOADERS[kind](resumed_sampler, 10)
+    if kind == "DataLoader":
+        resumed_sampler.load_state_dict(state)
+    else:
+        resumed.load_state_dict(state)
+    assert _indices(resumed) == list(range(50, 100))
+    assert _indices(_LOADERS[kind](sampler, 10)) == list(range(100))
+
+
+def test_set_epoch_selects_the_epoch_and_a_restore_is_consumed_by_the_first_pass_that_draws() -> None:
     sampler = ResumableSampler(6, seed=0)
-    first = list(sampler)
-    assert (sampler.epoch, sampler.position) == (0, 6)
-    second = list(sampler)
-    assert sampler.epoch == 1 and sorted(second) == list(range(6)) and second != first
-    sampler.set_epoch(1)  # the current epoch, exhausted: a set_epoch loop sees it empty
-    assert list(sampler) == []
-    sampler.set_epoch(2)
-    assert sorted(sampler) == list(range(6))
+    epoch0 = list(sampler)
+    assert (sampler.epoch, sampler.position) == (0, 6), "state_dict reports the newest pass"
+    sampler.set_epoch(1)
+    epoch1 = list(sampler)
+    assert sorted(epoch1) == list(range(6)) and epoch1 != epoch0
+    assert list(sampler) == epoch1, "a finished epoch given no set_epoch is passed over again"
+    sampler.set_epoch(1)
+    assert list(sampler) == epoch1, "set_epoch with a finished epoch: a full pass again"
+    resumed = ResumableSampler(6, seed=0)
+    resumed.load_state_dict({**sampler.state_dict(), "epoch": 0, "position": 2})
+    unused = iter(resumed)  # created and dropped before it draws: the restore is still pending
+    del unused
+    assert list(resumed) == epoch0[2:]
+    assert list(resumed) == epoch0, "the restore was consumed by the pass that drew"
+    assert [list(resumed) for _ in resumed.epochs(3)] == [epoch1, _epoch_order(6, 2)], "the epochs after the newest"
+
+
+def _epoch_order(length: int, epoch: int) -> list[int]:
+    sampler = ResumableSampler(length, seed=0)
+    sampler.set_epoch(epoch)
+    return list(sampler)
 
 
 @settings(max_examples=50)
