@@ -4,7 +4,11 @@ Lightning 2.x saves and restores a train loader's ``state_dict()`` itself, in th
 state, so the data position resumes as it is. What it does not save is the global RNGs the model
 draws from (dropout, ``torch.rand`` in ``training_step``): :class:`ResumeCallback` saves every rank's
 :func:`~resumable_data.capture_rng_state` in the checkpoint and puts each back right before the
-first training step after the resume, where the uninterrupted run stood. It also warns
+first training step after the resume. The uninterrupted run does the same: its first training step
+after a checkpoint also starts from the RNG states saved in it. Whatever runs between the save and
+that step (the validation Lightning runs after a checkpoint on a validation step, whose loader draws
+its order and worker seeds from torch's global RNG; callbacks and hooks) is not repeated by a resumed
+run, so its draws must not reach the training steps of either run. It also warns
 (:class:`~resumable_data.ResumeWarning`) when a resumed fit's checkpoint holds no loader state for a
 resumable loader, which would otherwise silently start the epoch over while Lightning's ``batch_idx``
 goes on.
@@ -17,6 +21,12 @@ on in the epoch and, when the loader has handed out one more, replaces the saved
 hook exposes that state: it is written at ``checkpoint["loops"]["fit_loop"]["state_dict"]["combined_loader"]``
 (the list of the train loaders' states, one here), the layout Lightning 2.x uses, pinned by
 ``tests/integrations/test_lightning.py``.
+
+With ``limit_train_batches`` Lightning ends an epoch before the loader is exhausted; a checkpoint
+written after the epoch's last allowed batch would hold a position inside the epoch, and the resumed
+fit (which starts the next epoch) would be handed the old epoch's remaining samples. The callback
+saves such a state as the end of the epoch instead (``trainer.num_training_batches`` says where
+Lightning ends it), as the uninterrupted run's next ``iter()`` starts the next epoch.
 
 Under ``strategy="ddp"`` pass ``Trainer(use_distributed_sampler=False)``: the ResumableDataLoader
 shards itself by rank (a DistributedSampler injected by Lightning is refused with a ResumeError).
@@ -31,10 +41,11 @@ from typing import Any
 import torch.distributed as dist
 from lightning.pytorch import Callback, LightningModule, Trainer
 
+from ..core.state import EPOCH, POSITION
 from ..errors import ResumeError, ResumeWarning
 from ..map.dataloader import ResumableDataLoader
 from ..rng.capture import capture_rng_state, restore_rng_state
-from ..streams.loader import StreamLoader
+from ..streams.loader import EPOCH_DONE, StreamLoader
 
 __all__ = ["ResumeCallback"]
 
@@ -54,7 +65,9 @@ class ResumeCallback(Callback):
     """
 
     def __init__(self) -> None:
-        self._pending: dict[str, Any] | None = None  # this rank's RNG state, put back before the next step
+        # This rank's RNG state, put back before the next training step: the resumed checkpoint's, or
+        # the one this fit just saved (see the module docstring).
+        self._pending: dict[str, Any] | None = None
         self._loader_state_found: bool | None = None  # None: not a resumed fit
         self._trained = 0  # batches of the current epoch the fit has trained on (batch_idx + 1)
 
@@ -66,12 +79,14 @@ class ResumeCallback(Callback):
             states = [{} for _ in range(dist.get_world_size())]
             dist.all_gather_object(states, state)
         checkpoint[_KEY] = {_VERSION: STATE_VERSION, _RANKS: states}
+        self._pending = state
         self._take_back_fetched_ahead(trainer, checkpoint)
+        self._end_limited_epoch(trainer, checkpoint)
 
     def _take_back_fetched_ahead(self, trainer: Trainer, checkpoint: dict[str, Any]) -> None:
         """Save a StreamLoader's state before the batch Lightning fetched ahead and has not trained on."""
         loader = trainer.train_dataloader
-        saved = checkpoint.get("loops", {}).get("fit_loop", {}).get("state_dict", {}).get("combined_loader")
+        saved = _saved_loader_states(checkpoint)
         if not isinstance(loader, StreamLoader) or not saved:
             return
         ahead = loader.batches_yielded - self._trained
@@ -82,6 +97,26 @@ class ResumeCallback(Callback):
                 f"the StreamLoader has handed out {loader.batches_yielded} batches of this epoch and the fit "
                 f"has trained on {self._trained}; its saved state is {ahead} batches off, so a resume from "
                 "this checkpoint is not exact",
+                ResumeWarning,
+                stacklevel=2,
+            )
+
+    def _end_limited_epoch(self, trainer: Trainer, checkpoint: dict[str, Any]) -> None:
+        """Save the end of the epoch when Lightning ends it here, before the loader is exhausted."""
+        saved = _saved_loader_states(checkpoint)
+        loader = trainer.train_dataloader
+        if not saved or self._trained < trainer.num_training_batches:
+            return
+        if isinstance(loader, StreamLoader):
+            saved[0] = {**saved[0], EPOCH_DONE: True}
+        elif isinstance(loader, ResumableDataLoader):
+            state = saved[0]
+            saved[0] = {**state, POSITION: loader.sampler.end_position(state[EPOCH], state[POSITION])}
+        elif any(_resumable_loaders(loader)):
+            warnings.warn(
+                "the fit ends this epoch before its train loaders are exhausted (limit_train_batches), "
+                "and ResumeCallback saves the end of the epoch for a single train loader only: a resume "
+                "from this checkpoint goes on with the rest of this epoch; train on one loader",
                 ResumeWarning,
                 stacklevel=2,
             )
@@ -139,6 +174,16 @@ class ResumeCallback(Callback):
         self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         self._trained = batch_idx + 1
+
+    def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._pending = None  # a later fit with this callback starts from its own RNG states
+
+
+def _saved_loader_states(checkpoint: dict[str, Any]) -> list[Any] | None:
+    """The train loaders' states in a Lightning 2.x checkpoint (see the module docstring), if any."""
+    fit_loop = checkpoint.get("loops", {}).get("fit_loop", {})
+    states: list[Any] | None = fit_loop.get("state_dict", {}).get("combined_loader")
+    return states
 
 
 def _resumable_loaders(loaders: Any) -> Iterator[Any]:

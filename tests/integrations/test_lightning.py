@@ -21,7 +21,7 @@ pytest.importorskip("lightning", reason="the [lightning] extra is not installed"
 # isort: split
 import lightning
 import torch
-from lightning_train import fit  # the user script's fit, here stopped by an exception instead of a kill
+from lightning_train import Settings, fit  # the user script's fit, here stopped by an exception instead of a kill
 
 from resumable_data import ResumeWarning
 from resumable_data.testing import assert_same
@@ -46,7 +46,7 @@ class _StopAt(lightning.Callback):
 def _fit(run_dir: Path, *callbacks: lightning.Callback, stream: bool = False) -> None:
     # 48 samples in batches of 4, accumulation 2: 6 steps an epoch; a checkpoint every 4 steps.
     run_dir.mkdir(exist_ok=True)
-    fit(run_dir, 0, 2, 0, 4, 1, stream, max_epochs=2, callbacks=callbacks)
+    fit(run_dir, Settings(accumulation=2, stream=stream, max_epochs=2), callbacks)
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["ResumableDataLoader", "StreamLoader"])
