@@ -22,11 +22,14 @@ hook exposes that state: it is written at ``checkpoint["loops"]["fit_loop"]["sta
 (the list of the train loaders' states, one here), the layout Lightning 2.x uses, pinned by
 ``tests/integrations/test_lightning.py``.
 
-With ``limit_train_batches`` Lightning ends an epoch before the loader is exhausted; a checkpoint
-written after the epoch's last allowed batch would hold a position inside the epoch, and the resumed
-fit (which starts the next epoch) would be handed the old epoch's remaining samples. The callback
-saves such a state as the end of the epoch instead (``trainer.num_training_batches`` says where
-Lightning ends it), as the uninterrupted run's next ``iter()`` starts the next epoch.
+With ``limit_train_batches`` Lightning ends an epoch before the loader is exhausted and, at the next
+epoch's start, calls ``loader.sampler.set_epoch``: a ResumableDataLoader starts that epoch afresh. A
+checkpoint written after the epoch's last allowed batch would hold a position inside the old epoch,
+and a resumed fit creates its iterator from the restored position before it calls ``set_epoch``, so
+it would train on the old epoch's remaining samples. The callback saves such a state as the end of
+the epoch instead (``trainer.num_training_batches`` says where Lightning ends it). A StreamLoader has
+no sampler, Lightning calls no ``set_epoch`` on it and its next ``iter()`` goes on in the same epoch,
+in the uninterrupted run as in a resumed one: its state is left as it is.
 
 Under ``strategy="ddp"`` pass ``Trainer(use_distributed_sampler=False)``: the ResumableDataLoader
 shards itself by rank (a DistributedSampler injected by Lightning is refused with a ResumeError).
@@ -45,7 +48,7 @@ from ..core.state import EPOCH, POSITION
 from ..errors import ResumeError, ResumeWarning
 from ..map.dataloader import ResumableDataLoader
 from ..rng.capture import capture_rng_state, restore_rng_state
-from ..streams.loader import EPOCH_DONE, StreamLoader
+from ..streams.loader import StreamLoader
 
 __all__ = ["ResumeCallback"]
 
@@ -107,12 +110,10 @@ class ResumeCallback(Callback):
         loader = trainer.train_dataloader
         if not saved or self._trained < trainer.num_training_batches:
             return
-        if isinstance(loader, StreamLoader):
-            saved[0] = {**saved[0], EPOCH_DONE: True}
-        elif isinstance(loader, ResumableDataLoader):
+        if isinstance(loader, ResumableDataLoader):
             state = saved[0]
             saved[0] = {**state, POSITION: loader.sampler.end_position(state[EPOCH], state[POSITION])}
-        elif any(_resumable_loaders(loader)):
+        elif any(isinstance(each, ResumableDataLoader) for each in _resumable_loaders(loader)):
             warnings.warn(
                 "the fit ends this epoch before its train loaders are exhausted (limit_train_batches), "
                 "and ResumeCallback saves the end of the epoch for a single train loader only: a resume "

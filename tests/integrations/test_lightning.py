@@ -10,6 +10,7 @@ are slow.
 from __future__ import annotations
 
 import types
+from typing import Any
 from pathlib import Path
 
 import pytest
@@ -43,24 +44,54 @@ class _StopAt(lightning.Callback):
             raise _Preempted
 
 
-def _fit(run_dir: Path, *callbacks: lightning.Callback, stream: bool = False) -> None:
+def _fit(run_dir: Path, *callbacks: lightning.Callback, **settings: Any) -> None:
     # 48 samples in batches of 4, accumulation 2: 6 steps an epoch; a checkpoint every 4 steps.
     run_dir.mkdir(exist_ok=True)
-    fit(run_dir, Settings(accumulation=2, stream=stream, max_epochs=2), callbacks)
+    fit(run_dir, Settings(**{"accumulation": 2, "max_epochs": 2, **settings}), callbacks)
+
+
+def _assert_stopped_fit_resumes_identically(tmp_path: Path, stop_at: int, **settings: Any) -> None:
+    """A fit stopped after step ``stop_at`` and resumed from its last checkpoint logs the losses and ends with
+    the weights of an uninterrupted fit, bitwise."""
+    run, reference = tmp_path / "run", tmp_path / "reference"
+    _fit(reference, **settings)
+    with pytest.raises(_Preempted):
+        _fit(run, _StopAt(stop_at), **settings)
+    _fit(run, **settings)
+    assert read_losses(run) == read_losses(reference)
+    expected = torch.load(reference / "weights.pt", weights_only=True)
+    assert_same(expected, torch.load(run / "weights.pt", weights_only=True), "final weights")
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["ResumableDataLoader", "StreamLoader"])
 def test_a_fit_stopped_mid_epoch_resumes_to_the_same_losses_and_weights(tmp_path: Path, stream: bool) -> None:
     # Found here with a StreamLoader: Lightning fetches a loader without len one batch ahead, so the
     # state it saved was one batch past the steps taken and the resumed fit skipped a batch.
-    run, reference = tmp_path / "run", tmp_path / "reference"
-    _fit(reference, stream=stream)
-    with pytest.raises(_Preempted):
-        _fit(run, _StopAt(7), stream=stream)  # the last checkpoint is step 4's, in the first epoch's last third
-    _fit(run, stream=stream)
-    assert read_losses(run) == read_losses(reference)
-    expected = torch.load(reference / "weights.pt", weights_only=True)
-    assert_same(expected, torch.load(run / "weights.pt", weights_only=True), "final weights")
+    # The last checkpoint is step 4's, in the first epoch's last third.
+    _assert_stopped_fit_resumes_identically(tmp_path, 7, stream=stream)
+
+
+def test_validation_right_after_a_checkpoint_does_not_change_the_resumed_losses(tmp_path: Path) -> None:
+    # Found on main: with checkpoints on validation steps, the uninterrupted fit validated after saving,
+    # its shuffled DataLoader drawing its order from torch's global RNG, and trained on from there; the
+    # resumed fit restored the RNG saved before that validation: every loss after the resume differed.
+    _assert_stopped_fit_resumes_identically(
+        tmp_path, 6, accumulation=1, validation="plain", val_check_interval=4, save_every=4
+    )
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["ResumableDataLoader", "StreamLoader"])
+def test_a_checkpoint_on_the_last_batch_limit_train_batches_allows_resumes_where_the_fit_goes_on(
+    tmp_path: Path, stream: bool
+) -> None:
+    # Lightning ends each epoch after 5 of its 12 batches, and the checkpoint is the one after batch 5.
+    # Found on main with a ResumableDataLoader: Lightning starts its next epoch with set_epoch, the
+    # checkpoint held a position inside epoch 0, and the resumed fit's "epoch 1" was epoch 0's
+    # remaining samples. A StreamLoader (no sampler, no set_epoch from Lightning) goes on in its epoch
+    # in both fits.
+    _assert_stopped_fit_resumes_identically(
+        tmp_path, 6, accumulation=1, max_epochs=3, limit_train_batches=5, save_every=5, stream=stream
+    )
 
 
 def test_a_resumed_fit_without_the_loaders_state_warns(tmp_path: Path) -> None:
