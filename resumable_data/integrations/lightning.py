@@ -61,6 +61,10 @@ STATE_VERSION = 1
 class ResumeCallback(Callback):
     """Saves and restores every rank's global RNG states in Lightning's checkpoints.
 
+    The training step after a checkpoint starts from the states saved in it, in a resumed fit and in
+    the uninterrupted one alike; the train loader's saved state is corrected where Lightning's is not
+    where the fit goes on (a StreamLoader fetched ahead, an epoch cut short by ``limit_train_batches``).
+
     Example:
         >>> from resumable_data.integrations.lightning import ResumeCallback
         >>> # trainer = lightning.Trainer(callbacks=[ResumeCallback(), ModelCheckpoint(...)])
@@ -153,7 +157,20 @@ class ResumeCallback(Callback):
                 ResumeWarning,
                 stacklevel=2,
             )
-        if self._loader_state_found is False and any(_resumable_loaders(trainer.train_dataloader)):
+        if self._loader_state_found and not trainer.fit_loop.restarting and any(_resumable_loaders(loaders)):
+            # Lightning loads the train loaders' states only when it restarts inside an epoch, and it
+            # creates their iterators before it calls sampler.set_epoch(next epoch): the fresh loader's
+            # iterator, bound to epoch 0, would hand out epoch 0's order as the next epoch.
+            warnings.warn(
+                "this fit resumes from a checkpoint written at the end of an epoch: Lightning does not "
+                "restore the train loader's state from it and has already started the fresh loader at "
+                "epoch 0, so the next epoch is trained on epoch 0's order, not the uninterrupted fit's; "
+                "resume from a checkpoint written inside an epoch (ModelCheckpoint(every_n_train_steps=...)) "
+                "or with Trainer(max_steps=...), where Lightning restores the loader",
+                ResumeWarning,
+                stacklevel=2,
+            )
+        if self._loader_state_found is False and any(_resumable_loaders(loaders)):
             warnings.warn(
                 "this fit resumes from a checkpoint that holds no state for its "
                 "ResumableDataLoader/StreamLoader, so the epoch starts over at position 0 while "
@@ -178,6 +195,9 @@ class ResumeCallback(Callback):
 
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._pending = None  # a later fit with this callback starts from its own RNG states
+
+    def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
+        self._pending = None  # as at the end of training: the fit is over
 
 
 def _saved_loader_states(checkpoint: dict[str, Any]) -> list[Any] | None:

@@ -12,6 +12,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
+import os
+import signal
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +41,7 @@ VALIDATION = Augmented(16)  # 4 batches of 4; its augmentation draws from the gl
 SHARD = 12  # --stream: the 48 samples as 4 shards of 12 indices, fetched (and augmented) by a map
 VALIDATION_LOADERS = ("none", "plain", "resumable")  # none, a shuffled DataLoader, a ResumableDataLoader
 CHECKPOINTS = ("steps", "epochs", "last")  # every_n_train_steps, every_n_epochs=1, save_last only
+VALIDATION_LOG = "validation.jsonl"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,7 +51,7 @@ class Settings:
     workers: int = 0
     accumulation: int = 1
     kill_at: int = 0  # SIGKILL after this optimizer step (0: never)
-    kill_in: str = "train"  # "train": at the step's end; "validation": in the first validation after it
+    kill_in: str = "train"  # "train": at that step's end; "validation": in the first validation from that step on
     save_every: int = 4
     checkpoint: str = "steps"
     devices: int = 1
@@ -57,6 +61,18 @@ class Settings:
     limit_train_batches: int | float | None = None
     val_check_interval: int | float | None = None
     validation: str = "none"
+
+
+def log_validation(run_dir: Path, step: int, batch_idx: int, loss: float) -> None:
+    with open(run_dir / VALIDATION_LOG, "a") as log:
+        log.write(json.dumps({"step": step, "batch": batch_idx, "loss": float(loss).hex()}) + "\n")
+
+
+def read_validation(run_dir: Path) -> dict[tuple[int, int], str]:
+    """The last loss logged for each (step, batch) of validation (a resumed run's, for those it ran again)."""
+    path = run_dir / VALIDATION_LOG
+    lines = path.read_text().splitlines() if path.exists() else []
+    return {(entry["step"], entry["batch"]): entry["loss"] for entry in map(json.loads, lines)}
 
 
 def read_indices(shard: int, start: int) -> Any:
@@ -78,9 +94,14 @@ class Regressor(lightning.LightningModule):
             maybe_die(self.global_step, self.settings.kill_at)
 
     def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
-        self.log("val_loss", self.net(**batch)["loss"])
-        if self.settings.kill_in == "validation" and not self.trainer.sanity_checking:
-            maybe_die(self.global_step, self.settings.kill_at)
+        loss = self.net(**batch)["loss"]
+        self.log("val_loss", loss)
+        if self.trainer.sanity_checking:
+            return
+        log_validation(self.run_dir, self.global_step, batch_idx, loss.item())
+        kill_at = self.settings.kill_at
+        if self.settings.kill_in == "validation" and kill_at and self.global_step >= kill_at:
+            os.kill(os.getpid(), signal.SIGKILL)
 
     def configure_optimizers(self) -> Any:
         optimizer = torch.optim.AdamW(self.parameters(), lr=0.01)
@@ -93,6 +114,7 @@ class Regressor(lightning.LightningModule):
             records = ShardedIterable(range(len(DATA) // SHARD), read_shard=read_indices, seed=3).map(DATA.__getitem__)
             return StreamLoader(records, batch_size=4, num_workers=workers)
         return ResumableDataLoader(DATA, batch_size=4, seed=3, num_workers=workers)
+
 
 def _validation_loader(settings: Settings) -> DataLoader | None:
     if settings.validation == "plain":  # its order and its workers' seeds come from torch's global RNG
