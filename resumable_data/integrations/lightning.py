@@ -31,6 +31,12 @@ the epoch instead (``trainer.num_training_batches`` says where Lightning ends it
 no sampler, Lightning calls no ``set_epoch`` on it and its next ``iter()`` goes on in the same epoch,
 in the uninterrupted run as in a resumed one: its state is left as it is.
 
+From a checkpoint written at an epoch's end (``ModelCheckpoint(every_n_epochs=...)`` or ``save_last``
+alone, without validation inside the epoch, in a ``max_epochs`` fit) Lightning restores no loader
+state: it counts the epoch as done and starts the next one with a fresh iterator, but creates that
+iterator before it calls ``set_epoch``, so a fresh loader would hand out epoch 0's order. The callback
+cannot reach that iterator and warns (:class:`~resumable_data.ResumeWarning`) instead.
+
 Under ``strategy="ddp"`` pass ``Trainer(use_distributed_sampler=False)``: the ResumableDataLoader
 shards itself by rank (a DistributedSampler injected by Lightning is refused with a ResumeError).
 """
@@ -142,8 +148,7 @@ class ResumeCallback(Callback):
                     f"{trainer.world_size}; resume on {len(states)} ranks to resume exactly"
                 )
             self._pending = states[rank]
-        fit_loop = checkpoint.get("loops", {}).get("fit_loop", {})
-        self._loader_state_found = bool(fit_loop.get("state_dict", {}).get("combined_loader"))
+        self._loader_state_found = bool(_saved_loader_states(checkpoint))
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         loaders = trainer.train_dataloader
