@@ -4,7 +4,11 @@ Lightning 2.x saves and restores a train loader's ``state_dict()`` itself, in th
 state, so the data position resumes as it is. What it does not save is the global RNGs the model
 draws from (dropout, ``torch.rand`` in ``training_step``): :class:`ResumeCallback` saves every rank's
 :func:`~resumable_data.capture_rng_state` in the checkpoint and puts each back right before the
-first training step after the resume, where the uninterrupted run stood. It also warns
+first training step after the resume. The uninterrupted run does the same: its first training step
+after a checkpoint also starts from the RNG states saved in it. Whatever runs between the save and
+that step (the validation Lightning runs after a checkpoint on a validation step, whose loader draws
+its order and worker seeds from torch's global RNG; callbacks and hooks) is not repeated by a resumed
+run, so its draws must not reach the training steps of either run. It also warns
 (:class:`~resumable_data.ResumeWarning`) when a resumed fit's checkpoint holds no loader state for a
 resumable loader, which would otherwise silently start the epoch over while Lightning's ``batch_idx``
 goes on.
@@ -17,6 +21,21 @@ on in the epoch and, when the loader has handed out one more, replaces the saved
 hook exposes that state: it is written at ``checkpoint["loops"]["fit_loop"]["state_dict"]["combined_loader"]``
 (the list of the train loaders' states, one here), the layout Lightning 2.x uses, pinned by
 ``tests/integrations/test_lightning.py``.
+
+With ``limit_train_batches`` Lightning ends an epoch before the loader is exhausted and, at the next
+epoch's start, calls ``loader.sampler.set_epoch``: a ResumableDataLoader starts that epoch afresh. A
+checkpoint written after the epoch's last allowed batch would hold a position inside the old epoch,
+and a resumed fit creates its iterator from the restored position before it calls ``set_epoch``, so
+it would train on the old epoch's remaining samples. The callback saves such a state as the end of
+the epoch instead (``trainer.num_training_batches`` says where Lightning ends it). A StreamLoader has
+no sampler, Lightning calls no ``set_epoch`` on it and its next ``iter()`` goes on in the same epoch,
+in the uninterrupted run as in a resumed one: its state is left as it is.
+
+From a checkpoint written at an epoch's end (``ModelCheckpoint(every_n_epochs=...)`` or ``save_last``
+alone, without validation inside the epoch, in a ``max_epochs`` fit) Lightning restores no loader
+state: it counts the epoch as done and starts the next one with a fresh iterator, but creates that
+iterator before it calls ``set_epoch``, so a fresh loader would hand out epoch 0's order. The callback
+cannot reach that iterator and warns (:class:`~resumable_data.ResumeWarning`) instead.
 
 Under ``strategy="ddp"`` pass ``Trainer(use_distributed_sampler=False)``: the ResumableDataLoader
 shards itself by rank (a DistributedSampler injected by Lightning is refused with a ResumeError).
@@ -31,6 +50,7 @@ from typing import Any
 import torch.distributed as dist
 from lightning.pytorch import Callback, LightningModule, Trainer
 
+from ..core.state import EPOCH, POSITION
 from ..errors import ResumeError, ResumeWarning
 from ..map.dataloader import ResumableDataLoader
 from ..rng.capture import capture_rng_state, restore_rng_state
@@ -47,6 +67,10 @@ STATE_VERSION = 1
 class ResumeCallback(Callback):
     """Saves and restores every rank's global RNG states in Lightning's checkpoints.
 
+    The training step after a checkpoint starts from the states saved in it, in a resumed fit and in
+    the uninterrupted one alike; the train loader's saved state is corrected where Lightning's is not
+    where the fit goes on (a StreamLoader fetched ahead, an epoch cut short by ``limit_train_batches``).
+
     Example:
         >>> from resumable_data.integrations.lightning import ResumeCallback
         >>> # trainer = lightning.Trainer(callbacks=[ResumeCallback(), ModelCheckpoint(...)])
@@ -54,7 +78,9 @@ class ResumeCallback(Callback):
     """
 
     def __init__(self) -> None:
-        self._pending: dict[str, Any] | None = None  # this rank's RNG state, put back before the next step
+        # This rank's RNG state, put back before the next training step: the resumed checkpoint's, or
+        # the one this fit just saved (see the module docstring).
+        self._pending: dict[str, Any] | None = None
         self._loader_state_found: bool | None = None  # None: not a resumed fit
         self._trained = 0  # batches of the current epoch the fit has trained on (batch_idx + 1)
 
@@ -66,12 +92,14 @@ class ResumeCallback(Callback):
             states = [{} for _ in range(dist.get_world_size())]
             dist.all_gather_object(states, state)
         checkpoint[_KEY] = {_VERSION: STATE_VERSION, _RANKS: states}
+        self._pending = state
         self._take_back_fetched_ahead(trainer, checkpoint)
+        self._end_limited_epoch(trainer, checkpoint)
 
     def _take_back_fetched_ahead(self, trainer: Trainer, checkpoint: dict[str, Any]) -> None:
         """Save a StreamLoader's state before the batch Lightning fetched ahead and has not trained on."""
         loader = trainer.train_dataloader
-        saved = checkpoint.get("loops", {}).get("fit_loop", {}).get("state_dict", {}).get("combined_loader")
+        saved = _saved_loader_states(checkpoint)
         if not isinstance(loader, StreamLoader) or not saved:
             return
         ahead = loader.batches_yielded - self._trained
@@ -82,6 +110,24 @@ class ResumeCallback(Callback):
                 f"the StreamLoader has handed out {loader.batches_yielded} batches of this epoch and the fit "
                 f"has trained on {self._trained}; its saved state is {ahead} batches off, so a resume from "
                 "this checkpoint is not exact",
+                ResumeWarning,
+                stacklevel=2,
+            )
+
+    def _end_limited_epoch(self, trainer: Trainer, checkpoint: dict[str, Any]) -> None:
+        """Save the end of the epoch when Lightning ends it here, before the loader is exhausted."""
+        saved = _saved_loader_states(checkpoint)
+        loader = trainer.train_dataloader
+        if not saved or self._trained < trainer.num_training_batches:
+            return
+        if isinstance(loader, ResumableDataLoader):
+            state = saved[0]
+            saved[0] = {**state, POSITION: loader.sampler.end_position(state[EPOCH], state[POSITION])}
+        elif any(isinstance(each, ResumableDataLoader) for each in _resumable_loaders(loader)):
+            warnings.warn(
+                "the fit ends this epoch before its train loaders are exhausted (limit_train_batches), "
+                "and ResumeCallback saves the end of the epoch for a single train loader only: a resume "
+                "from this checkpoint goes on with the rest of this epoch; train on one loader",
                 ResumeWarning,
                 stacklevel=2,
             )
@@ -102,8 +148,7 @@ class ResumeCallback(Callback):
                     f"{trainer.world_size}; resume on {len(states)} ranks to resume exactly"
                 )
             self._pending = states[rank]
-        fit_loop = checkpoint.get("loops", {}).get("fit_loop", {})
-        self._loader_state_found = bool(fit_loop.get("state_dict", {}).get("combined_loader"))
+        self._loader_state_found = bool(_saved_loader_states(checkpoint))
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         loaders = trainer.train_dataloader
@@ -117,7 +162,20 @@ class ResumeCallback(Callback):
                 ResumeWarning,
                 stacklevel=2,
             )
-        if self._loader_state_found is False and any(_resumable_loaders(trainer.train_dataloader)):
+        if self._loader_state_found and not trainer.fit_loop.restarting and any(_resumable_loaders(loaders)):
+            # Lightning loads the train loaders' states only when it restarts inside an epoch, and it
+            # creates their iterators before it calls sampler.set_epoch(next epoch): the fresh loader's
+            # iterator, bound to epoch 0, would hand out epoch 0's order as the next epoch.
+            warnings.warn(
+                "this fit resumes from a checkpoint written at the end of an epoch: Lightning does not "
+                "restore the train loader's state from it and has already started the fresh loader at "
+                "epoch 0, so the next epoch is trained on epoch 0's order, not the uninterrupted fit's; "
+                "resume from a checkpoint written inside an epoch (ModelCheckpoint(every_n_train_steps=...)) "
+                "or with Trainer(max_steps=...), where Lightning restores the loader",
+                ResumeWarning,
+                stacklevel=2,
+            )
+        if self._loader_state_found is False and any(_resumable_loaders(loaders)):
             warnings.warn(
                 "this fit resumes from a checkpoint that holds no state for its "
                 "ResumableDataLoader/StreamLoader, so the epoch starts over at position 0 while "
@@ -139,6 +197,19 @@ class ResumeCallback(Callback):
         self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         self._trained = batch_idx + 1
+
+    def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._pending = None  # a later fit with this callback starts from its own RNG states
+
+    def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
+        self._pending = None  # as at the end of training: the fit is over
+
+
+def _saved_loader_states(checkpoint: dict[str, Any]) -> list[Any] | None:
+    """The train loaders' states in a Lightning 2.x checkpoint (see the module docstring), if any."""
+    fit_loop = checkpoint.get("loops", {}).get("fit_loop", {})
+    states: list[Any] | None = fit_loop.get("state_dict", {}).get("combined_loader")
+    return states
 
 
 def _resumable_loaders(loaders: Any) -> Iterator[Any]:
