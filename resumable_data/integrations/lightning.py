@@ -33,9 +33,15 @@ in the uninterrupted run as in a resumed one: its state is left as it is.
 
 From a checkpoint written at an epoch's end (``ModelCheckpoint(every_n_epochs=...)`` or ``save_last``
 alone, without validation inside the epoch, in a ``max_epochs`` fit) Lightning restores no loader
-state: it counts the epoch as done and starts the next one with a fresh iterator, but creates that
-iterator before it calls ``set_epoch``, so a fresh loader would hand out epoch 0's order. The callback
-cannot reach that iterator and warns (:class:`~resumable_data.ResumeWarning`) instead.
+state: it counts the epoch as done and starts the next one with a fresh loader, whose iterator it
+creates before it calls ``sampler.set_epoch(next epoch)``. For a ResumableDataLoader the callback
+loads the state Lightning left in the checkpoint itself (``on_train_start``), and a loader pass that
+has not drawn yet takes a ``load_state_dict`` or ``set_epoch`` made after its ``iter()``: the next
+epoch is the uninterrupted fit's. A StreamLoader cannot be helped there: Lightning draws its first
+batch (to learn whether the epoch is empty) before any callback hook runs, and calls no ``set_epoch``
+on it, so its resumed epoch has epoch 0's order; the callback warns
+(:class:`~resumable_data.ResumeWarning`) and names the checkpoint cadence that resumes it exactly
+(inside epochs, ``ModelCheckpoint(every_n_train_steps=...)``, or ``Trainer(max_steps=...)``).
 
 Under ``strategy="ddp"`` pass ``Trainer(use_distributed_sampler=False)``: the ResumableDataLoader
 shards itself by rank (a DistributedSampler injected by Lightning is refused with a ResumeError).
@@ -82,6 +88,7 @@ class ResumeCallback(Callback):
         # the one this fit just saved (see the module docstring).
         self._pending: dict[str, Any] | None = None
         self._loader_state_found: bool | None = None  # None: not a resumed fit
+        self._loader_states: list[Any] = []  # the train loaders' states in the resumed checkpoint
         self._trained = 0  # batches of the current epoch the fit has trained on (batch_idx + 1)
 
     def on_save_checkpoint(self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]) -> None:
@@ -148,7 +155,8 @@ class ResumeCallback(Callback):
                     f"{trainer.world_size}; resume on {len(states)} ranks to resume exactly"
                 )
             self._pending = states[rank]
-        self._loader_state_found = bool(_saved_loader_states(checkpoint))
+        self._loader_states = list(_saved_loader_states(checkpoint) or [])
+        self._loader_state_found = bool(self._loader_states)
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         loaders = trainer.train_dataloader
@@ -162,19 +170,8 @@ class ResumeCallback(Callback):
                 ResumeWarning,
                 stacklevel=2,
             )
-        if self._loader_state_found and not trainer.fit_loop.restarting and any(_resumable_loaders(loaders)):
-            # Lightning loads the train loaders' states only when it restarts inside an epoch, and it
-            # creates their iterators before it calls sampler.set_epoch(next epoch): the fresh loader's
-            # iterator, bound to epoch 0, would hand out epoch 0's order as the next epoch.
-            warnings.warn(
-                "this fit resumes from a checkpoint written at the end of an epoch: Lightning does not "
-                "restore the train loader's state from it and has already started the fresh loader at "
-                "epoch 0, so the next epoch is trained on epoch 0's order, not the uninterrupted fit's; "
-                "resume from a checkpoint written inside an epoch (ModelCheckpoint(every_n_train_steps=...)) "
-                "or with Trainer(max_steps=...), where Lightning restores the loader",
-                ResumeWarning,
-                stacklevel=2,
-            )
+        if self._loader_state_found and not trainer.fit_loop.restarting:
+            self._restore_finished_epoch(loaders)
         if self._loader_state_found is False and any(_resumable_loaders(loaders)):
             warnings.warn(
                 "this fit resumes from a checkpoint that holds no state for its "
@@ -183,6 +180,21 @@ class ResumeCallback(Callback):
                 "loader as the train loader (Lightning saves its state_dict() in every checkpoint)",
                 ResumeWarning,
                 stacklevel=2,
+            )
+
+    def _restore_finished_epoch(self, loaders: Any) -> None:
+        """Load the train loader's state from a checkpoint Lightning resumes at an epoch's end (it loads none)."""
+        if isinstance(loaders, ResumableDataLoader) and len(self._loader_states) == 1:
+            loaders.load_state_dict(self._loader_states[0])
+        elif any(_resumable_loaders(loaders)):
+            warnings.warn(
+                "this fit resumes from a checkpoint written at the end of an epoch, where Lightning restores "
+                "no train loader state and has already drawn from a fresh StreamLoader (or from one of several "
+                "train loaders): the next epoch has epoch 0's order, not the uninterrupted fit's; checkpoint "
+                "inside epochs (ModelCheckpoint(every_n_train_steps=...)) or train with Trainer(max_steps=...), "
+                "where Lightning restores the loader",
+                ResumeWarning,
+                stacklevel=3,
             )
 
     def on_train_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:

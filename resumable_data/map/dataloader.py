@@ -242,6 +242,10 @@ class ResumableDataLoader(DataLoader):
         return [flat[i : i + size] for i in range(0, len(flat), size)]
 
     def __iter__(self) -> Iterator[Any]:  # type: ignore[override]  # ours wraps DataLoader's iterator
+        return self._open()
+
+    def _open(self) -> _ResumableIterator:
+        """A pass over the stretch of the epoch the loader's next iteration covers."""
         if self._warm_pass is not None:  # a previous warm pass's thread may still hold the workers
             self._warm_pass.close()
             self._warm_pass = None
@@ -258,7 +262,7 @@ class ResumableDataLoader(DataLoader):
             self._warm_pass = warm.handle
         else:
             inner = self._worker_iterator(segment, None)
-        return _ResumableIterator(inner, self._cursor, self._progress, self._batches, segment)
+        return _ResumableIterator(inner, self._cursor, self._progress, self._batches, segment, self._open)
 
     def _pin_device(self) -> str | None:
         """Where DataLoader's pin thread would pin batches (None: it would not), for warm start."""
@@ -348,7 +352,13 @@ def _check_sampler(sampler: Any, dataset: MapDataset, order_arguments: tuple[Any
 
 
 class _ResumableIterator(Iterator[Any]):
-    """Wraps the DataLoader's iterator and advances the cursor as each batch is handed out."""
+    """Wraps the DataLoader's iterator and advances the cursor as each batch is handed out.
+
+    The pass is bound to its stretch of the epoch when ``iter()`` is called, but a ``set_epoch`` or a
+    ``load_state_dict`` that comes before its first batch is taken (Lightning creates the train
+    iterator first and calls ``set_epoch`` after; a callback may load a state in between): at the
+    first ``next()`` such a pass is replaced by a fresh one over the new selection.
+    """
 
     def __init__(
         self,
@@ -357,6 +367,7 @@ class _ResumableIterator(Iterator[Any]):
         progress: Progress,
         batches: ResumableBatchSampler,
         segment: Segment,
+        reopen: Callable[[], _ResumableIterator] | None = None,
     ) -> None:
         self._inner = inner
         self._cursor = cursor
@@ -365,6 +376,7 @@ class _ResumableIterator(Iterator[Any]):
         self._segment = segment
         self._n_batches = batches.batch_count(segment.epoch, segment.start)
         self._yielded = 0
+        self._reopen = reopen  # the loader's _open, until the first batch is drawn
 
     def __iter__(self) -> _ResumableIterator:
         return self
@@ -373,6 +385,11 @@ class _ResumableIterator(Iterator[Any]):
         return self._n_batches - self._yielded
 
     def __next__(self) -> Any:
+        if self._reopen is not None:
+            reopen, self._reopen = self._reopen, None
+            if self._cursor.state_of(self._progress) is not self._progress:  # selected since iter()
+                fresh = reopen()
+                self._inner, self._segment, self._n_batches = fresh._inner, fresh._segment, fresh._n_batches
         epoch, start, sampler = self._segment.epoch, self._segment.start, self._batches.sampler
         try:
             batch = next(self._inner)

@@ -8,8 +8,8 @@ loader (none, a shuffled ``DataLoader`` that draws from the global RNGs, a ``Res
 ``limit_train_batches``, ``max_epochs`` or ``max_steps``, accumulation, workers, and where the kill falls
 (mid-epoch, after an epoch's last step, inside a validation). Their full product is thousands of fits
 of several seconds each; the cases are an all-pairs cover of it (every value of every setting meets
-every value of every other in some case), built greedily and deterministically. The first three not marked
-``xfail`` run in the default suite, the rest with ``--runslow``.
+every value of every other in some case), built greedily and deterministically. The first three run
+in the default suite, the rest with ``--runslow``.
 """
 
 from __future__ import annotations
@@ -41,12 +41,7 @@ AXES: dict[str, tuple[Any, ...]] = {
     "kill": ("epoch-end", "validation", "mid-epoch"),
 }
 _BATCHES = 12  # lightning_train.py: 48 samples in batches of 4
-_DEFAULT_CASES = 3  # subprocess fits take seconds each: the default suite runs this many of the expected to pass
-EPOCH_END_REASON = (
-    "Lightning loads no loader state from a checkpoint written at an epoch's end (it counts the epoch "
-    "done) and creates the train iterator before it calls sampler.set_epoch(next epoch): the iterator, "
-    "bound at iter() to epoch 0, trains the next epoch on epoch 0's order"
-)
+_DEFAULT_CASES = 3  # subprocess fits take seconds each: the default suite runs this many
 
 
 def _valid(case: dict[str, Any]) -> bool:
@@ -98,31 +93,11 @@ def _id(case: dict[str, Any]) -> str:
     return "-".join(f"{name}={value}" for name, value in case.items())
 
 
-def _resumes_from_an_epochs_end(case: dict[str, Any]) -> bool:
-    """Whether the last checkpoint before the kill is written in ``on_train_epoch_end`` of an epoch-based fit.
-
-    ModelCheckpoint saves there for ``every_n_epochs`` and ``save_last`` alone unless validation runs
-    inside the epoch (then it saves when validation ends).
-    """
-    at_epoch_end = case["validation"] == "none" or case["val_check_interval"] is None
-    return case["checkpoint"] in ("epochs", "last") and case["stop"] == "max_epochs" and at_epoch_end
-
-
 def _params() -> Iterator[Any]:
     defaults = 0
     for case in _all_pairs_cover():
         marks = []
-        if case["validation"] == "resumable":
-            # The validation loader's second pass in an epoch (same set_epoch) is empty on main, so the
-            # resumed fit's validations fall on other passes than the uninterrupted fit's.
-            marks.append(
-                pytest.mark.xfail(
-                    strict=False, reason="a ResumableDataLoader as a validation loader: every second pass empty"
-                )
-            )
-        if _resumes_from_an_epochs_end(case):
-            marks.append(pytest.mark.xfail(strict=False, reason=EPOCH_END_REASON))
-        if marks or defaults == _DEFAULT_CASES:
+        if defaults == _DEFAULT_CASES:
             marks.append(pytest.mark.slow)
         else:
             defaults += 1
