@@ -306,17 +306,21 @@ class Stream:
             yield value
 
     # -- fluent composition (the wrappers subclass Stream, hence the local imports) -------------
-    def map(self, fn: Callable[..., Any], *, seed: int | None = None) -> Stream:
-        """``fn(record)``, or ``fn(record, generator)`` with a per-record generator when ``seed`` is set."""
+    def map(self, fn: Callable[..., Any], *, seed: int | None = None, global_rng: str | None = "record") -> Stream:
+        """``fn(record)``, or ``fn(record, generator)`` with a per-record generator when ``seed`` is set.
+
+        ``global_rng=None``: ``fn`` draws nothing from the global RNGs, so a map below a stage that
+        re-reads records does not seed them per record (see :class:`~resumable_data.streams.map.Map`).
+        """
         from .map import Map
 
-        return Map(self, fn, seed=seed)
+        return Map(self, fn, seed=seed, global_rng=global_rng)
 
-    def filter(self, predicate: Callable[[Any], bool]) -> Stream:
-        """Keep the records for which ``predicate`` is true."""
+    def filter(self, predicate: Callable[[Any], bool], *, global_rng: str | None = "record") -> Stream:
+        """Keep the records for which ``predicate`` is true (``global_rng``: as for :meth:`map`)."""
         from .filter import Filter
 
-        return Filter(self, predicate)
+        return Filter(self, predicate, global_rng=global_rng)
 
     def batch(
         self, batch_size: int, *, drop_last: bool = False, collate_fn: Callable[[list[Any]], Any] | None = None
