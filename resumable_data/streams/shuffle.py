@@ -14,9 +14,9 @@ buffer may still hold records of a shard the source has finished. It counts its 
 (a key without its offset) as they enter and leave, and hands the source's state the shards it
 holds (:meth:`~Stream.with_held`), which adds the identities of the finished ones: the restore
 compares them before re-reading those records and refuses a shard changed since. The count is a
-dict update per record whose shard differs from the one it replaces: about 0.2-0.3 µs per record
-in a tight loop (2.1 -> 2.4 µs over token shards with an update per batch of 32); counting
-per batch from the update logs instead measured no cheaper (the keys' shard tuples are the cost).
+dict update per record whose shard differs from the one it replaces, a small cost beside the rest
+of the per-record path (benchmarks/README.md); counting per batch from the update logs instead was
+no cheaper (making the keys' shard tuples is most of the cost).
 Every update carries the identities too (a few shards'), so :meth:`apply_update` adds nothing.
 
 The state after each batch. Listing the buffer costs time in proportion to its size, far more
