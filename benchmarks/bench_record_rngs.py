@@ -3,10 +3,11 @@
 Below ``pack``, ``shuffle_buffer``, ``batch_by_tokens`` or ``shuffle_window`` a ``map(fn)`` without
 ``seed=`` calls ``fn`` with torch's, numpy's and python's global RNGs seeded from the record's key
 and puts them back afterwards (so a record read again after a restore is mapped as the first time).
-This times one epoch of the same work three ways, per record, median over rounds that interleave
-them: the map above the shuffle (no per-record seeding), below it (seeded per record), and
-``map(fn, seed=...)`` below it (a per-record ``torch.Generator`` instead). ``fn`` draws one
-``torch.rand`` (or, with ``seed=``, from its generator).
+This times one epoch of the same work, per record, median over rounds that interleave them: the
+map above the shuffle (no per-record seeding), below it (seeded per record), and
+``map(fn, seed=...)`` below it (a per-record ``torch.Generator`` instead); ``fn`` draws one
+``torch.rand`` (or, with ``seed=``, from its generator). Then a deterministic ``fn`` (a tokenizer's
+role) below the shuffle, seeded per record by default and with ``global_rng=None`` (no seeding).
 
     python benchmarks/bench_record_rngs.py            # full run, writes benchmarks/results/
     python benchmarks/bench_record_rngs.py --quick    # a few seconds, writes to a temp dir
@@ -44,6 +45,10 @@ def draw_seeded(record: int, generator: torch.Generator) -> float:
     return record + float(torch.rand((), generator=generator))
 
 
+def plain(record: int) -> float:
+    return record + 0.5
+
+
 def pipelines(shards: Shards) -> dict[str, Callable[[], Stream]]:
     def source() -> Stream:
         return ShardedIterable(shards.names, read_shard=shards, seed=0)
@@ -52,6 +57,10 @@ def pipelines(shards: Shards) -> dict[str, Callable[[], Stream]]:
         "map above shuffle_buffer (batch-seeded)": lambda: source().shuffle_buffer(1000).map(draw),
         "map below shuffle_buffer (seeded per record)": lambda: source().map(draw).shuffle_buffer(1000),
         "map(seed=0) below shuffle_buffer": lambda: source().map(draw_seeded, seed=0).shuffle_buffer(1000),
+        "deterministic map below shuffle_buffer (seeded per record)": lambda: source().map(plain).shuffle_buffer(1000),
+        "deterministic map(global_rng=None) below shuffle_buffer": lambda: (
+            source().map(plain, global_rng=None).shuffle_buffer(1000)
+        ),
     }
 
 

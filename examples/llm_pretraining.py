@@ -58,7 +58,7 @@ def tokenize(document: dict) -> list[int]:
 def make_loader(web: list[Path], code: list[Path], num_workers: int = 2) -> StreamLoader:
     corpora = [
         ShardedIterable(paths, read_shard=TextLineReader(json.loads), seed=k)
-        .map(tokenize)
+        .map(tokenize, global_rng=None)  # draws nothing random: no per-record seeding below pack
         .pack(BLOCK + 1, eos=EOS, pad_id=PAD)
         for k, paths in enumerate([web, code])
     ]

@@ -89,7 +89,8 @@ def _windows(files: list[Path], block_size: int, config: TrainConfig, *, shuffle
     documents = ShardedIterable([str(f) for f in files], read_shard=reader, shuffle=shuffle, seed=config.seed)
     if shuffle:
         documents = documents.shuffle_buffer(SHUFFLE_DOCUMENTS, seed=config.seed)
-    return documents.map(reader.tokens).pack(block_size + 1, eos=EOS)
+    # reader.tokens draws nothing random: global_rng=None skips seeding the RNGs per record below pack.
+    return documents.map(reader.tokens, global_rng=None).pack(block_size + 1, eos=EOS)
 
 
 def _shifted(windows: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:

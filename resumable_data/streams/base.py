@@ -45,7 +45,9 @@ through these public methods of :class:`Stream`, which a custom stage implements
 * :meth:`~Stream.expect_rereads` -- told by a stage above that it reads records again (by key, or
   by iterating again from a saved state): what it reads again must come out the same;
 * :meth:`~Stream.with_identities` ``(state)`` -- an earlier state of this stage that a restore reads
-  forward from again, with the identities of the shards entered since (so they are checked).
+  forward from again, with the identities of the shards entered since (so they are checked);
+* :meth:`~Stream.with_held` ``(state, shards)`` -- a state of this stage with the identities of the
+  shards whose records a stage above holds and re-reads by key on restore (a shuffle buffer's).
 
 A one-source stage subclasses :class:`Wrapper`, which forwards all of them to its source and nests
 the state; it then overrides only what it changes (and :meth:`Wrapper.expected_source_epoch` when
@@ -55,7 +57,7 @@ its epochs are not its source's).
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any, Literal
 
 from ..core.state import (
@@ -266,6 +268,18 @@ class Stream:
         """
         return state
 
+    def with_held(self, state: dict[str, Any], shards: Iterable[Key]) -> dict[str, Any]:
+        """``state`` (a :meth:`state_dict` or :meth:`state_update` of this stage, now) with the
+        identities of ``shards`` added where it has none: the shards of records a stage above
+        holds and a restore re-reads by key, each named by its records' key without the last int
+        (the offset), e.g. ``(epoch, shard index)``.
+
+        A shard the source has finished keeps no identity of its own; a shuffle buffer still
+        holding its records saves this instead, so the restore refuses a shard changed under them.
+        The default (a stage without shards) returns ``state``.
+        """
+        return state
+
     # -- public behaviour shared by all stages -------------------------------------------------
     @property
     def epoch(self) -> int:
@@ -292,17 +306,21 @@ class Stream:
             yield value
 
     # -- fluent composition (the wrappers subclass Stream, hence the local imports) -------------
-    def map(self, fn: Callable[..., Any], *, seed: int | None = None) -> Stream:
-        """``fn(record)``, or ``fn(record, generator)`` with a per-record generator when ``seed`` is set."""
+    def map(self, fn: Callable[..., Any], *, seed: int | None = None, global_rng: str | None = "record") -> Stream:
+        """``fn(record)``, or ``fn(record, generator)`` with a per-record generator when ``seed`` is set.
+
+        ``global_rng=None``: ``fn`` draws nothing from the global RNGs, so a map below a stage that
+        re-reads records does not seed them per record (see :class:`~resumable_data.streams.map.Map`).
+        """
         from .map import Map
 
-        return Map(self, fn, seed=seed)
+        return Map(self, fn, seed=seed, global_rng=global_rng)
 
-    def filter(self, predicate: Callable[[Any], bool]) -> Stream:
-        """Keep the records for which ``predicate`` is true."""
+    def filter(self, predicate: Callable[[Any], bool], *, global_rng: str | None = "record") -> Stream:
+        """Keep the records for which ``predicate`` is true (``global_rng``: as for :meth:`map`)."""
         from .filter import Filter
 
-        return Filter(self, predicate)
+        return Filter(self, predicate, global_rng=global_rng)
 
     def batch(
         self, batch_size: int, *, drop_last: bool = False, collate_fn: Callable[[list[Any]], Any] | None = None
@@ -459,6 +477,9 @@ class Wrapper(Stream):
 
     def with_identities(self, state: dict[str, Any]) -> dict[str, Any]:
         return {**state, SOURCE: self.source.with_identities(state[SOURCE])}
+
+    def with_held(self, state: dict[str, Any], shards: Iterable[Key]) -> dict[str, Any]:
+        return {**state, SOURCE: self.source.with_held(state[SOURCE], shards)}
 
     def key_checker(self, state: Mapping[str, Any] | None) -> Callable[[Key], None]:
         return self.source.key_checker(None if state is None else state[SOURCE])

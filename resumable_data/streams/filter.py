@@ -6,7 +6,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from .base import Key, Stream, Wrapper, record_key
-from .record_rngs import per_record_salt, seeded_call
+from .record_rngs import RECORD, check_record_rng, per_record_salt, seeded_call
 
 __all__ = ["Filter"]
 
@@ -19,7 +19,8 @@ class Filter(Wrapper):
 
     Below a stage that re-reads records the predicate runs under the global RNGs seeded from the
     record's key (see :class:`~resumable_data.streams.map.Map`): a random subsample is decided
-    the same way when a window is read again after a restore.
+    the same way when a window is read again after a restore. ``global_rng=None`` promises that
+    the predicate draws nothing from the global RNGs, and skips that seeding.
 
     Example::
 
@@ -29,15 +30,17 @@ class Filter(Wrapper):
 
     in_order = True
 
-    def __init__(self, source: Stream, predicate: Callable[[Any], bool]) -> None:
+    def __init__(self, source: Stream, predicate: Callable[[Any], bool], *, global_rng: str | None = RECORD) -> None:
         super().__init__(source)
         self.predicate = predicate
+        self.global_rng = check_record_rng("filter", global_rng)
         self._salt: int | None = None  # set below a re-reading stage (see Map): per-record global RNGs
 
     def expect_rereads(self) -> None:
         # A window read again from its start filters its records again: a predicate drawing from
         # the global RNGs (random subsampling) must decide as it did the first time.
-        self._salt = per_record_salt(self.depth)
+        if self.global_rng is not None:
+            self._salt = per_record_salt(self.depth)
         super().expect_rereads()
 
     def iter_keyed(self) -> Iterator[tuple[Key | None, Any]]:

@@ -11,7 +11,7 @@ from ..core.hash import hash_ints
 from ..core.state import SEED, check_int_arg
 from ..rng.sample import sample_generator
 from .base import Key, Stream, Wrapper, check_same, record_key
-from .record_rngs import per_record_salt, seeded_call
+from .record_rngs import RECORD, check_record_rng, per_record_salt, seeded_call
 
 __all__ = ["Map"]
 
@@ -29,6 +29,8 @@ class Map(Wrapper):
     ``batch_by_tokens``, ``shuffle_window``) they are seeded per record instead, from its key, and
     put back after the call: a record read again after a restore is mapped as it was the first
     time (see ``record_rngs``; ``benchmarks/bench_record_rngs.py`` measures what it costs per record).
+    ``global_rng=None`` promises that ``fn`` draws nothing from the global RNGs (a tokenizer before
+    ``pack``): the seeding is skipped; a function that does draw then resumes with other draws.
 
     Example::
 
@@ -38,8 +40,11 @@ class Map(Wrapper):
 
     in_order = True
 
-    def __init__(self, source: Stream, fn: Callable[..., Any], *, seed: int | None = None) -> None:
+    def __init__(
+        self, source: Stream, fn: Callable[..., Any], *, seed: int | None = None, global_rng: str | None = RECORD
+    ) -> None:
         super().__init__(source)
+        self.global_rng = check_record_rng("map", global_rng)
         if seed is not None:
             check_int_arg("seed", seed, minimum=-(2**63))
             if not source.keyed:
@@ -49,7 +54,7 @@ class Map(Wrapper):
         self._salt: int | None = None  # set below a re-reading stage: fn runs under per-record global RNGs
 
     def expect_rereads(self) -> None:
-        if self.seed is None:
+        if self.seed is None and self.global_rng is not None:
             self._salt = per_record_salt(self.depth)
         super().expect_rereads()
 

@@ -32,7 +32,7 @@ from __future__ import annotations
 import bisect
 import math
 import numbers
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any, NamedTuple, TypeAlias
 
 from ..core.hash import DrawHashes
@@ -209,6 +209,17 @@ class Mix(Stream):
 
     def with_identities(self, state: dict[str, Any]) -> dict[str, Any]:
         sources = [stream.with_identities(s) for stream, s in zip(self.streams, state[SOURCES], strict=True)]
+        return {**state, SOURCES: sources}
+
+    def with_held(self, state: dict[str, Any], shards: Iterable[Key]) -> dict[str, Any]:
+        # (epoch, source, *shard): the source's own shard is (epoch, *shard).
+        mine: list[list[Key]] = [[] for _ in self.streams]
+        for shard in shards:
+            mine[shard[1]].append((shard[0], *shard[2:]))
+        sources = [
+            stream.with_held(s, held) if held else s
+            for stream, s, held in zip(self.streams, state[SOURCES], mine, strict=True)
+        ]
         return {**state, SOURCES: sources}
 
     def fetch_many(self, keys: Sequence[Key]) -> list[Any]:

@@ -36,7 +36,9 @@ ready-made ones: size plus a digest of the first and last 4 KiB, which holds a P
 asked for a short fingerprint, kept in ``"identities"`` while the shard is partly read, and while a
 stage above holds records of it that a restore reads again: a ``shuffle_window``'s open window
 (:meth:`ShardedIterable.seek`; for a window read from its source, the state at its start gets the
-fingerprints of the shards the window entered, :meth:`Stream.with_identities`). A restore compares
+fingerprints of the shards the window entered, :meth:`Stream.with_identities`), a shuffle buffer's
+records (:meth:`Stream.with_held`: the fingerprint noted when the shard was entered, or restored;
+a restored one of a finished shard stays in the state until the epoch's end). A restore compares
 each with the file as it is now before reading the shard again (in order or by key) and refuses a
 changed shard (truncated, rewritten, replaced by same-size content) with a ResumeError naming it,
 unless ``allow_changed_shards=True``.
@@ -218,7 +220,9 @@ class ShardedIterable(Stream):
         self._identity = getattr(read_shard, "identity", None)
         self._identities: dict[int, str] = {}
         self._unverified: set[int] = set()  # restored identities not compared with the shard yet
-        self._entered: dict[int, str] = {}  # every identity taken in this epoch (see with_identities)
+        # Every identity of this epoch, taken when a shard was entered or restored: what a stage
+        # above that still holds a finished shard's records saves with them (with_identities, with_held).
+        self._entered: dict[int, str] = {}
         self._position: int | None = None  # with sizes: records this slot has read in its shards' order
         self._dealt: Dealt = ()  # with sizes: the epoch's layout changes so far (see DEALT)
         self._order: tuple[EpochOrder, np.ndarray] | None = None  # the cached shard order of an epoch
@@ -426,6 +430,18 @@ class ShardedIterable(Stream):
         }
         return {**state, IDENTITIES: {**identities, **saved}}
 
+    def with_held(self, state: dict[str, Any], shards: Iterable[Key]) -> dict[str, Any]:
+        # A held record's shard is (epoch, shard index); a shard still being read has its identity
+        # in the state already, a finished one gets the identity noted when it was entered.
+        saved = state[IDENTITIES]
+        added = {}
+        for shard in shards:
+            index = shard[1]
+            identity = self._entered.get(index)
+            if identity is not None and str(index) not in saved:
+                added[str(index)] = identity
+        return {**state, IDENTITIES: {**saved, **added}} if added else state
+
     def take_keys(self, count: int) -> list[Key] | None:
         """The keys of this slot's next ``count`` records (fewer at its end), the slot moved past them
         without reading them: a shuffle buffer then fills with keys and reads each record when it
@@ -452,11 +468,12 @@ class ShardedIterable(Stream):
             entry = position - int(layout.starts[k]) + int(layout.firsts[k]) if k == first else int(layout.firsts[k])
             done = k < last or stop == int(layout.starts[k + 1])
             if index in unverified:
-                self._check_identity(index, entry, identities[index])
+                self._check_identity(index, f"cursor at offset {entry}", identities[index])
                 unverified.discard(index)
             elif entry == 0 and self._identity is not None:
-                identity = None if done else self._take_identity(index)  # a finished shard's would be dropped
-                if identity is not None:
+                # Taken for a shard the keys finish too: the buffer holds its records (with_held).
+                identity = self._take_identity(index)
+                if identity is not None and not done:
                     identities[index] = identity
             if done:
                 identities.pop(index, None)
@@ -516,7 +533,7 @@ class ShardedIterable(Stream):
         """The records of shard ``index`` at ``offsets`` (ascending); a missing one is a ResumeError,
         and so is a shard whose restored identity differs (checked before its first read)."""
         if index in self._unverified:
-            self._check_identity(index, offsets[0], self._identities[index])
+            self._check_identity(index, f"read again by key from offset {offsets[0]}", self._identities[index])
             self._unverified.discard(index)
         read_records = getattr(self.read_shard, "read_records", None)
         if read_records is not None:
@@ -563,7 +580,7 @@ class ShardedIterable(Stream):
                 return
             entry = self._remaining[0]
             if entry[0] in self._unverified:  # before the shard's first record is read
-                self._check_identity(entry[0], entry[1], self._identities[entry[0]])
+                self._check_identity(entry[0], f"cursor at offset {entry[1]}", self._identities[entry[0]])
                 self._unverified.discard(entry[0])
             elif entry[1] == 0 and self._identity is not None:
                 identity = self._take_identity(entry[0])
@@ -788,12 +805,13 @@ class ShardedIterable(Stream):
             self._prefix_sizes[count] = hashlib.sha256(self._size_array[:count].tobytes()).hexdigest()[:16]
         return self._prefix_sizes[count]
 
-    def _check_identity(self, index: int, cursor: int, saved: str) -> None:
-        """Refuse a partly read shard that is not the file the checkpoint read."""
+    def _check_identity(self, index: int, where: str, saved: str) -> None:
+        """Refuse a shard read again (``where``: from its cursor, or by key) that is not the file the
+        checkpoint read."""
         now = self.identity(index)
         if now is not None and now != saved:
             raise ResumeError(
-                f"shard {index} {self._names[index]!r} (cursor at offset {cursor}) changed since the checkpoint: it was {saved} "
+                f"shard {index} {self._names[index]!r} ({where}) changed since the checkpoint: it was {saved} "
                 f"(size:digest of its edges), it is {now} now; resuming would skip or repeat records. "
                 "Restore the shard the checkpoint read, or pass allow_changed_shards=True to ShardedIterable "
                 "to read it as it is"
@@ -863,7 +881,7 @@ class ShardedIterable(Stream):
         def apply() -> None:
             self._epoch, self._slot, self._remaining, self._pending = epoch, slot, remaining, deque(pending)
             self._position, self._identities, self._dealt = position, dict(identities), dealt
-            self._entered = {}
+            self._entered = dict(identities)
             self._pieces = pieces
             # Compared when the shard is next read: a restore opens no shard it does not read.
             self._unverified = set() if self.allow_changed_shards else set(identities)

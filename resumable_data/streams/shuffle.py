@@ -9,6 +9,16 @@ State: ``{"epoch", "seed", "size", "draws", "buffer": [[key...], ...], "source":
 the buffered records are re-read by key into the same buffer slots, so the stream continues
 bitwise identically.
 
+Shard identities. A source keeps a shard's identity in its state while it reads the shard; the
+buffer may still hold records of a shard the source has finished. It counts its records by shard
+(a key without its offset) as they enter and leave, and hands the source's state the shards it
+holds (:meth:`~Stream.with_held`), which adds the identities of the finished ones: the restore
+compares them before re-reading those records and refuses a shard changed since. The count is a
+dict update per record whose shard differs from the one it replaces, a small cost beside the rest
+of the per-record path (benchmarks/README.md); counting per batch from the update logs instead was
+no cheaper (making the keys' shard tuples is most of the cost).
+Every update carries the identities too (a few shards'), so :meth:`apply_update` adds nothing.
+
 The state after each batch. Listing the buffer costs time in proportion to its size, far more
 than a batch's records at a large buffer, so :class:`StreamLoader` (which keeps every batch's
 state) asks for :meth:`~Stream.state_update` instead: the keys that entered the buffer since the
@@ -45,7 +55,7 @@ reading.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from operator import itemgetter
 from typing import Any
 
@@ -115,6 +125,9 @@ class ShuffleBuffer(Wrapper):
         self._unread = 0  # slots holding _Unread
         self._rereads = 0  # grouped re-reads since the restore: they fix how many draws the next covers
         self._draws = 0
+        # Records held per shard (a key without its offset, see "Shard identities"): counted as
+        # they enter and leave, so that a state names the shards held without listing the buffer.
+        self._held: dict[Key, int] = {}
         # Keys entered since the last state_update (None: that update's state is not the base of
         # the next one, which is then the whole state); and the draw count at that update.
         self._entered: list[Key] | None = None
@@ -170,6 +183,7 @@ class ShuffleBuffer(Wrapper):
             return
         self._buffer.extend(zip(keys, itertools.repeat(_Unread)))
         self._unread += len(keys)
+        _count(self._held, keys)
         entered = self._entered
         if entered is not None:  # as if each key had entered in turn
             entered.extend(keys)
@@ -182,13 +196,15 @@ class ShuffleBuffer(Wrapper):
         if len(self._buffer) < self.size:
             self._fill_by_key()  # before the source's records are iterated: it moves the source
         source = self.source.iter_keyed()
-        buffer, size = self._buffer, self.size
+        buffer, size, held = self._buffer, self.size, self._held
         while len(buffer) < size:  # filling: no draws yet
             item = next(source, None)
             if item is None:
                 break
             key = record_key(item[0], "shuffle_buffer")
             self._log_entered(key)
+            shard = key[:-1]
+            held[shard] = held.get(shard, 0) + 1
             buffer.append((key, item[1]))
         else:
             first, slots = -1, list[int]()
@@ -210,6 +226,14 @@ class ShuffleBuffer(Wrapper):
                 self._draws += 1
                 out = buffer[choice]
                 buffer[choice] = (key, item[1])
+                shard, gone = key[:-1], out[0][:-1]
+                if shard != gone:  # most draws while the shard read is larger than the buffer
+                    held[shard] = held.get(shard, 0) + 1
+                    left = held[gone] - 1
+                    if left:
+                        held[gone] = left
+                    else:
+                        del held[gone]
                 yield out
         while buffer:
             choice = self._choice()
@@ -219,6 +243,12 @@ class ShuffleBuffer(Wrapper):
             out = buffer[choice]
             buffer[choice] = buffer[-1]
             buffer.pop()
+            gone = out[0][:-1]
+            left = held[gone] - 1
+            if left:
+                held[gone] = left
+            else:
+                del held[gone]
             yield out
 
     def _log_entered(self, key: Key) -> None:
@@ -237,7 +267,19 @@ class ShuffleBuffer(Wrapper):
 
     def _reset_own(self) -> None:
         self._buffer, self._unread, self._rereads, self._draws = [], 0, 0, 0
-        self._entered = None
+        self._held, self._entered = {}, None
+
+    def state_dict(self) -> dict[str, Any]:
+        return self._with_held(super().state_dict())
+
+    def state_update(self) -> dict[str, Any]:
+        # The identities go with every update (a few shards'): apply_update has nothing to add.
+        return self._with_held(super().state_update())
+
+    def _with_held(self, state: dict[str, Any]) -> dict[str, Any]:
+        if self._held:
+            state[SOURCE] = self.source.with_held(state[SOURCE], self._held)
+        return state
 
     def _own_update(self) -> dict[str, Any]:
         entered, self._entered, since, self._since = self._entered, [], self._since, self._draws
@@ -296,6 +338,7 @@ class ShuffleBuffer(Wrapper):
         def apply() -> None:
             self._buffer = [(key, _Unread) for key in keys]
             self._unread, self._rereads, self._draws = len(keys), 0, draws
+            self._held = _count({}, keys)
             self._entered, self._since = [], draws  # updates are relative to this state
 
         return apply
@@ -344,3 +387,11 @@ class ShuffleBuffer(Wrapper):
         # Buffered records go back to the sources as pending records, to be read again exactly once.
         held = [key for state in states for key in self._buffered_keys(state)]
         return super().rebalance(states, num_slots, pending + held)
+
+
+def _count(held: dict[Key, int], keys: Iterable[Key]) -> dict[Key, int]:
+    """``held`` with ``keys`` counted by shard (a key without its offset)."""
+    for key in keys:
+        shard = key[:-1]
+        held[shard] = held.get(shard, 0) + 1
+    return held

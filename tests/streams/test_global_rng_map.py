@@ -11,6 +11,7 @@ RNGs from the record's key (and puts them back), so the draws of a map above it 
 
 from __future__ import annotations
 
+import itertools
 import random
 from collections.abc import Callable
 from typing import Any
@@ -22,6 +23,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from harness import assert_resumes_identically
+from resumable_data import ResumeError
 from resumable_data.streams import ShardedIterable, Stream, StreamLoader
 from streams_harness import TokenDocs
 
@@ -173,3 +175,50 @@ def test_every_stage_order_with_a_global_rng_map_resumes_identically_wider(stage
 @given(stages=pipelines(), known=st.booleans(), cuts=st.lists(st.integers(0, 20), min_size=1, max_size=2))
 def test_every_stage_order_with_a_global_rng_map_resumes_identically_with_workers(stages, known, cuts) -> None:
     matrix_case(stages, known, 2, cuts)
+
+
+def seed_seen(doc: Any) -> int:
+    """The seed torch's global RNG was last seeded with when ``fn`` runs: per record, or the batch's."""
+    return torch.initial_seed()
+
+
+def test_global_rng_none_skips_the_per_record_seeding_and_the_default_seeds_each_record() -> None:
+    # Below a re-reading stage the default map runs each record under a seed of its own (the same
+    # whatever the buffer's order); with global_rng=None (the caller's promise that fn draws
+    # nothing) it runs under what the loader seeded for the batch.
+    def seeds(global_rng: str | None, buffer_seed: int) -> list[list[int]]:
+        docs = TokenDocs(LENGTHS)
+        source = ShardedIterable(docs.names, read_shard=docs, seed=1)
+        stream = source.map(seed_seen, global_rng=global_rng).shuffle_buffer(4, seed=buffer_seed)
+        return [list(batch) for batch in StreamLoader(stream, batch_size=4, collate_fn=list)]
+
+    per_record = seeds("record", 0)
+    records = sum(map(len, per_record))
+    assert len(set(itertools.chain.from_iterable(per_record))) == records
+    assert sorted(itertools.chain.from_iterable(seeds("record", 9))) == sorted(
+        itertools.chain.from_iterable(per_record)
+    )
+    per_batch = seeds(None, 0)
+    # A batch maps the records it pulls into the buffer: all of them under that batch's seed.
+    assert len(set(itertools.chain.from_iterable(per_batch))) <= len(per_batch)
+    assert not set(itertools.chain.from_iterable(per_batch)) & set(itertools.chain.from_iterable(per_record))
+
+
+def test_a_deterministic_map_with_global_rng_none_before_pack_resumes_identically() -> None:
+    def make() -> StreamLoader:
+        docs = TokenDocs(LENGTHS)
+        stream = ShardedIterable(docs.names, read_shard=docs, seed=1).map(list, global_rng=None).pack(6)
+        return StreamLoader(stream, batch_size=2, collate_fn=list)
+
+    n = epoch_length(make)
+    assert_resumes_identically(make, list(range(1, n + 1)), total=n + 3)
+
+
+@pytest.mark.parametrize("stage", ["map", "filter"])
+def test_global_rng_takes_record_or_none(stage: str) -> None:
+    docs = TokenDocs(LENGTHS)
+    source = ShardedIterable(docs.names, read_shard=docs, seed=1)
+    with pytest.raises(
+        ResumeError, match=rf"{stage}\(global_rng=...\) should be 'record' or None .*, but got global_rng='batch'"
+    ):
+        getattr(source, stage)(bool, global_rng="batch")
