@@ -3,7 +3,9 @@
 
 The user script (tests/user_scripts/hf_trainer_train.py) trains a model with dropout on data whose
 augmentation draws from the global RNGs. One case runs in the default suite; the matrix (workers,
-gradient accumulation, a save on an epoch's last step, ``max_steps``, two processes) is slow.
+gradient accumulation, a save on an epoch's last step, ``max_steps``, two processes) is slow, and
+test_transformers_matrix.py crosses save and evaluation cadences, ``save_total_limit`` and kill points.
+In-process tests here cover what a kill in the middle of a checkpoint write leaves, and evaluation.
 """
 
 from __future__ import annotations
