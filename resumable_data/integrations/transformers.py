@@ -165,7 +165,7 @@ class ResumableTrainerMixin:
             skipped.append(f"{folder} ({problem})")
         raise ResumeError(
             f"no complete {PREFIX_CHECKPOINT_DIR}-N folder in {root!r}: {'; '.join(skipped)}; "
-            "none of them can be resumed; train without resume_from_checkpoint to start fresh"
+            "none of them can be resumed; remove them, or train without resume_from_checkpoint, to start fresh"
         )
 
     def _checkpoint_problem(self, folder: str) -> str | None:
