@@ -16,6 +16,21 @@ the restored position (:meth:`ResumableBatchSampler.skip_ahead`), so nothing is 
 computed, and the steps, epochs, gradient-accumulation groups and learning-rate schedule continue
 exactly. Augmentation drawn from the global RNGs is seeded per batch, so it resumes too; the model's
 own randomness (dropout) is Trainer's ``rng_state.pth``, which the loader never touches.
+``evaluate`` leaves the global RNGs as it found them: a resumed run does not repeat an evaluation
+that came after its checkpoint (an epoch-end one after a save on the epoch's last step), so an
+evaluation that drew from them would leave the uninterrupted run's dropout and augmentation
+elsewhere than the resumed run's.
+
+Which checkpoint: ``train(resume_from_checkpoint=True)`` takes the newest *complete* ``checkpoint-N``
+(by step), not the newest name as Trainer does. A run killed while Trainer wrote its checkpoint
+leaves a folder without ``trainer_state.json`` (Trainer writes it after the weights, optimizer,
+scheduler and RNG states) or, with several processes, without another process's RNG state;
+such a folder is skipped with a :class:`ResumeWarning` naming it, and the run resumes from the one
+before, and writes the skipped step again when it gets there. With ``save_total_limit``, Trainer
+deletes the oldest folders by modification time (by name where the file system's times are too
+coarse) and never looks at completeness: a relaunch that saves on other steps than the killed run
+could delete a complete folder and keep the incomplete one, so keep the save steps of a run
+you resume (a resume then always reaches the skipped step first).
 
 The loader gives each process its batches through accelerate (one global order, every
 ``num_processes``-th batch), as Trainer's default loader does. ``group_by_length`` and the other
@@ -26,18 +41,24 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import warnings
+import zipfile
+from pathlib import Path
 from typing import Any, cast
 
 from accelerate.data_loader import BatchSamplerShard
 from torch.utils.data import BatchSampler, DataLoader, RandomSampler, SequentialSampler
 from transformers import Trainer, TrainerCallback, TrainerControl, TrainerState, TrainingArguments
-from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR, get_last_checkpoint
+from transformers.trainer import TRAINER_STATE_NAME
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
+from ..checkpoint.durable import durable_file
 from ..core.state import require_int, require_mapping
 from ..errors import ResumeError, ResumeWarning
 from ..map.batch_sampler import ResumableBatchSampler
 from ..map.dataloader import ResumableDataLoader
+from ..rng.capture import capture_rng_state, restore_rng_state
 
 __all__ = ["STATE_FILE", "ResumableTrainer", "ResumableTrainerMixin"]
 
@@ -48,6 +69,7 @@ _PROCESSES = "num_processes"
 _BATCHES = "batches_per_process"  # micro-batches each process consumed in the epoch
 STATE_VERSION = 1
 _WHAT = "ResumableTrainer checkpoint"
+_CHECKPOINT_RE = re.compile(rf"^{PREFIX_CHECKPOINT_DIR}-(\d+)$")  # the folders Trainer writes
 
 
 class ResumableTrainerMixin:
@@ -73,21 +95,34 @@ class ResumableTrainerMixin:
         super().__init__(*args, **kwargs)
         self._resume_dir: str | None = None
         self._train_loader: ResumableDataLoader | None = None
-        self._batches_in_epoch = 0  # this process's micro-batches consumed in the current epoch
-        self._resumed_batches = 0  # what the checkpoint had consumed of its epoch, for its epoch_begin
+        # This process's micro-batches consumed in the current epoch; None while unknown (the epoch
+        # resumed from a checkpoint without our state, through Trainer's own skip).
+        self._batches_in_epoch: int | None = 0
+        self._resumed_batches: int | None = 0  # what the checkpoint had consumed of its epoch, for its epoch_begin
         self.add_callback(_LoaderStateCallback(self))  # type: ignore[attr-defined]
 
     def train(self, resume_from_checkpoint: str | bool | None = None, *args: Any, **kwargs: Any) -> Any:
         """``Trainer.train``; ``resume_from_checkpoint`` also restores the loader's position."""
         if resume_from_checkpoint is True:
-            resume_from_checkpoint = get_last_checkpoint(self.args.output_dir)
-            if resume_from_checkpoint is None:
-                raise ResumeError(
-                    f"resume_from_checkpoint=True but {self.args.output_dir!r} holds no "
-                    f"{PREFIX_CHECKPOINT_DIR}-N folder; train without it to start fresh"
-                )
+            resume_from_checkpoint = self._newest_complete_checkpoint()
+        elif isinstance(resume_from_checkpoint, str):
+            problem = self._checkpoint_problem(resume_from_checkpoint)
+            if problem is not None:
+                raise ResumeError(f"cannot resume from {resume_from_checkpoint}: {problem}")
         self._resume_dir = resume_from_checkpoint if isinstance(resume_from_checkpoint, str) else None
         return super().train(resume_from_checkpoint, *args, **kwargs)  # type: ignore[misc]
+
+    def evaluate(self, *args: Any, **kwargs: Any) -> Any:
+        """``Trainer.evaluate``, leaving python's, numpy's, torch's and CUDA's global RNGs as it found them.
+
+        An evaluation loader draws its base seed from torch's RNG and a dataset may draw from all of
+        them; a resumed run skips evaluations the checkpoint came before, so training must not see them.
+        """
+        rngs = capture_rng_state()
+        try:
+            return super().evaluate(*args, **kwargs)  # type: ignore[misc]
+        finally:
+            restore_rng_state(rngs)
 
     def get_train_dataloader(self) -> DataLoader:
         """A ResumableDataLoader over what Trainer would load, prepared by accelerate, at the checkpoint's position."""
@@ -98,8 +133,64 @@ class ResumableTrainerMixin:
 
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         """``Trainer.training_step``, counting the micro-batch (the position a checkpoint saves)."""
-        self._batches_in_epoch += 1
+        if self._batches_in_epoch is not None:
+            self._batches_in_epoch += 1
         return super().training_step(*args, **kwargs)  # type: ignore[misc]
+
+    # -- which checkpoint ------------------------------------------------------------------------
+    def _newest_complete_checkpoint(self) -> str:
+        """The newest ``checkpoint-N`` in the output folder that :meth:`_checkpoint_problem` accepts."""
+        root = str(self.args.output_dir)
+        names = os.listdir(root) if os.path.isdir(root) else []
+        steps = {int(m.group(1)): name for name in names if (m := _CHECKPOINT_RE.match(name))}
+        folders = [os.path.join(root, steps[step]) for step in sorted(steps, reverse=True)]
+        folders = [folder for folder in folders if os.path.isdir(folder)]
+        if not folders:
+            raise ResumeError(
+                f"resume_from_checkpoint=True but {root!r} holds no {PREFIX_CHECKPOINT_DIR}-N folder; "
+                "train without it to start fresh"
+            )
+        skipped: list[str] = []
+        for folder in folders:
+            problem = self._checkpoint_problem(folder)
+            if problem is None:
+                if skipped:
+                    warnings.warn(
+                        f"resuming from {folder}; skipped the newer incomplete {'; '.join(skipped)} "
+                        "(the run reaches that step again and rewrites it)",
+                        ResumeWarning,
+                        stacklevel=3,
+                    )
+                return folder
+            skipped.append(f"{folder} ({problem})")
+        raise ResumeError(
+            f"no complete {PREFIX_CHECKPOINT_DIR}-N folder in {root!r}: {'; '.join(skipped)}; "
+            "none of them can be resumed; remove them, or train without resume_from_checkpoint, to start fresh"
+        )
+
+    def _checkpoint_problem(self, folder: str) -> str | None:
+        """What a kill in the middle of writing ``folder`` left out, or None when it is complete.
+
+        Trainer writes a checkpoint's weights, optimizer, scheduler and RNG states, then
+        ``trainer_state.json``, each file whole before the next; every process writes its own RNG
+        state, so with several processes another one's may be missing or cut short; this mixin
+        writes :data:`STATE_FILE` last (atomically; an earlier version wrote it in place).
+        """
+        if not os.path.isdir(folder):
+            return "no such folder"
+        if not _is_json_object(os.path.join(folder, TRAINER_STATE_NAME)):
+            return f"{TRAINER_STATE_NAME} is missing or cut short"
+        if not self.args.save_only_model:
+            processes = self.args.world_size
+            names = ["rng_state.pth"] if processes <= 1 else [f"rng_state_{i}.pth" for i in range(processes)]
+            # torch.save writes a zip whose directory comes last: a file cut short is not a zip.
+            broken = [name for name in names if not zipfile.is_zipfile(os.path.join(folder, name))]
+            if broken:
+                return f"{', '.join(broken)} (the RNG state of each of {processes} processes) missing or cut short"
+        ours = os.path.join(folder, STATE_FILE)
+        if os.path.exists(ours) and not _is_json_object(ours):
+            return f"{STATE_FILE} is cut short"
+        return None
 
     # -- the loader ------------------------------------------------------------------------------
     def _build_loader(self, plain: DataLoader) -> ResumableDataLoader:
@@ -136,19 +227,20 @@ class ResumableTrainerMixin:
             **settings,
         )
 
-    def _restore(self, loader: ResumableDataLoader, resume_dir: str) -> int:
+    def _restore(self, loader: ResumableDataLoader, resume_dir: str) -> int | None:
         """Load the checkpoint's loader state; returns the micro-batches this process had consumed
-        in the epoch the loader continues (0 when that epoch is a new one)."""
+        in the epoch the loader continues (0 when that epoch is a new one, None when unknown)."""
         path = os.path.join(resume_dir, STATE_FILE)
         if not os.path.exists(path):
             warnings.warn(
                 f"{resume_dir} has no {STATE_FILE} (written after Trainer's own files, so a run "
                 "killed in between lacks it); the loader resumes through Trainer's skip over the "
-                "epoch's index lists instead, which is exact but costs time in proportion to the position",
+                "epoch's index lists instead, which is exact but costs time in proportion to the position "
+                "(and so will resuming from the checkpoints this run writes before its next epoch)",
                 ResumeWarning,
                 stacklevel=3,
             )
-            return 0
+            return None
         with open(path) as file:
             saved = require_mapping(json.load(file), _WHAT)
         if require_int(saved, _VERSION, _WHAT, minimum=1) != STATE_VERSION:
@@ -174,9 +266,13 @@ class ResumableTrainerMixin:
         return batches
 
     def _save_loader_state(self, output_dir: str) -> None:
-        """Write ``resumable_data.json`` into the checkpoint Trainer has just written."""
+        """Write ``resumable_data.json`` into the checkpoint Trainer has just written.
+
+        Not while the position in the epoch is unknown: a count of only the batches trained since the
+        resume would put a later resume behind Trainer's skip (and at an epoch's end, in the old epoch).
+        """
         loader = self._train_loader
-        if loader is None or not self.args.should_save:
+        if loader is None or self._batches_in_epoch is None or not self.args.should_save:
             return
         processes = self.accelerator.num_processes
         batch_sampler = cast(ResumableBatchSampler, loader.batch_sampler)
@@ -187,11 +283,24 @@ class ResumableTrainerMixin:
             _BATCHES: self._batches_in_epoch,
             _LOADER: batch_sampler.state_for(loader.epoch, position),
         }
-        with open(os.path.join(output_dir, STATE_FILE), "w") as file:
-            json.dump(saved, file)
+        # Whole or absent: written beside and renamed, so a kill cannot leave half a file to resume from.
+        path = Path(output_dir, STATE_FILE)
+        partial = path.with_name(STATE_FILE + ".tmp")
+        with durable_file(partial) as file:
+            file.write(json.dumps(saved).encode())
+        os.replace(partial, path)
 
     def _begin_epoch(self) -> None:
         self._batches_in_epoch, self._resumed_batches = self._resumed_batches, 0
+
+
+def _is_json_object(path: str) -> bool:
+    """Whether ``path`` holds a whole JSON object (a file cut short by a kill does not parse)."""
+    try:
+        with open(path, "rb") as file:
+            return isinstance(json.load(file), dict)
+    except (OSError, ValueError):
+        return False
 
 
 class _LoaderStateCallback(TrainerCallback):

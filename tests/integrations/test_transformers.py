@@ -3,11 +3,15 @@
 
 The user script (tests/user_scripts/hf_trainer_train.py) trains a model with dropout on data whose
 augmentation draws from the global RNGs. One case runs in the default suite; the matrix (workers,
-gradient accumulation, a save on an epoch's last step, ``max_steps``, two processes) is slow.
+gradient accumulation, a save on an epoch's last step, ``max_steps``, two processes) is slow, and
+test_transformers_matrix.py crosses save and evaluation cadences, ``save_total_limit`` and kill points.
+In-process tests here cover what a kill in the middle of a checkpoint write leaves, and evaluation.
 """
 
 from __future__ import annotations
 
+import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -22,8 +26,9 @@ from accelerate import skip_first_batches
 from torch.utils.data import DataLoader
 from transformers import Trainer, TrainerCallback, TrainingArguments
 
-from resumable_data import ResumableDataLoader, wrap
+from resumable_data import ResumableDataLoader, ResumeError, ResumeWarning, wrap
 from resumable_data.integrations.transformers import STATE_FILE, ResumableTrainer
+from resumable_data.rng.capture import capture_rng_state
 from resumable_data.testing import assert_same
 from toy import Augmented, Net, seed_everything
 
@@ -86,6 +91,90 @@ def test_a_trainer_run_stopped_mid_epoch_resumes_to_the_same_weights(tmp_path: P
     assert (tmp_path / "run" / "checkpoint-6" / STATE_FILE).exists()
     resumed = _fit(tmp_path / "run", resume=True, gradient_accumulation_steps=2)
     assert resumed.losses == [(step, loss) for step, loss in reference.losses if step >= 6]
+    assert_same(reference.model.state_dict(), resumed.model.state_dict(), "final weights")
+
+
+def _cut_short(name: str) -> Callable[[Path], None]:
+    def cut(folder: Path) -> None:
+        path = folder / name
+        path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+
+    return cut
+
+
+def _remove(name: str) -> Callable[[Path], None]:
+    return lambda folder: os.remove(folder / name)
+
+
+# What a kill leaves in the middle of writing a checkpoint: Trainer writes trainer_state.json after the
+# weights, optimizer, scheduler and RNG states, and (with several processes) each process its own RNG
+# state; an earlier version of ResumableTrainer wrote resumable_data.json in place.
+_KILLED_WRITES = {
+    "trainer_state.json missing": _remove("trainer_state.json"),
+    "trainer_state.json cut short": _cut_short("trainer_state.json"),
+    "rng_state.pth cut short": _cut_short("rng_state.pth"),
+    f"{STATE_FILE} cut short": _cut_short(STATE_FILE),
+}
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory: pytest.TempPathFactory) -> _Logging:
+    """An uninterrupted run with the default settings."""
+    return _fit(tmp_path_factory.mktemp("reference"))
+
+
+@pytest.mark.parametrize("damage", _KILLED_WRITES.values(), ids=_KILLED_WRITES.keys())
+def test_resume_true_takes_the_newest_complete_checkpoint(
+    tmp_path: Path, reference: _Logging, damage: Callable[[Path], None]
+) -> None:
+    # Found on main: a kill in the middle of Trainer's write of checkpoint-6 left it without
+    # trainer_state.json; train(resume_from_checkpoint=True) picked it by its name and failed on every
+    # relaunch (FileNotFoundError), although checkpoint-3 was complete.
+    with pytest.raises(_Preempted):
+        _fit(tmp_path / "run", die_at=7)
+    damage(tmp_path / "run" / "checkpoint-6")
+    with pytest.warns(ResumeWarning, match="skipped the newer incomplete .*checkpoint-6"):
+        resumed = _fit(tmp_path / "run", resume=True)
+    assert resumed.losses == [(step, loss) for step, loss in reference.losses if step >= 3]
+    assert_same(reference.model.state_dict(), resumed.model.state_dict(), "final weights")
+
+
+def test_resume_from_an_incomplete_checkpoint_is_refused_naming_what_it_lacks(tmp_path: Path) -> None:
+    with pytest.raises(_Preempted):
+        _fit(tmp_path, die_at=4)
+    os.remove(tmp_path / "checkpoint-3" / "trainer_state.json")
+    trainer = _Logging(model=Net(), args=_args(tmp_path), train_dataset=Augmented(40))
+    with pytest.raises(ResumeError, match=r"checkpoint-3: trainer_state.json is missing"):
+        trainer.train(resume_from_checkpoint=str(tmp_path / "checkpoint-3"))
+    with pytest.raises(ResumeError, match=r"no complete checkpoint-N folder .*checkpoint-3 \(trainer_state.json"):
+        trainer.train(resume_from_checkpoint=True)
+
+
+def test_evaluate_leaves_the_global_rngs_as_it_found_them(tmp_path: Path) -> None:
+    # Found on main: evaluating drew from torch's RNG (the evaluation loader's base seed) and from every
+    # RNG the evaluation set's augmentation uses; a resume from a checkpoint on an epoch's last step
+    # skips that epoch's evaluation, so every later dropout mask and loss differed from the
+    # uninterrupted run's.
+    trainer = ResumableTrainer(model=Net(), args=_args(tmp_path), eval_dataset=Augmented(12))
+    before = capture_rng_state()
+    trainer.evaluate()
+    assert_same(before, capture_rng_state(), "global RNG states")
+
+
+def test_a_run_resumed_through_trainers_skip_writes_checkpoints_that_resume_exactly(tmp_path: Path) -> None:
+    # A checkpoint without resumable_data.json (the run was killed between Trainer's files and ours)
+    # resumes through Trainer's skip. Found on main: the run then wrote, at the epoch's end, a position
+    # counting only the batches trained since the resume; resuming from that checkpoint failed on every
+    # relaunch ("a batch reached collate_fn without its global-RNG seeding").
+    reference = _fit(tmp_path / "reference", save_steps=5)  # 10 steps an epoch
+    with pytest.raises(_Preempted):
+        _fit(tmp_path / "run", die_at=7, save_steps=5)
+    os.remove(tmp_path / "run" / "checkpoint-5" / STATE_FILE)
+    with pytest.raises(_Preempted), pytest.warns(ResumeWarning, match=f"has no {STATE_FILE}"):
+        _fit(tmp_path / "run", die_at=12, resume=True, save_steps=5)
+    with pytest.warns(ResumeWarning, match=f"checkpoint-10 has no {STATE_FILE}"):  # it was written in that epoch
+        resumed = _fit(tmp_path / "run", resume=True, save_steps=5)
+    assert resumed.losses == [(step, loss) for step, loss in reference.losses if step >= 10]
     assert_same(reference.model.state_dict(), resumed.model.state_dict(), "final weights")
 
 
