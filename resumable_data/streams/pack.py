@@ -255,6 +255,20 @@ class Pack(Wrapper):
     def _own_state_fresh(self) -> dict[str, Any]:
         return {**self._config(), CARRY: [], CARRY_OFFSETS: []}
 
+    def state_dict(self) -> dict[str, Any]:
+        return self._with_carried(super().state_dict())
+
+    def state_update(self) -> dict[str, Any]:
+        return self._with_carried(super().state_update())
+
+    def _with_carried(self, state: dict[str, Any]) -> dict[str, Any]:
+        # A restore re-reads the carried records by key: the source keeps their shards' identities
+        # (with_held), also of a shard it has finished, so a shard changed under them is refused.
+        if self._carry:
+            shards = {tuple(carried.key[:-1]) for carried in self._carry}
+            state[SOURCE] = self.source.with_held(state[SOURCE], shards)
+        return state
+
     def _reset_own(self) -> None:
         self._carry = []
 
