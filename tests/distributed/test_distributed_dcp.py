@@ -54,8 +54,8 @@ def read(loader: Any, *, stop: int | None = None, epochs: int = EPOCHS) -> dict[
     """A training loop from the loader's current epoch; ids read per epoch, stopped after ``stop`` batches."""
     out: dict[int, list[int]] = {}
     taken = 0
-    for epoch in range(loader.epoch, epochs):
-        loader.set_epoch(epoch)
+    # epochs() continues an epoch a previous call broke off (a set_epoch would start it over).
+    for epoch in loader.epochs(epochs):
         for batch in loader:
             out.setdefault(epoch, []).extend(batch.tolist())
             taken += 1
