@@ -95,6 +95,8 @@ class EpochCursor:
         self._selection = Progress(generation=0)
         self._selection_pinned = False  # the selection came from set_epoch
         self._restored = False  # the selection is a restore and no pass has drawn since
+        self._restored_for_loader = False  # ... made through a loader: a sampler pass does not consume it
+        self._selection_explicit = True  # the selection came from set_epoch or a restore, not a pass
         # (epoch, set_epoch's argument before it) of a restore through an iterator at an epoch's end,
         # until the next selection or pass: the fresh pass after it is the one set_epoch was meant for.
         self._ended: tuple[int, int | None] | None = None
@@ -132,7 +134,10 @@ class EpochCursor:
         The result is read-only.
         """
         owner = owner or self._owner
-        return owner if owner.generation >= self._selection.generation else self._selection
+        if owner.generation >= self._selection.generation:
+            return owner
+        # A selection a pass made by moving on by itself (another loader's) does not move this loader.
+        return owner if owner.generation >= 0 and not self._selection_explicit else self._selection
 
     def next_segment(self, owner: Progress | None = None) -> tuple[int, int]:
         """``(epoch, start)`` the loader's next ``begin()`` covers, without changing anything."""
@@ -156,7 +161,7 @@ class EpochCursor:
         owner = owner or self._owner
         if owner.generation == segment.generation:
             owner.position, owner.done = position, done
-        self.advance_pass(segment, position, done)
+        self._report_pass(segment, position, done, consume=True)
 
     # -- a sampler's passes ----------------------------------------------------------------------
     def _pass_start(self) -> tuple[int, int, bool, int]:
@@ -185,25 +190,32 @@ class EpochCursor:
         return self._new_pass(epoch, start, done)
 
     def advance_pass(self, segment: Segment, position: int, done: bool) -> None:
-        """Record a sampler pass's progress; the first draw of a restore's own pass consumes the restore."""
+        """Record a sampler pass's progress; its first draw consumes a pending restore, unless the
+        restore was a loader's (inspecting a loader's sampler changes nothing)."""
+        self._report_pass(segment, position, done, consume=not self._restored_for_loader)
+
+    def _report_pass(self, segment: Segment, position: int, done: bool, *, consume: bool) -> None:
         if segment.generation == self._generation:
             report = self._report
             report.position, report.done = position, done
             self._undrawn = False
-            if self._restored:
+            if self._restored and consume:
                 self._consume()
 
     # -- selections ----------------------------------------------------------------------------
-    def restore(self, epoch: int, position: int, done: bool, *, through_iterator: bool = False) -> Segment:
+    def restore(
+        self, epoch: int, position: int, done: bool, *, through_iterator: bool = False, for_loader: bool = False
+    ) -> Segment:
         """Jump to a (validated) checkpointed position; returns it as the segment of the restoring pass.
 
         ``through_iterator``: the state is applied to a sampler pass's iterator (torchdata's
         ``StatefulDataLoader``), after whatever ``set_epoch`` the caller made for that pass.
+        ``for_loader``: a loader's ``load_state_dict``; only a loader pass consumes the restore.
         """
         requested = self._requested if through_iterator else None
         self._offset = 0 if requested is None else epoch - requested
         self._select(epoch, position, done, pinned=False, leaving=False)
-        self._restored = True
+        self._restored, self._restored_for_loader = True, for_loader
         self._ended = (epoch, requested) if through_iterator and done else None
         return Segment(epoch, position, self._generation)
 
@@ -216,7 +228,10 @@ class EpochCursor:
         """
         check_int_arg("epoch", epoch, minimum=0)
         self._requested = epoch
-        target = epoch + self._offset
+        return self._select_epoch(epoch + self._offset)
+
+    def _select_epoch(self, target: int) -> bool:
+        """``set_epoch`` of an epoch in the cursor's own numbering (no caller's offset); see there."""
         selection = self._selection
         if self._restored:
             if target == selection.epoch:
@@ -225,12 +240,12 @@ class EpochCursor:
             if not (selection.done and target == selection.epoch + 1):
                 where = "at the end" if selection.done else f"at position {selection.position}"
                 warnings.warn(
-                    f"{self._what}.set_epoch({epoch}) discards the restored position: the checkpoint left "
+                    f"{self._what}.set_epoch({target - self._offset}) discards the restored position: the checkpoint left "
                     f"off in epoch {selection.epoch}, {where}. Start the epoch loop from the restored epoch, "
                     f"`for epoch in range({self._what}.epoch, num_epochs)`, or let "
                     f"`for epoch in {self._what}.epochs(num_epochs)` do it",
                     ResumeWarning,
-                    stacklevel=3,
+                    stacklevel=4,
                 )
         elif self._undrawn and (self._report.epoch, self._report.position) == (target, 0):
             return True  # a loader's pass of that epoch from its start has begun (Lightning calls iter() first)
@@ -255,7 +270,7 @@ class EpochCursor:
             if epoch >= num_epochs:
                 return
             if self.state_of(owner) is not owner or owner.done:  # else: continue the broken-off pass
-                (set_epoch or self.set_epoch)(epoch)
+                (set_epoch or self._select_epoch)(epoch)
             yield epoch
 
     def pass_epochs(self, num_epochs: int) -> Iterator[int]:
@@ -272,16 +287,19 @@ class EpochCursor:
             epoch = max(epoch, last + 1)  # a sampler pass restarts its epoch: never yield one twice
             if epoch >= num_epochs:
                 return
-            self.set_epoch(epoch)
+            self._select_epoch(epoch)
             last = epoch
             yield epoch
 
     # -- internals -----------------------------------------------------------------------------
-    def _select(self, epoch: int, position: int, done: bool, *, pinned: bool, leaving: bool) -> None:
+    def _select(
+        self, epoch: int, position: int, done: bool, *, pinned: bool, leaving: bool, explicit: bool = True
+    ) -> None:
         """Make ``(epoch, position)`` what the next pass covers; a new generation."""
         if leaving and epoch != self._selection.epoch and self._on_new_epoch is not None:
             self._on_new_epoch()
-        self._restored, self._ended, self._undrawn = False, None, False
+        self._restored, self._restored_for_loader, self._ended, self._undrawn = False, False, None, False
+        self._selection_explicit = explicit
         self._generation += 1  # an iterator of the old selection must not move the new one
         self._selection = Progress(epoch, position, done, self._generation)
         self._selection_pinned = pinned
@@ -292,7 +310,7 @@ class EpochCursor:
         # loader's iter() and its first batch (Lightning's order) keeps it.
         self._requested, self._ended = None, None
         if epoch != self._selection.epoch:  # the pass moved on to another epoch by itself
-            self._select(epoch, 0, False, pinned=False, leaving=True)
+            self._select(epoch, 0, False, pinned=False, leaving=True, explicit=False)
         else:
             self._generation += 1
             self._report = Progress(epoch, start, done, self._generation)

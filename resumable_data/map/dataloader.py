@@ -296,7 +296,7 @@ class ResumableDataLoader(DataLoader):
         Raises:
             ResumeError: malformed or mismatching state; the loader is unchanged.
         """
-        self.sampler.check_state(state_dict, strict=strict, what=_WHAT)()
+        self.sampler.check_state(state_dict, strict=strict, what=_WHAT, for_loader=True)()
 
 
 def _check_arguments(dataset: Any, batch_size: int, global_rng: Any, dataloader_kwargs: dict[str, Any]) -> None:

@@ -305,14 +305,20 @@ class ResumableSampler(torch.utils.data.Sampler[int]):
         self.check_state(state_dict, strict=strict, what=_WHAT)()
 
     def check_state(
-        self, state: Mapping[str, Any], *, strict: bool, what: str, through_iterator: bool = False
+        self,
+        state: Mapping[str, Any],
+        *,
+        strict: bool,
+        what: str,
+        through_iterator: bool = False,
+        for_loader: bool = False,
     ) -> Callable[[], Segment]:
         """Validate ``state`` (errors name ``what``); return a thunk that restores it.
 
         The thunk moves the cursor to the state's position and returns that as the current
         segment. Nothing changes until it is called, so a caller can validate its own fields too
         before anything moves. ``through_iterator``: the state is restored into a sampler pass's
-        iterator (see :meth:`EpochCursor.restore`).
+        iterator; ``for_loader``: into a loader (see :meth:`EpochCursor.restore`).
         """
         state = require_mapping(state, what)
         version = require_int(state, keys.VERSION, what)
@@ -387,7 +393,9 @@ class ResumableSampler(torch.utils.data.Sampler[int]):
                 )
                 self._seed = seed
             self._grown = None if grown is None else (epoch, grown)
-            return self._cursor.restore(epoch, position, position >= lengths[-1], through_iterator=through_iterator)
+            return self._cursor.restore(
+                epoch, position, position >= lengths[-1], through_iterator=through_iterator, for_loader=for_loader
+            )
 
         return apply
 
