@@ -16,8 +16,10 @@ after the epoch by :func:`mix`. Keys are what make the rest exact and small:
 * a different worker/rank layout puts buffered records back into the sources as *pending* keys
   (:meth:`Stream.rebalance`), so every record is still consumed exactly once.
 
-Epochs. ``set_epoch(e)`` starts epoch ``e`` from its beginning unless ``e`` is already the current
-epoch (so calling it right after ``load_state_dict`` keeps the restored position). A stage holds
+Epochs. ``set_epoch(e)`` starts epoch ``e`` from its beginning, also after an exhausted or broken-off
+epoch ``e``, unless a restore is pending (``load_state_dict``, and no record drawn since) and ``e`` is
+the restored epoch: then it keeps the restored position, so a loop that calls ``set_epoch`` at the top
+of every epoch resumes mid-epoch (the loaders' rule, ``core.cursor``). A stage holds
 all of its iteration state on itself, not in the generator: iterating again after a ``break``
 continues where the last yielded item left off. One active iterator per stage object.
 
@@ -125,6 +127,8 @@ class Stream:
     #: (map, filter, take; a source reads its shards in order): records appended after the
     #: source's end then come after everything it yielded before (see :func:`growth_reorders`).
     in_order: bool = False
+    # load_state_dict happened and no record was drawn since: set_epoch of its epoch keeps it.
+    _restore_pending: bool = False
 
     def __init__(self) -> None:
         self._epoch = 0
@@ -287,9 +291,10 @@ class Stream:
         return self._epoch
 
     def set_epoch(self, epoch: int) -> None:
-        """Start ``epoch``; a no-op when it is already the current (e.g. restored) epoch."""
+        """Start ``epoch`` from its beginning; keeps a pending restore of that epoch (see the module docstring)."""
         check_int_arg("epoch", epoch, minimum=0)
-        if epoch != self._epoch:
+        if not (self._restore_pending and epoch == self._epoch):
+            self._restore_pending = False
             self.reset(epoch, None)
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
@@ -300,9 +305,15 @@ class Stream:
                 unchanged.
         """
         self.check(state_dict)()
+        self._restore_pending = True
 
     def __iter__(self) -> Iterator[Any]:
-        for _, value in self.iter_keyed():
+        records = self.iter_keyed()
+        for _, value in records:  # the first record spends a pending restore
+            self._restore_pending = False
+            yield value
+            break
+        for _, value in records:
             yield value
 
     # -- fluent composition (the wrappers subclass Stream, hence the local imports) -------------
