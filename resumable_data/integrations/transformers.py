@@ -53,7 +53,7 @@ from transformers import Trainer, TrainerCallback, TrainerControl, TrainerState,
 from transformers.trainer import TRAINER_STATE_NAME
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
-from ..checkpoint.durable import durable_file
+from ..checkpoint.durable import durable_file, fsync_dir
 from ..core.state import require_int, require_mapping
 from ..errors import ResumeError, ResumeWarning
 from ..map.batch_sampler import ResumableBatchSampler
@@ -66,6 +66,7 @@ STATE_FILE = "resumable_data.json"  # in every checkpoint-N
 _VERSION = "version"
 _LOADER = "loader"
 _PROCESSES = "num_processes"
+_RNG_FILE = re.compile(r"rng_state_(\d+)\.pth")  # one per process when there are several
 _BATCHES = "batches_per_process"  # micro-batches each process consumed in the epoch
 STATE_VERSION = 1
 _WHAT = "ResumableTrainer checkpoint"
@@ -181,7 +182,9 @@ class ResumableTrainerMixin:
         if not _is_json_object(os.path.join(folder, TRAINER_STATE_NAME)):
             return f"{TRAINER_STATE_NAME} is missing or cut short"
         if not self.args.save_only_model:
-            processes = self.args.world_size
+            # The processes that wrote it, not this run's: a changed number of processes is refused
+            # by name when the checkpoint is loaded, not taken for damage here.
+            processes = _writers(folder)
             names = ["rng_state.pth"] if processes <= 1 else [f"rng_state_{i}.pth" for i in range(processes)]
             # torch.save writes a zip whose directory comes last: a file cut short is not a zip.
             broken = [name for name in names if not zipfile.is_zipfile(os.path.join(folder, name))]
@@ -289,9 +292,27 @@ class ResumableTrainerMixin:
         with durable_file(partial) as file:
             file.write(json.dumps(saved).encode())
         os.replace(partial, path)
+        fsync_dir(path.parent)  # the rename itself survives a crash
 
     def _begin_epoch(self) -> None:
         self._batches_in_epoch, self._resumed_batches = self._resumed_batches, 0
+
+
+def _writers(folder: str) -> int:
+    """How many processes wrote checkpoint ``folder``: its :data:`STATE_FILE`'s count when readable,
+    else 1 with Trainer's single-process ``rng_state.pth``, else one more than the highest
+    ``rng_state_<i>.pth`` present (a process whose file a kill left out is found missing then)."""
+    try:
+        with open(os.path.join(folder, STATE_FILE)) as f:
+            count = json.load(f).get(_PROCESSES)
+        if isinstance(count, int) and not isinstance(count, bool) and count >= 1:
+            return count
+    except (OSError, ValueError, AttributeError):
+        pass
+    if os.path.exists(os.path.join(folder, "rng_state.pth")):
+        return 1
+    indices = [int(m.group(1)) for m in (_RNG_FILE.fullmatch(name) for name in os.listdir(folder)) if m]
+    return max(indices, default=0) + 1
 
 
 def _is_json_object(path: str) -> bool:

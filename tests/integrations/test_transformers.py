@@ -10,7 +10,9 @@ In-process tests here cover what a kill in the middle of a checkpoint write leav
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -147,6 +149,22 @@ def test_resume_from_an_incomplete_checkpoint_is_refused_naming_what_it_lacks(tm
     with pytest.raises(ResumeError, match=r"checkpoint-3: trainer_state.json is missing"):
         trainer.train(resume_from_checkpoint=str(tmp_path / "checkpoint-3"))
     with pytest.raises(ResumeError, match=r"no complete checkpoint-N folder .*checkpoint-3 \(trainer_state.json"):
+        trainer.train(resume_from_checkpoint=True)
+
+
+def test_a_checkpoint_of_another_number_of_processes_is_complete_and_refused_by_that_name(tmp_path: Path) -> None:
+    # Found in review: completeness was judged by this run's number of processes, so every checkpoint a
+    # two-process run wrote was "missing rng_state.pth" here, and the refusal told the user to remove
+    # them all. They are complete; what differs is the number of processes, and that is what is said.
+    with pytest.raises(_Preempted):
+        _fit(tmp_path, die_at=4)
+    folder = tmp_path / "checkpoint-3"
+    os.rename(folder / "rng_state.pth", folder / "rng_state_0.pth")
+    shutil.copy(folder / "rng_state_0.pth", folder / "rng_state_1.pth")
+    saved = json.loads((folder / STATE_FILE).read_text())
+    (folder / STATE_FILE).write_text(json.dumps({**saved, "num_processes": 2}))
+    trainer = _Logging(model=Net(), args=_args(tmp_path), train_dataset=Augmented(40))
+    with pytest.raises(ResumeError, match="number of processes changed: checkpoint has 2, this run has 1"):
         trainer.train(resume_from_checkpoint=True)
 
 
