@@ -251,7 +251,7 @@ class Stream:
         """
         return False
 
-    def expect_rereads(self) -> None:
+    def expect_rereads(self, branch: tuple[int, ...] = ()) -> None:
         """Called by a stage built over this one that reads records again: by key (a shuffle buffer's
         restore, a carried record) or by iterating again from a saved state (a window's start).
 
@@ -259,6 +259,8 @@ class Stream:
         under another batch's global-RNG seed: a stage whose output would then differ makes it
         the same (a ``map`` without ``seed=`` draws each record's global randomness from its key),
         and passes the call on to its sources. A source has nothing to do (the default).
+        ``branch`` is the path of source indices from the re-reading stage through the ``mix``es
+        on the way: two branches' records can have the same keys, and must not get the same draws.
         """
 
     def with_identities(self, state: dict[str, Any]) -> dict[str, Any]:
@@ -483,8 +485,8 @@ class Wrapper(Stream):
     def fetch_many(self, keys: Sequence[Key]) -> list[Any]:
         return self.source.fetch_many(keys)
 
-    def expect_rereads(self) -> None:
-        self.source.expect_rereads()
+    def expect_rereads(self, branch: tuple[int, ...] = ()) -> None:
+        self.source.expect_rereads(branch)
 
     def with_identities(self, state: dict[str, Any]) -> dict[str, Any]:
         return {**state, SOURCE: self.source.with_identities(state[SOURCE])}

@@ -36,12 +36,12 @@ class Filter(Wrapper):
         self.global_rng = check_record_rng("filter", global_rng)
         self._salt: int | None = None  # set below a re-reading stage (see Map): per-record global RNGs
 
-    def expect_rereads(self) -> None:
+    def expect_rereads(self, branch: tuple[int, ...] = ()) -> None:
         # A window read again from its start filters its records again: a predicate drawing from
         # the global RNGs (random subsampling) must decide as it did the first time.
         if self.global_rng is not None:
-            self._salt = per_record_salt(self.depth)
-        super().expect_rereads()
+            self._salt = per_record_salt(self.depth, branch)
+        super().expect_rereads(branch)
 
     def iter_keyed(self) -> Iterator[tuple[Key | None, Any]]:
         salt, predicate = self._salt, self.predicate

@@ -53,10 +53,10 @@ class Map(Wrapper):
         self.seed = seed
         self._salt: int | None = None  # set below a re-reading stage: fn runs under per-record global RNGs
 
-    def expect_rereads(self) -> None:
+    def expect_rereads(self, branch: tuple[int, ...] = ()) -> None:
         if self.seed is None and self.global_rng is not None:
-            self._salt = per_record_salt(self.depth)
-        super().expect_rereads()
+            self._salt = per_record_salt(self.depth, branch)
+        super().expect_rereads(branch)
 
     def _call(self, key: Key | None, value: Any) -> Any:
         if self.seed is None:

@@ -203,9 +203,9 @@ class Mix(Stream):
     def fetch(self, key: Key) -> Any:
         return self.streams[key[1]].fetch((key[0], *key[2:]))
 
-    def expect_rereads(self) -> None:
-        for stream in self.streams:
-            stream.expect_rereads()
+    def expect_rereads(self, branch: tuple[int, ...] = ()) -> None:
+        for i, stream in enumerate(self.streams):
+            stream.expect_rereads((*branch, i))
 
     def with_identities(self, state: dict[str, Any]) -> dict[str, Any]:
         sources = [stream.with_identities(s) for stream, s in zip(self.streams, state[SOURCES], strict=True)]

@@ -39,9 +39,9 @@ def check_record_rng(what: str, global_rng: Any) -> str | None:
 _SALT = 0x7265636F7264  # "record": these keys must not coincide with the loader's per-batch keys
 
 
-def per_record_salt(depth: int) -> int:
-    """The prefix of a stage's per-record keys: its depth in the pipeline tells two stages apart."""
-    return hash_ints(_SALT, depth)
+def per_record_salt(depth: int, branch: tuple[int, ...] = ()) -> int:
+    """The prefix of a stage's per-record keys: its depth and its ``mix`` branch tell two stages apart."""
+    return hash_ints(_SALT, depth, *branch)
 
 
 def seeded_call(salt: int, key: Key, fn: Callable[[Any], Any], value: Any) -> Any:

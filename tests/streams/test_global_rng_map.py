@@ -24,8 +24,8 @@ from hypothesis import strategies as st
 
 from harness import assert_resumes_identically
 from resumable_data import ResumeError
-from resumable_data.streams import ShardedIterable, Stream, StreamLoader
-from streams_harness import TokenDocs
+from resumable_data.streams import ShardedIterable, Stream, StreamLoader, mix
+from streams_harness import MemoryShards, TokenDocs
 
 LENGTHS = [[5, 17, 3, 9, 1, 30], [12, 4, 8], [7, 7, 7, 2], [25, 3], [6, 11, 2]]
 
@@ -222,3 +222,20 @@ def test_global_rng_takes_record_or_none(stage: str) -> None:
         ResumeError, match=rf"{stage}\(global_rng=...\) should be 'record' or None .*, but got global_rng='batch'"
     ):
         getattr(source, stage)(bool, global_rng="batch")
+
+
+def test_two_mixed_sources_with_the_same_keys_get_their_own_draws() -> None:
+    # Found in review: the per-record seed was the map's depth and the record's key, and two mixed
+    # sources over shards of the same layout have the same keys: each record of one source got the
+    # very draws of its twin in the other (correlated augmentations across the mixed datasets).
+    def branch() -> Stream:
+        shards = MemoryShards((6, 6))
+        source = ShardedIterable(shards.names, read_shard=shards, shuffle=False)
+        return source.map(lambda record: torch.rand(()).item())
+
+    draws: dict[int, set[float]] = {0: set(), 1: set()}
+    for key, draw in mix([branch(), branch()], [1, 1], seed=0).shuffle_buffer(4, seed=1).iter_keyed():
+        assert key is not None
+        draws[key[1]].add(draw)  # a mix's key: (epoch, source, ...the source's key)
+    assert len(draws[0]) == len(draws[1]) == 12
+    assert not draws[0] & draws[1]
