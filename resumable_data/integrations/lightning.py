@@ -55,6 +55,7 @@ from typing import Any
 
 import torch.distributed as dist
 from lightning.pytorch import Callback, LightningModule, Trainer
+from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
 
 from ..core.state import EPOCH, POSITION
 from ..errors import ResumeError, ResumeWarning
@@ -99,7 +100,8 @@ class ResumeCallback(Callback):
             states = [{} for _ in range(dist.get_world_size())]
             dist.all_gather_object(states, state)
         checkpoint[_KEY] = {_VERSION: STATE_VERSION, _RANKS: states}
-        self._pending = state
+        if trainer.state.fn == TrainerFn.FITTING and trainer.state.status == TrainerStatus.RUNNING:
+            self._pending = state  # not after the fit (trainer.save_checkpoint): a later fit starts afresh
         self._take_back_fetched_ahead(trainer, checkpoint)
         self._end_limited_epoch(trainer, checkpoint)
 
