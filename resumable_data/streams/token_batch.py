@@ -237,6 +237,9 @@ class BucketedBatchByTokens(BatchByTokens):
                 if not batches:
                     return
                 self._window, self._count, self._taken = self._window + 1, len(batches), 0
+                # The start with the identities of the shards the window entered (read whole here):
+                # a restore re-reads the window from there and checks them.
+                start = self.source.with_identities(start)
                 self._records, self._start, self._batches = len(window), start, batches
             elif self._batches is None:  # restored: the source stands at the window's start
                 window = _keyed(take_records(records, self._records))
@@ -283,8 +286,7 @@ class BucketedBatchByTokens(BatchByTokens):
     def state_dict(self) -> dict[str, Any]:
         state = super().state_dict()
         if self._taken < self._count and self._start is not None:
-            # An open window restores from its start and re-reads it, checking the shards it entered.
-            state[SOURCE] = self.source.with_identities(self._start)
+            state[SOURCE] = self._start  # an open window restores from its start and re-reads it
         return state
 
     # Whole states (Stream's default, not Wrapper's change to the source's state): the source's

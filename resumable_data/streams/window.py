@@ -129,7 +129,9 @@ class ShuffleWindow(Wrapper):
                     window = [(record_key(k, _WHAT), v) for k, v in take_records(records, self._read_size())]
                     if not window:
                         return
-                    count, self._start, self._records = len(window), start, window
+                    # Saved with the identities of the shards the window entered: a restore re-reads it
+                    # from there and checks them (computed once: the window is read whole here).
+                    count, self._start, self._records = len(window), self.source.with_identities(start), window
                 self._window, self._count, self._taken, self._positional = (
                     self._window + 1,
                     count,
@@ -187,8 +189,7 @@ class ShuffleWindow(Wrapper):
     def state_dict(self) -> dict[str, Any]:
         state = super().state_dict()
         if self._open() and not self._positional and self._start is not None:
-            # A read window restores from its start and re-reads it, checking the shards it entered.
-            state[SOURCE] = self.source.with_identities(self._start)
+            state[SOURCE] = self._start  # a read window restores from its start and re-reads it
         return state
 
     # Whole states (Stream's default, not Wrapper's change to the source's state): a few ints and
