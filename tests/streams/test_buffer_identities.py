@@ -69,16 +69,23 @@ def held_but_finished(pipeline_state: dict[str, Any]) -> set[int]:
     return {key[1] for key in pipeline_state["buffer"]} - being_read
 
 
-@pytest.mark.parametrize("damage", list(DAMAGES))
-@pytest.mark.parametrize("kind", list(KINDS))
-def test_a_finished_shard_changed_under_the_buffer_is_refused_naming_it(tmp_path: Path, kind: str, damage: str) -> None:
+def checkpoint_holding_a_finished_shard(tmp_path: Path, kind: str) -> tuple[list[Path], Any, Any, dict[str, Any]]:
+    """Shards, their reader, the buffered pipeline's rest and its state after ``CUT`` records: the
+    buffer then holds records of shard 0, which its source has finished."""
     paths, reader = KINDS[kind](tmp_path, 2)
     stream = buffered(paths, reader)
     records = iter(stream)
     for _ in range(CUT):
         next(records)
     state = json_roundtrip(stream.state_dict())
-    assert held_but_finished(state) == {0}  # the checkpoint this test is about
+    assert held_but_finished(state) == {0}  # the checkpoint these tests are about
+    return paths, reader, records, state
+
+
+@pytest.mark.parametrize("damage", list(DAMAGES))
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_a_finished_shard_changed_under_the_buffer_is_refused_naming_it(tmp_path: Path, kind: str, damage: str) -> None:
+    paths, reader, _, state = checkpoint_holding_a_finished_shard(tmp_path, kind)
     DAMAGES[damage](paths[0])
     restored = buffered(paths, reader)
     restored.load_state_dict(state)
@@ -94,12 +101,7 @@ def test_a_finished_shard_changed_under_the_buffer_is_refused_naming_it(tmp_path
 def test_unchanged_shards_resume_identically_and_a_state_without_held_identities_still_loads(
     tmp_path: Path, kind: str
 ) -> None:
-    paths, reader = KINDS[kind](tmp_path, 2)
-    stream = buffered(paths, reader)
-    records = iter(stream)
-    for _ in range(CUT):
-        next(records)
-    state = json_roundtrip(stream.state_dict())
+    paths, reader, records, state = checkpoint_holding_a_finished_shard(tmp_path, kind)
     expected = values(list(records))
     assert "0" in state["source"]["identities"]
     older = copy.deepcopy(state)  # as written before the buffer kept its shards' identities

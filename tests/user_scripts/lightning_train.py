@@ -181,21 +181,7 @@ def main() -> None:
     parser.add_argument("--validation", choices=VALIDATION_LOADERS, default="none")
     parser.add_argument("--reference", type=Path, default=None)
     args = parser.parse_args()
-    settings = Settings(
-        workers=args.workers,
-        accumulation=args.accumulation,
-        kill_at=args.kill_at,
-        kill_in=args.kill_in,
-        save_every=args.save_every,
-        checkpoint=args.checkpoint,
-        devices=args.devices,
-        stream=args.stream,
-        max_epochs=args.max_epochs,
-        max_steps=args.max_steps,
-        limit_train_batches=args.limit_train_batches,
-        val_check_interval=args.val_check_interval,
-        validation=args.validation,
-    )
+    settings = Settings(**{field.name: getattr(args, field.name) for field in dataclasses.fields(Settings)})
     args.run_dir.mkdir(parents=True, exist_ok=True)
     fit(args.run_dir, settings)
     if args.reference is not None:
