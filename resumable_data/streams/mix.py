@@ -155,6 +155,8 @@ class Mix(Stream):
         warmup = mix([code, prose], weights=[(0, [0, 1]), (10_000, [1, 3])], seed=0)
     """
 
+    POSITION_KEYS = frozenset({EPOCH, DRAWS, EXHAUSTED})
+
     def __init__(self, streams: Sequence[Stream], weights: Weights | None = None, *, seed: int = 0) -> None:
         super().__init__()
         self.streams = list(streams)

@@ -103,6 +103,7 @@ from .base import (
     require_count,
     require_epoch,
 )
+from .positional import Positional
 
 __all__ = ["ShardedIterable"]
 
@@ -176,6 +177,8 @@ class ShardedIterable(Stream):
         >>> list(fresh)
         [2, 3]
     """
+
+    POSITION_KEYS = frozenset({EPOCH, SLOT, REMAINING, POSITION, DEALT, PENDING, IDENTITIES})
 
     in_order = True  # a slot's appended shards come after every shard it had (see growth)
 
@@ -966,6 +969,29 @@ class ShardedIterable(Stream):
             mine.update(_held_identities(identities, records[s::num_slots]))  # pending records' shards
             states.append(self._state(order, (s, num_slots), [], records[s::num_slots], mine, 0, dealt))
         return states
+
+    # -- the positional capability (streams.positional.Positional): the shuffles' fast paths ---------
+    def positional(self) -> Positional | None:
+        """This source itself when its sizes are known (see :meth:`slot_length` for when a position
+        can be used); None without ``sizes=``."""
+        return self if self.sizes is not None else None
+
+    def take_pending(self, count: int) -> list[Key]:
+        """The keys of the next ``count`` pending records, moved past unread (a window fetches them)."""
+        taken = [self._pending.popleft() for _ in range(min(count, len(self._pending)))]
+        return [(self._epoch, index, offset) for index, offset in taken]
+
+    def saved_position(self, state: Mapping[str, Any]) -> int | None:
+        """The position of a checked ``state``; None when it lists cursors."""
+        position = state.get(POSITION)
+        return None if position is None else int(position)
+
+    def split_pending(self, state: Mapping[str, Any], count: int) -> tuple[list[Key], dict[str, Any]] | None:
+        """The keys of a checked ``state``'s first ``count`` pending records and the state without them."""
+        pending = state[PENDING]
+        if len(pending) < count:
+            return None
+        return [(state[EPOCH], index, offset) for index, offset in pending[:count]], {**state, PENDING: pending[count:]}
 
 
 class _Layout(NamedTuple):
