@@ -103,6 +103,7 @@ from .base import (
     require_count,
     require_epoch,
 )
+from .pending import parse_pending
 from .positional import Positional
 
 __all__ = ["ShardedIterable"]
@@ -734,14 +735,18 @@ class ShardedIterable(Stream):
             new = self._order_array(order)[appended_from:]
             remaining += [[index, 0] for index in new[(slot - appended_from) % num_slots :: num_slots].tolist()]
         cursors = self._cursors(order, (slot, num_slots), remaining, position, dealt)
-        pending: list[list[int]] = []
-        for entry in pending_raw:
-            if not (isinstance(entry, (list, tuple)) and len(entry) == 2 and all(is_int(v) for v in entry)):
-                raise ResumeError(f"{_WHAT} state: a pending record must be [shard index, offset], got {brief(entry)}")
-            _check_record(entry[0], entry[1], saved_n, cursors, lambda: "pending record")
-            pending.append([entry[0], entry[1]])
-        if len({(i, o) for i, o in pending}) != len(pending):
-            raise ResumeError(f"{_WHAT} state lists a record twice in {PENDING!r}: {brief(pending_raw)}")
+        pending = parse_pending(pending_raw, saved_n, cursors, NO_CURSOR)  # None: refused or unusual, see below
+        if pending is None:
+            pending = []
+            for entry in pending_raw:
+                if not (isinstance(entry, (list, tuple)) and len(entry) == 2 and all(is_int(v) for v in entry)):
+                    raise ResumeError(
+                        f"{_WHAT} state: a pending record must be [shard index, offset], got {brief(entry)}"
+                    )
+                _check_record(entry[0], entry[1], saved_n, cursors, lambda: "pending record")
+                pending.append([entry[0], entry[1]])
+            if len({(i, o) for i, o in pending}) != len(pending):
+                raise ResumeError(f"{_WHAT} state lists a record twice in {PENDING!r}: {brief(pending_raw)}")
         identities_raw = state.get(IDENTITIES, {})
         if not isinstance(identities_raw, Mapping):
             raise ResumeError(f"{_WHAT} state field {IDENTITIES!r} must be a dict, got {brief(identities_raw)}")

@@ -40,9 +40,9 @@ import numpy as np
 
 from ..core.hash import hash_ints
 from ..core.permutation import Permutation
-from ..core.state import SEED, brief, check_int_arg, require_bool
+from ..core.state import SEED, VERSION, brief, check_int_arg, require_bool
 from ..errors import ResumeError
-from .base import EPOCH, SOURCE, Key, Stream, check_same, record_key, require_count
+from .base import EPOCH, SOURCE, STREAM_STATE_VERSION, Key, Stream, check_same, record_key, require_count
 from .positional import Positional
 from .wrapper import Wrapper, check_reread_growth
 
@@ -205,10 +205,12 @@ class ShuffleWindow(Wrapper):
         }
 
     def state_dict(self) -> dict[str, Any]:
-        state = super().state_dict()
         if self._open() and not self._positional and self._start is not None:
-            state[SOURCE] = self._start  # a read window restores from its start and re-reads it
-        return state
+            # A window read in full or by pending keys restores from its start and reads it again; the
+            # source's state now is not asked for (after a layout change it lists thousands of
+            # pending records, and a loader takes a state after every batch).
+            return {VERSION: STREAM_STATE_VERSION, EPOCH: self._epoch, **self._own_state(), SOURCE: self._start}
+        return super().state_dict()
 
     # Whole states (Stream's default, not Wrapper's change to the source's state): a few ints and
     # the source's state, itself small with known sizes, so there is no change to send.
