@@ -20,7 +20,7 @@ in the restored epoch, also when the mix had found it exhausted: a restore marks
 and takes back the draw that found it ended. Every unread record of the epoch and every appended
 one is then drawn once, as from a source that grew without a mix around it.
 
-State: ``{"epoch", "seed", "weights", "draws", "exhausted": [bool, ...], "sources": [state, ...]}``:
+State: ``{"version": 2, "epoch", "seed", "weights", "draws", "exhausted": [bool, ...], "sources": [state, ...]}``:
 the per-source positions plus two small counters; ``"weights"`` is the fixed weights, the
 schedule's pieces, or None for a function (which a state cannot check). A record's key gets its
 source index inserted after the epoch, ``(epoch, source, *where)``, so records of different

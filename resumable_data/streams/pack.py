@@ -10,6 +10,8 @@ the rest of the record the last window ended in, so the state is that record's k
 of its tokens were handed out::
 
     {
+        "version": 2,
+        "epoch": 0,
         "block_size": 2048,
         "eos": 0,
         "pad_id": None,

@@ -5,7 +5,7 @@ buffered one chosen at random and put the new one in its place; drain the buffer
 Choice number ``d`` of epoch ``e`` is ``hash_ints(seed, e, d) % len(buffer)``: a pure function of
 the state, so no RNG state needs saving.
 
-State: ``{"epoch", "seed", "size", "draws", "buffer": [[key...], ...], "source": {...}}``. On restore
+State: ``{"version": 2, "epoch", "seed", "size", "draws", "buffer": [[key...], ...], "source": {...}}``. On restore
 the buffered records are re-read by key into the same buffer slots, so the stream continues
 bitwise identically.
 

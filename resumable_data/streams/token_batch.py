@@ -8,7 +8,15 @@ batch padded to its longest record costs, ``len(batch) * longest``.
 State: deciding that a record does not fit means reading it, so between two batches one record
 may have been read for the next batch. The state is its key, never the record::
 
-    {"max_tokens": 4096, "padded": False, "oversized": "error", "carry": [[epoch, shard, offset]], "source": {...}}
+    {
+        "version": 2,
+        "epoch": 0,
+        "max_tokens": 4096,
+        "padded": False,
+        "oversized": "error",
+        "carry": [[epoch, shard, offset]],
+        "source": {...},
+    }
 
 A restore re-reads that one record by key and starts the next batch with it. On a layout change
 (another number of workers or ranks) it goes back to the sources as a pending record, so every

@@ -21,7 +21,7 @@ Three ways to read a window, chosen per window:
   from the source into memory; the state holds the source's state at the window's start, and a
   restore re-reads that one window.
 
-State: ``{"seed", "size", "window": windows begun this epoch, "count": records in the open
+State: ``{"version": 2, "epoch", "seed", "size", "window": windows begun this epoch, "count": records in the open
 window (0: none open), "taken": records of it handed out, "positional": how it is read, "source":
 {...}}``. A layout change (another ``num_workers`` or world size) is exact for windows read by
 position: the open window's records not handed out yet go back to the sources as pending records,
