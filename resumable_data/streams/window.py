@@ -21,14 +21,15 @@ Three ways to read a window, chosen per window:
   from the source into memory; the state holds the source's state at the window's start, and a
   restore re-reads that one window.
 
-State: ``{"version": 2, "epoch", "seed", "size", "window": windows begun this epoch, "count": records in the open
-window (0: none open), "taken": records of it handed out, "positional": how it is read, "source":
-{...}}``. A layout change (another ``num_workers`` or world size) is exact for windows read by
-position: the open window's records not handed out yet go back to the sources as pending records,
-which each new slot reads first, as windows of their own (by pending keys), and then its dealt
-shards by position again. Such a window of pending records is split the same way at a later change (its
-records are the first pending ones of the state at its start), so changes chain (2 -> 1 -> 2
-ranks). A window read by reading cannot be split; the state then must be taken between windows.
+State: ``{"version": 2, "epoch", "seed", "size", "window": windows begun this epoch, "count":
+records in the open window (0: none open), "taken": records of it handed out, "positional": how it
+is read, "source": {...}}``. A layout change (another ``num_workers`` or world size) is exact for
+windows read by position: the open window's records not handed out yet go back to the sources as
+pending records, which each new slot reads first, as windows of their own (by pending keys), and
+then its dealt shards by position again. Such a window of pending records is split the same way at
+a later change (its records are the first pending ones of the state at its start), so changes chain
+(2 -> 1 -> 2 ranks). A window read by reading cannot be split; the state then must be taken between
+windows.
 """
 
 from __future__ import annotations
