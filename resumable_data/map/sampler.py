@@ -1,7 +1,7 @@
 """ResumableSampler: an epoch's order as a pure function of ``(seed, epoch, length)``, resumable in O(1).
 
 Positions are counted globally. Epoch ``e`` has one global order of the dataset (shuffled by a
-keyed :class:`~resumable_data.permutation.Permutation`, or ``0..N-1``); ranks interleave it from the
+keyed :class:`~resumable_data.core.permutation.Permutation`, or ``0..N-1``); ranks interleave it from the
 position ``p`` where this stretch of the epoch starts: rank ``r`` takes global positions
 ``p + r, p + r + W, p + r + 2W, ...``. Because every rank advances in lockstep (as under DDP), the
 saved state — ``epoch`` and ``position`` (global samples consumed in the epoch) — is the same on all
