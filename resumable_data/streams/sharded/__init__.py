@@ -26,9 +26,10 @@ Known sizes. Given the shards' record counts, a slot's state is one number inste
 ``"position"``, the records this slot has read in its shards' order, from which the current shard
 and its cursor are computed (prefix sums of the sizes), with ``"sizes_digest"`` to refuse other
 sizes. The state is then a few hundred bytes at any number of shards. The counts come from
-``sizes=`` (an index file), or else from a reader that counts cheaply, asked once when the
-ShardedIterable is built (:class:`RecordCounter`: :class:`~resumable_data.streams.TokenShardReader`
-from the file size, :class:`~resumable_data.streams.ParquetReader` from the footers)::
+``sizes=[...]`` (an index file), or with ``sizes="count"`` from a reader that counts cheaply, asked
+once when the ShardedIterable is built (:class:`RecordCounter`:
+:class:`~resumable_data.streams.TokenShardReader` from the file size,
+:class:`~resumable_data.streams.ParquetReader` from the footers)::
 
     >>> sized = ShardedIterable(["a", "b"], read_shard=read, seed=0, sizes=[4, 3])
     >>> reading = iter(sized)
@@ -42,8 +43,8 @@ After a layout change a slot reads the shards dealt to it (below); their order i
 from the old slots' positions, kept in ``"dealt"`` as ``[[old number of slots, [their positions]],
 ...]`` (one entry per layout change in the epoch), so the state is still a position: a few bytes
 per old slot, not a cursor per shard. A state saved without sizes (its ``"remaining"`` listed)
-still loads into a ShardedIterable whose reader counted them, and reads on from its cursors; its
-next epoch is read by position.
+still loads with ``sizes="count"``, and reads on from its cursors; its next epoch is read by
+position.
 
 Shard identity. When a shard is opened at its start, a reader with ``identity(shard)`` (the
 ready-made ones: size plus a digest of the first and last 4 KiB, which holds a Parquet footer) is

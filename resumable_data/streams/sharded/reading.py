@@ -20,16 +20,18 @@ from ...core.state import check_int_arg
 from ...errors import ResumeError
 from .shards import Shards
 
-__all__ = ["RecordCounter", "count_records", "read_at", "records_from"]
+__all__ = ["COUNT", "RecordCounter", "count_records", "read_at", "records_from"]
+
+COUNT = "count"  # sizes="count": ask the reader for the record counts (RecordCounter)
 
 
 @runtime_checkable
 class RecordCounter(Protocol):
     """A reader that knows each shard's record count cheaply (a file size, a Parquet footer).
 
-    :class:`ShardedIterable` built without ``sizes=`` asks such a reader for the counts (once, when
-    it is built), so its state is a position and :meth:`Stream.shuffle_window` reads by position
-    without the caller listing the sizes. :class:`~resumable_data.streams.TokenShardReader` and
+    :class:`ShardedIterable` built with ``sizes="count"`` asks such a reader for the counts (once,
+    when it is built: one count per shard, before anything is read), so its state is a position
+    and :meth:`Stream.shuffle_window` reads by position without the caller listing the sizes. :class:`~resumable_data.streams.TokenShardReader` and
     :class:`~resumable_data.streams.ParquetReader` are record counters; a reader that would have to
     read a whole shard to count it (:class:`~resumable_data.streams.TextLineReader`) is not one.
     The counts must be record offsets as ``read_shard(shard, start)`` takes them (record numbers).
@@ -40,16 +42,20 @@ class RecordCounter(Protocol):
         ...
 
 
-def count_records(reader: Any, shards: Sequence[Any]) -> list[int] | None:
-    """The record count of each shard as ``reader`` gives it, or None for a reader that cannot count
-    (no ``num_records``, or offsets of its own: ``read_from``).
+def count_records(reader: Any, shards: Sequence[Any]) -> list[int]:
+    """The record count of each shard as ``reader`` gives it (``sizes="count"``).
 
     Raises:
-        ResumeError: a shard cannot be read (missing), or the reader returned something other than
-            an int >= 0.
+        ResumeError: the reader cannot count (no ``num_records``, or offsets of its own:
+            ``read_from``), a shard cannot be read (missing), or a count is not an int >= 0.
     """
     if not isinstance(reader, RecordCounter) or hasattr(reader, "read_from"):
-        return None
+        raise ResumeError(
+            f"sizes={COUNT!r} needs a reader that counts a shard's records cheaply, num_records(shard), with "
+            f"record numbers as offsets, but {type(reader).__name__} has "
+            + ("its own offsets (bytes)" if hasattr(reader, "read_from") else "no num_records")
+            + "; pass sizes=[record count of each shard] (e.g. from an index file), or leave sizes=None"
+        )
     sizes = []
     for index, shard in enumerate(shards):
         try:

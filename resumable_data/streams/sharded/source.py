@@ -19,7 +19,7 @@ from ..base import Key, Slot, Stream, fetch_grouped
 from .checks import Reads, key_check, keys_check
 from .keys import IDENTITIES, NUM_SHARDS, WHAT
 from .layout import NO_CURSOR, Dealt, Layout
-from .reading import read_at, records_from
+from .reading import COUNT, count_records, read_at, records_from
 from .rebalance import rebalance
 from .shards import Shards
 from .state import ShardState
@@ -42,10 +42,13 @@ class ShardedIterable(Stream):
             shard once (both ready-made readers do).
         shuffle: shuffle the shard order each epoch.
         seed: seed of the shard order; only ``(seed, epoch)`` decide it.
-        sizes: the record count of each shard, when known (e.g. ``[reader.num_records(p) for p
-            in paths]``, or an index file): the state is then a position, not a list of cursors,
-            and :meth:`Stream.shuffle_window` re-reads nothing but the records it hands out. Needs
-            a reader whose offsets are record numbers (not :class:`TextLineReader`'s bytes).
+        sizes: the record count of each shard, when known (an index file), or ``"count"`` to ask
+            a reader that counts cheaply (:class:`RecordCounter`: :class:`TokenShardReader`,
+            :class:`ParquetReader`), once, here: the state is then a position, not a list of
+            cursors, and :meth:`Stream.shuffle_window` re-reads nothing but the records it hands
+            out (and restores into another ``num_workers``). A state saved with ``sizes=None``
+            still loads with ``"count"``. Needs a reader whose offsets are record numbers (not
+            :class:`TextLineReader`'s bytes).
         allow_changed_shards: resume even when a partly read shard's identity (size and content
             digest) differs from the checkpoint's; records may then be skipped or repeated.
         growth: what a restore does with a checkpoint taken on fewer shards (shards appended to the
@@ -83,7 +86,7 @@ class ShardedIterable(Stream):
         read_shard: Callable[[Any, int], Iterator[Any]],
         shuffle: bool = True,
         seed: int = 0,
-        sizes: Sequence[int] | None = None,
+        sizes: Sequence[int] | str | None = None,
         allow_changed_shards: bool = False,
         growth: str = ERROR,
     ) -> None:
@@ -93,8 +96,13 @@ class ShardedIterable(Stream):
             raise ResumeError("ShardedIterable needs at least one shard, but got an empty shard list")
         if not callable(read_shard) and not hasattr(read_shard, "read_from"):
             raise TypeError(f"read_shard must be callable, got {type(read_shard).__name__}")
-        if sizes is not None:
-            self.sizes: list[int] | None = [check_int_arg("sizes[i]", size, minimum=0) for size in sizes]
+        counted = isinstance(sizes, str) and sizes == COUNT
+        if counted:
+            self.sizes: list[int] | None = count_records(read_shard, self.shards)
+        elif isinstance(sizes, str):
+            raise ResumeError(f"sizes should be a list of record counts, {COUNT!r} or None, but got sizes={sizes!r}")
+        elif sizes is not None:
+            self.sizes = [check_int_arg("sizes[i]", size, minimum=0) for size in sizes]
             if len(self.sizes) != len(self.shards):
                 raise ResumeError(
                     f"sizes must give one record count per shard: {len(self.shards)} shards but {len(self.sizes)} sizes"
@@ -117,7 +125,7 @@ class ShardedIterable(Stream):
             shuffle=self.shuffle,
             sizes=self.sizes,
             growth=self.growth,
-            counted=sizes is None and self.sizes is not None,
+            counted=counted,
         )
         self._identity = getattr(read_shard, "identity", None)
         self._identities: dict[int, str] = {}
