@@ -5,7 +5,7 @@ check that the next step is the one the interrupted run would have taken (the re
 loop. Everything that decides the next step is in the checkpoint (``checkpointing.py``), so a resumed
 run is bitwise identical to one never interrupted (on CPU; on CUDA with ``--deterministic``). Under
 torchrun every rank runs this code; what DDP and FSDP2 do differently is behind ``parallel.Parallel``.
-Test hooks (SIGKILLs, batch logs) are installed from outside, by ``trainer/harness/``.
+Test hooks (SIGKILLs, batch logs) are installed from outside, by ``tests/system/``.
 """
 
 from __future__ import annotations
