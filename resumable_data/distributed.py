@@ -286,7 +286,16 @@ class DataLoaderState:
         self.allow_world_size_change = allow_world_size_change
 
     def state_dict(self) -> dict[str, Any]:
-        """``{"version": 1, "state_json": <the global state as JSON>}``; a collective."""
+        """``{"version": 1, "state_json": <the global state as JSON>}``; a collective.
+
+        Examples:
+            >>> from resumable_data import ResumableDataLoader
+            >>> loader = ResumableDataLoader(torch.arange(10), batch_size=4, seed=0)
+            >>> _ = next(iter(loader))
+            >>> DataLoaderState(loader).state_dict()  # without a process group: this process's state
+            {'version': 1, 'state_json': '{"batch_size": 4, "dataset_length": 10, "drop_last": false, "epoch": 0,
+             "position": 4, "seed": 0, "shuffle": true, "version": 2, "world_size": 1}'}
+        """
         state = global_state(self.loader, group=self.group)
         try:
             text = json.dumps(state, sort_keys=True)

@@ -31,7 +31,7 @@ from .core.state import brief
 __all__ = ["assert_same", "first_difference"]
 
 
-def first_difference(expected: Any, actual: Any, path: str = "") -> str | None:
+def first_difference(expected: Any, actual: Any, path: str = "", *, strict_containers: bool = False) -> str | None:
     """Where ``actual`` first differs from ``expected``, or None when they are bitwise the same.
 
     Compares tensors, numpy arrays (and numpy scalars), python numbers, strings, bytes, None,
@@ -45,6 +45,9 @@ def first_difference(expected: Any, actual: Any, path: str = "") -> str | None:
         expected: the reference, e.g. the batches or the state of an uninterrupted run.
         actual: what to check against it, e.g. the resumed run's.
         path: the name of the compared values, put in front of the path in the message.
+        strict_containers: also require the same container types (``dict`` vs ``OrderedDict``,
+            ``list`` vs ``tuple``) and the same key order: what a checkpoint round trip through
+            ``torch.save`` must give back, or a refused load must leave, unchanged.
 
     Returns:
         ``"PATH: what differs"`` for the first difference found (depth first, in ``expected``'s
@@ -55,15 +58,22 @@ def first_difference(expected: Any, actual: Any, path: str = "") -> str | None:
         "state['loss'][1]: 0.25 vs 0.125"
         >>> first_difference(torch.tensor([1.0, -0.0]), torch.tensor([1.0, 0.0]), "batch")
         'batch: 1 of 2 elements differ, first at index (1,): -0.0 vs 0.0'
+        >>> first_difference({"b": 1, "a": [2]}, {"a": (2,), "b": 1}, "state", strict_containers=True)
+        "state: key order differs: ['b', 'a'] vs ['a', 'b']"
     """
     where = path or "value"
+    strict = strict_containers
+    if strict and _is_container(expected) and _is_container(actual) and type(expected) is not type(actual):
+        return f"{where}: {type(expected).__name__} vs {type(actual).__name__}"
     if isinstance(expected, Mapping) and isinstance(actual, Mapping):
         if expected.keys() != actual.keys():
             missing = ", ".join(sorted(map(repr, expected.keys() - actual.keys()))) or "none"
             extra = ", ".join(sorted(map(repr, actual.keys() - expected.keys()))) or "none"
             return f"{where}: keys differ (missing: {missing}; unexpected: {extra})"
+        if strict and list(expected) != list(actual):
+            return f"{where}: key order differs: {brief(list(expected))} vs {brief(list(actual))}"
         for key in expected:
-            diff = first_difference(expected[key], actual[key], f"{path}[{key!r}]")
+            diff = first_difference(expected[key], actual[key], f"{path}[{key!r}]", strict_containers=strict)
             if diff is not None:
                 return diff
         return None
@@ -71,7 +81,7 @@ def first_difference(expected: Any, actual: Any, path: str = "") -> str | None:
         lengths = f"lengths {len(expected)} vs {len(actual)}"
         # The first differing item says more than the lengths (a resume that skips one item).
         for i, (x, y) in enumerate(zip(expected, actual, strict=False)):
-            diff = first_difference(x, y, f"{path}[{i}]")
+            diff = first_difference(x, y, f"{path}[{i}]", strict_containers=strict)
             if diff is not None:
                 return diff if len(expected) == len(actual) else f"{diff} (and {where} has {lengths})"
         return None if len(expected) == len(actual) else f"{where}: {lengths}"
@@ -81,11 +91,16 @@ def first_difference(expected: Any, actual: Any, path: str = "") -> str | None:
         return _array_difference(where, expected, actual, _tensor_bytes)
     if isinstance(expected, (np.ndarray, np.generic)):
         if isinstance(expected, np.ndarray) and expected.dtype == object:
-            return first_difference(expected.tolist(), actual.tolist(), path)
+            return first_difference(expected.tolist(), actual.tolist(), path, strict_containers=strict)
         return _array_difference(where, np.asarray(expected), np.asarray(actual), _numpy_bytes)
     if dataclasses.is_dataclass(expected) and not isinstance(expected, type):
         for field in dataclasses.fields(expected):
-            diff = first_difference(getattr(expected, field.name), getattr(actual, field.name), f"{path}.{field.name}")
+            diff = first_difference(
+                getattr(expected, field.name),
+                getattr(actual, field.name),
+                f"{path}.{field.name}",
+                strict_containers=strict,
+            )
             if diff is not None:
                 return diff
         return None
@@ -96,13 +111,14 @@ def first_difference(expected: Any, actual: Any, path: str = "") -> str | None:
     return None if same else f"{where}: {brief(expected)} vs {brief(actual)}"
 
 
-def assert_same(expected: Any, actual: Any, what: str = "") -> None:
+def assert_same(expected: Any, actual: Any, what: str = "", *, strict_containers: bool = False) -> None:
     """Raise ``AssertionError`` naming the first difference unless the two are bitwise the same.
 
     Args:
         expected: the reference.
         actual: the value to check.
         what: what is compared (e.g. ``"resumed batches"``); it starts the message's path.
+        strict_containers: also compare container types and key order (see :func:`first_difference`).
 
     Raises:
         AssertionError: with :func:`first_difference`'s message.
@@ -113,9 +129,13 @@ def assert_same(expected: Any, actual: Any, what: str = "") -> None:
         ...
         AssertionError: batches[0]: 1 of 2 elements differ, first at index (1,): 2 vs 3
     """
-    diff = first_difference(expected, actual, what)
+    diff = first_difference(expected, actual, what, strict_containers=strict_containers)
     if diff is not None:
         raise AssertionError(diff)
+
+
+def _is_container(x: Any) -> bool:
+    return isinstance(x, (Mapping, list, tuple))
 
 
 def _float_bits(x: float | complex) -> bytes:

@@ -32,13 +32,14 @@ import torch.distributed as dist
 
 __all__ = ["EXIT_PARENT_GONE", "STARTUP_TIMEOUT", "fresh_store", "init_process_group", "watch_parent"]
 
-# How long the ranks of a new round wait for each other. A peer that dies is noticed by torchrun
-# within seconds (it stops the round); this bounds one that hangs, and must exceed the start-up skew
-# of importing torch on a busy machine.
 STARTUP_TIMEOUT = datetime.timedelta(seconds=180)
-# How often the watchdog looks for its parent, and the exit code of a rank whose parent died.
+"""How long the ranks of a new round wait for each other. A peer that dies is noticed by torchrun
+within seconds (it stops the round); this bounds one that hangs, and must exceed the start-up skew
+of importing torch on a busy machine."""
+# How often the watchdog looks for its parent.
 PARENT_POLL_S = 0.5
 EXIT_PARENT_GONE = 3
+"""The exit code of a rank whose parent (the torchrun agent) died."""
 # Keys of the start-up handshake in torchrun's store (the namespace's own keys live under its token).
 _LEADER_KEY = "resumable_data/round/leader"
 _RETRY = datetime.timedelta(milliseconds=500)

@@ -8,17 +8,13 @@ from __future__ import annotations
 
 import datetime
 import json
-import random
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch.distributed as dist
 import torch.multiprocessing as mp
-
-if TYPE_CHECKING:
-    from trainer.config import TrainConfig
 
 COLLECTIVE_TIMEOUT = datetime.timedelta(seconds=60)
 
@@ -57,36 +53,3 @@ def finish(out_dir: str | Path, name: str, rank: int, result: Any) -> None:
 def results(out_dir: str | Path, name: str, world_size: int) -> list[Any]:
     """Every rank's result of a run, by rank."""
     return [json.loads(Path(out_dir, f"{name}.rank{r}.json").read_text()) for r in range(world_size)]
-
-
-# The trainer's smallest run, for the trainer's tests (in one process, and under torchrun in
-# tests/trainer/test_ddp_trainer.py and tests/distributed/test_torchrun_restarts.py): one layer,
-# 20 steps, a checkpoint every 4.
-TINY = dict(
-    n_layer=1,
-    n_head=2,
-    n_embd=16,
-    block_size=16,
-    dropout=0.1,
-    batch_size=4,
-    max_steps=20,
-    lr=1e-2,
-    min_lr=1e-3,
-    warmup_steps=3,
-    eval_every=6,
-    eval_batches=1,
-    checkpoint_every=4,
-    progress=False,
-)
-
-
-def tiny(base: Path, name: str, **overrides: Any) -> TrainConfig:
-    """The TINY run in ``base/name``, training on 2,000 bytes of python source (``base/text.txt``)."""
-    from trainer.config import TrainConfig  # here, so the library's own distributed tests need no trainer
-
-    corpus = base / "text.txt"
-    if not corpus.exists():
-        corpus.write_bytes(Path(random.__file__).read_bytes()[:2000])
-    return TrainConfig(
-        run_dir=str(base / name), data=str(corpus), cache_dir=str(base / "cache"), **{**TINY, **overrides}
-    )

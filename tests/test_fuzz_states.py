@@ -50,6 +50,7 @@ from resumable_data.streams import (
     TokenShardReader,
     mix,
 )
+from resumable_data.testing import assert_same
 from streams_harness import MemoryShards, write_token_shards
 
 # The default suite stays fast (CI has 2 cores); RESUMABLE_FUZZ_SCALE=50 (with --hypothesis-profile=dev
@@ -161,31 +162,14 @@ def damage(data: st.DataObject, state: Any, *, max_steps: int = 3) -> Any:
     return root[0]
 
 
-# -- comparing states and items ----------------------------------------------------------------
-def same(a: Any, b: Any) -> bool:
-    """Structural equality of plain states (tensors compared by value, dtype and shape)."""
-    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
-        return (
-            isinstance(a, torch.Tensor)
-            and isinstance(b, torch.Tensor)
-            and a.dtype == b.dtype
-            and a.shape == b.shape
-            and torch.equal(a, b)
-        )
-    if isinstance(a, dict):
-        return isinstance(b, dict) and a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
-    if isinstance(a, (list, tuple)):
-        return type(a) is type(b) and len(a) == len(b) and all(same(x, y) for x, y in zip(a, b, strict=True))
-    return type(a) is type(b) and a == b
-
-
+# -- loading states and reading items ---------------------------------------------------------
 def load_or_refuse(obj: Any, bad: Any, **kwargs: Any) -> bool:
     """Load ``bad`` into ``obj``: True if it loaded; False if refused with ``obj`` unchanged."""
     before = copy.deepcopy(obj.state_dict())
     try:
         obj.load_state_dict(bad, **kwargs)
     except ResumeError:
-        assert same(obj.state_dict(), before), "a refused load changed the object"
+        assert_same(before, obj.state_dict(), "a refused load changed the object: state", strict_containers=True)
         return False
     return True
 
@@ -213,12 +197,6 @@ def flat_ids(items: list[Any], window: bool = False) -> list[int]:
         else:
             out.append(int(item))
     return out
-
-
-def assert_same_items(a: list[Any], b: list[Any]) -> None:
-    assert len(a) == len(b)
-    for x, y in zip(a, b, strict=True):
-        assert same(x, y) if not isinstance(x, (tuple, list)) else all(same(p, q) for p, q in zip(x, y, strict=True))
 
 
 # -- stream pipelines --------------------------------------------------------------------------
@@ -312,7 +290,7 @@ def test_stream_loads_a_damaged_state_consistently_or_refuses_it_unchanged(
     twin.load_state_dict(json.loads(json.dumps(stream.state_dict())))  # its own state is plain and loads
     items, stopped = drain(stream, 100)
     twin_items, twin_stopped = drain(twin, 100)
-    assert_same_items(items, twin_items)
+    assert_same(items, twin_items)
     assert stopped == twin_stopped
     if unique:
         ids = flat_ids(items, window="Token" in name)
@@ -354,7 +332,7 @@ def test_stream_loader_loads_a_damaged_state_consistently_or_refuses_it_unchange
     twin.load_state_dict(json.loads(json.dumps(loader.state_dict())))
     batches, stopped = drain(loader, 4)
     twin_batches, twin_stopped = drain(twin, 4)
-    assert_same_items(batches, twin_batches)
+    assert_same(batches, twin_batches)
     assert stopped == twin_stopped
 
 
@@ -400,17 +378,13 @@ def test_map_style_loads_a_damaged_state_consistently_or_refuses_it_unchanged(
     twin.load_state_dict(json.loads(json.dumps(obj.state_dict())), strict=strict)
     items, stopped = drain(obj, 30)
     twin_items, twin_stopped = drain(twin, 30)
-    assert_same_items(items, twin_items)
+    assert_same(items, twin_items)
     assert stopped == twin_stopped
     ids = flat_ids(items)
     assert all(0 <= i < 20 for i in ids)
 
 
 # -- restore_rng_state ----------------------------------------------------------------------------
-def rng_same(a: dict[str, Any], b: dict[str, Any]) -> bool:
-    return same(a, b)
-
-
 @fuzz(80)
 @given(data=st.data(), strict=st.booleans())
 def test_restore_rng_state_restores_a_damaged_state_exactly_or_changes_nothing(
@@ -425,7 +399,7 @@ def test_restore_rng_state_restores_a_damaged_state_exactly_or_changes_nothing(
     try:
         restore_rng_state(bad, strict=strict)
     except ResumeError:
-        assert rng_same(capture_rng_state(), before), "a refused restore changed an RNG"
+        assert_same(before, capture_rng_state(), "a refused restore changed an RNG: state", strict_containers=True)
         return
     # Accepted: the RNGs now hold exactly the given state, and they work.
     now = capture_rng_state()

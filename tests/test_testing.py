@@ -243,6 +243,30 @@ def test_layout_flags_and_container_types_are_not_state() -> None:
     assert first_difference((0.9, 0.95), [0.9, 0.96], "betas") == "betas[1]: 0.95 vs 0.96"
 
 
+def test_strict_containers_also_compares_container_types_and_key_order_at_any_depth() -> None:
+    # For what must come back unchanged (a torch.save round trip, a refused load): the container
+    # differences a round trip may make are then differences, named by their path, and nothing else
+    # changes (equal trees still compare equal, leaves are still compared bit for bit).
+    state = {"model": OrderedDict(w=torch.ones(2), b=torch.zeros(1)), "betas": (0.9, 0.95), "steps": [1, 2]}
+    assert first_difference(state, copy.deepcopy(state), strict_containers=True) is None
+    reordered = {**state, "model": OrderedDict(b=torch.zeros(1), w=torch.ones(2))}
+    plain = {**state, "model": dict(state["model"])}
+    listed = {**state, "betas": [0.9, 0.95]}
+    assert first_difference(reordered, state) is None
+    assert first_difference(state, reordered, "state", strict_containers=True) == (
+        "state['model']: key order differs: ['w', 'b'] vs ['b', 'w']"
+    )
+    assert first_difference(state, plain, "state", strict_containers=True) == "state['model']: OrderedDict vs dict"
+    assert first_difference(state, listed, "state", strict_containers=True) == "state['betas']: tuple vs list"
+    flipped = copy.deepcopy(state)
+    flipped["model"]["w"][1] = -1.0
+    assert first_difference(state, flipped, "state", strict_containers=True) == (
+        "state['model']['w']: 1 of 2 elements differ, first at index (1,): 1.0 vs -1.0"
+    )
+    with pytest.raises(AssertionError, match=r"^state\['betas'\]: tuple vs list$"):
+        assert_same(state, listed, "state", strict_containers=True)
+
+
 def test_a_tensor_difference_names_the_element() -> None:
     expected = torch.arange(12).reshape(3, 4)
     actual = expected.clone()

@@ -1,14 +1,17 @@
-"""``python -m trainer``: train (the default), verify-resume, chaos, plot, gpu-smoke.
+"""``python -m trainer``: train (the default) and plot; the system checks run from ``tests/system/``.
 
 python -m trainer                              # train the default model; Ctrl-C saves; rerun continues
 python -m trainer train --max-steps 1000 --data notes.txt
 python -m trainer train --data corpus/         # a folder of .jsonl or .parquet documents, streamed (--text-field)
+torchrun --nproc_per_node 2 -m trainer train   # data-parallel training (DDP; gloo on CPU, NCCL on CUDA)
+python -m trainer plot runs/default            # runs/default/metrics.png
+
+The system checks are test instrumentation and live with the tests, off this reading path; these
+commands start them (``python tests/system --help``) in a process of their own:
+
 python -m trainer verify-resume                # killed + resumed == uninterrupted, bitwise
 python -m trainer verify-resume --nproc 2      # the same under torchrun, plus elastic 2->1 and 2->3
-torchrun --nproc_per_node 2 -m trainer train   # data-parallel training (DDP; gloo on CPU, NCCL on CUDA)
 python -m trainer chaos --kills 100            # 100 SIGKILLs (mid-write, mid-prune, with workers...) + relaunches
-python -m trainer chaos --nproc 2 --checkpoint-format dcp --kills 30   # ranks and the torchrun agent too
-python -m trainer plot runs/default            # runs/default/metrics.png
 python -m trainer gpu-smoke                    # on a CUDA machine: default run, step time, verify-resume
 """
 
@@ -16,10 +19,12 @@ from __future__ import annotations
 
 import argparse
 import os
+import subprocess
 import sys
 import typing
 from collections.abc import Mapping, Sequence
 from dataclasses import fields
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -27,10 +32,6 @@ import torch
 from resumable_data import ResumeError
 
 from .config import TrainConfig, flag
-from .harness.chaos import chaos
-from .harness.chaos_distributed import chaos_distributed
-from .harness.gpu_smoke import gpu_smoke
-from .harness.verify import VERIFY_DEFAULTS, VERIFY_KILL_AT, verify_resume
 from .model import ModelConfig
 from .plot import plot_run
 from .train import train
@@ -41,9 +42,13 @@ from .train import train
 # carries the choice to the runs verify-resume starts.
 THREADS_ENV = "TRAINER_THREADS"
 DEFAULT_THREADS = 1
+# The commands of the system checks (tests/system/__main__.py), started as `python tests/system ...`.
+SYSTEM_CHECKS = ("verify-resume", "chaos", "gpu-smoke")
+SYSTEM_CHECKS_DIR = Path(__file__).resolve().parents[1] / "tests" / "system"
 
 
-def _add_threads_flag(parser: argparse.ArgumentParser) -> None:
+def add_threads_flag(parser: argparse.ArgumentParser) -> None:
+    """``--threads``, whose default ``$TRAINER_THREADS`` overrides."""
     raw = os.environ.get(THREADS_ENV)
     try:
         default = DEFAULT_THREADS if raw is None else int(raw)
@@ -58,7 +63,12 @@ def _add_threads_flag(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def _set_threads(threads: int) -> None:
+def set_threads(threads: int) -> None:
+    """Use ``threads`` intra-op threads here and in the trainer processes started from here.
+
+    Raises:
+        ValueError: ``threads`` is negative.
+    """
     if threads < 0:
         raise ValueError(f"--threads should be >= 0, but got --threads {threads}")
     os.environ[THREADS_ENV] = str(threads)  # the runs verify-resume starts use the same count
@@ -66,10 +76,11 @@ def _set_threads(threads: int) -> None:
         torch.set_num_threads(threads)
 
 
-def _add_train_flags(parser: argparse.ArgumentParser, defaults: Mapping[str, Any]) -> None:
+def add_train_flags(parser: argparse.ArgumentParser, defaults: Mapping[str, Any]) -> None:
     """One ``--flag`` per TrainConfig field, typed and documented from the dataclass.
 
     Args:
+        parser: the (sub)command's parser.
         defaults: values that replace the dataclass defaults for this subcommand.
     """
     hints = typing.get_type_hints(TrainConfig)
@@ -90,7 +101,8 @@ def _add_train_flags(parser: argparse.ArgumentParser, defaults: Mapping[str, Any
         parser.add_argument(name, type=value_type, default=default, help=f.metadata["help"] + shown)
 
 
-def _config(args: argparse.Namespace) -> TrainConfig:
+def config_from_args(args: argparse.Namespace) -> TrainConfig:
+    """The TrainConfig of parsed :func:`add_train_flags` flags."""
     return TrainConfig(**{f.name: getattr(args, f.name) for f in fields(TrainConfig)})
 
 
@@ -101,64 +113,25 @@ def _parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True)
 
     train_cmd = commands.add_parser("train", help="train (resumes from RUN_DIR's newest checkpoint by default)")
-    _add_train_flags(train_cmd, {})
-    _add_threads_flag(train_cmd)
-
-    verify = commands.add_parser(
-        "verify-resume", help="check that a SIGKILLed and resumed run equals an uninterrupted one"
-    )
-    _add_train_flags(verify, VERIFY_DEFAULTS)
-    verify.add_argument(
-        "--kill-at-step", type=int, default=VERIFY_KILL_AT, help="the step during which to SIGKILL the run"
-    )
-    verify.add_argument(
-        "--nproc",
-        type=int,
-        default=None,
-        help="run each job under torchrun with this many ranks, plus elastic resumes on 1 and NPROC+1 ranks",
-    )
-    _add_threads_flag(verify)
-    _add_harness_commands(commands)
-    return parser
-
-
-def _add_harness_commands(commands: Any) -> None:
-    """chaos, plot and gpu-smoke: the subcommands that do not train a run of their own flags."""
-    chaos_cmd = commands.add_parser(
-        "chaos",
-        help="SIGKILL a tiny run again and again (mid-write, mid-prune, with workers), relaunch at once, compare",
-    )
-    chaos_cmd.add_argument("--kills", type=int, default=20, help="SIGKILLs to inject (default: %(default)s)")
-    chaos_cmd.add_argument(
-        "--run-dir", default="runs/chaos", help="parent folder of the runs, emptied first (default: %(default)s)"
-    )
-    chaos_cmd.add_argument(
-        "--seed", type=int, default=0, help="fixes the kill moments, to replay a session (default: %(default)s)"
-    )
-    chaos_cmd.add_argument(
-        "--nproc",
-        type=int,
-        default=None,
-        help="run each job under torchrun with this many ranks and kill ranks and the agent too (needs --checkpoint-format dcp or dcp-async)",
-    )
-    chaos_cmd.add_argument(
-        "--checkpoint-format", default="dcp", choices=("dcp", "dcp-async"), help="with --nproc (default: %(default)s)"
-    )
+    add_train_flags(train_cmd, {})
+    add_threads_flag(train_cmd)
 
     plot = commands.add_parser("plot", help="write a PNG of loss and lr over steps, marking resume points")
     plot.add_argument("run_dir", help="a run folder (holds metrics.jsonl)")
     plot.add_argument("--out", default=None, help="PNG path (default RUN_DIR/metrics.png)")
+    for name in SYSTEM_CHECKS:
+        commands.add_parser(name, help="a system check: see python tests/system --help", add_help=False)
+    return parser
 
-    smoke = commands.add_parser(
-        "gpu-smoke", help="on CUDA: the default run's step time, then verify-resume with deterministic algorithms"
-    )
-    smoke.add_argument(
-        "--steps",
-        type=int,
-        default=TrainConfig().max_steps,
-        help="steps of the default run to time (default: %(default)s)",
-    )
-    smoke.add_argument("--run-dir", default="runs/gpu-smoke", help="parent folder of the smoke runs")
+
+def _run_system_check(argv: list[str]) -> int:
+    """``python tests/system ARGV``: the trainer never imports its test instrumentation."""
+    with subprocess.Popen([sys.executable, str(SYSTEM_CHECKS_DIR), *argv]) as check:
+        while True:
+            try:
+                return check.wait()
+            except KeyboardInterrupt:  # Ctrl-C reaches the check too; its exit code answers it
+                continue
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -166,32 +139,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or (argv[0].startswith("-") and argv[0] not in ("-h", "--help")):
         argv.insert(0, "train")
+    if argv[0] in SYSTEM_CHECKS:
+        return _run_system_check(argv)
     args = _parser().parse_args(argv)
     try:
-        if args.command in ("train", "verify-resume"):
-            _set_threads(args.threads)
         if args.command == "train":
-            train(_config(args))
-            return 0
-        if args.command == "verify-resume":
-            return 0 if verify_resume(_config(args), args.kill_at_step, args.nproc) else 1
-        if args.command == "chaos":
-            report = (
-                chaos(args.kills, args.run_dir, seed=args.seed)
-                if args.nproc is None
-                else chaos_distributed(
-                    args.kills, args.run_dir, nproc=args.nproc, checkpoint_format=args.checkpoint_format, seed=args.seed
-                )
-            )
-            print(report.table())
-            for failure in report.failures:
-                print(f"FAIL: {failure}")
-            print("PASS" if report.ok else "FAIL")
-            return 0 if report.ok else 1
-        if args.command == "plot":
+            set_threads(args.threads)
+            train(config_from_args(args))
+        else:
             print(f"wrote {plot_run(args.run_dir, args.out)}")
-            return 0
-        return 0 if gpu_smoke(args.steps, args.run_dir) else 1
+        return 0
     except (ResumeError, ValueError, OSError) as e:
         # ResumeError covers a locked run folder (CheckpointLockedError) and corrupt checkpoints;
         # OSError a checkpoint that cannot be written (disk full, read-only) or a missing file.

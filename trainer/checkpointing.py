@@ -20,8 +20,9 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
-import resumable_data
-from resumable_data import CheckpointManager, DataLoaderState, ResumeError, Stateful
+from resumable_data import CheckpointManager, ResumeError, Stateful
+from resumable_data.checkpoint import choose_checkpoint
+from resumable_data.distributed import DataLoaderState, decide_on_rank_zero, fail_together, global_state
 
 from . import parallel
 from .config import TrainConfig
@@ -80,11 +81,9 @@ class Checkpoints(contextlib.AbstractContextManager["Checkpoints"]):
             self._refuse_the_other_format()
             if self.store is not None:
                 self.store.remove_leftovers()
-            return resumable_data.choose_checkpoint(
-                self.store.store if self.store else self.manager, resume, option="--resume"
-            )
+            return choose_checkpoint(self.store.store if self.store else self.manager, resume, option="--resume")
 
-        return resumable_data.decide_on_rank_zero(on_rank_zero)
+        return decide_on_rank_zero(on_rank_zero)
 
     def _refuse_the_other_format(self) -> None:
         """The other format's checkpoints are the run's history: starting from scratch here would fork it."""
@@ -105,7 +104,7 @@ class Checkpoints(contextlib.AbstractContextManager["Checkpoints"]):
         """
         if path is None:  # the same on every rank: rank 0 chose for all
             return None
-        return resumable_data.fail_together(f"reading checkpoint {path}", lambda: self._read(path))
+        return fail_together(f"reading checkpoint {path}", lambda: self._read(path))
 
     def _read(self, path: Path) -> dict[str, Any]:
         if self.store is not None:
@@ -162,7 +161,7 @@ class Checkpoints(contextlib.AbstractContextManager["Checkpoints"]):
         distributed = self.par.distributed
         options = StateDictOptions(full_state_dict=distributed, cpu_offload=distributed)
         model_state, optimizer_state = get_state_dict(self.wrapped, self.optimizer, options=options)
-        data_state = resumable_data.global_state(self.loader)  # refuses ranks that disagree
+        data_state = global_state(self.loader)  # refuses ranks that disagree
         if self.manager is None:  # not rank 0
             return self.run_dir / CHECKPOINT_FOLDER
         parts = {MODEL: model_state, OPTIMIZER: optimizer_state, DATALOADER: data_state, **states}

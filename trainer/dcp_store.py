@@ -4,7 +4,7 @@ Layout: ``RUN_DIR/dcp/step-00000040/`` holds DCP's shards and ``.metadata`` (mod
 data state: written by every rank, each its own shard), ``trainer.pt`` (scheduler, per-rank RNG
 states, step counters, model config, audit: small, written by rank 0, read with
 ``weights_only=True``) and ``manifest.json`` (every file's size and sha256). The folders are the
-library's :class:`resumable_data.DcpStore`: every rank saves into its staging folder (through the
+library's :class:`resumable_data.checkpoint.DcpStore`: every rank saves into its staging folder (through the
 store's writer, so a full disk is reported with its errno and file), rank 0 then fsyncs everything,
 renames it to ``step-N`` and prunes, holding the folder's lock; ``--resume auto`` takes the newest
 folder whose files all verify, falling back with a warning.
@@ -23,7 +23,8 @@ from typing import Any
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
-from resumable_data import DcpStore, dcp_errors
+from resumable_data.checkpoint import DcpStore
+from resumable_data.distributed import dcp_errors
 
 __all__ = ["EXTRAS_NAME", "DcpCheckpoints"]
 

@@ -26,7 +26,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from resumable_data import ParquetReader, ShardedIterable, Stream, StreamLoader, TextLineReader
+from resumable_data import ShardedIterable, Stream, StreamLoader
+from resumable_data.streams import ParquetReader, TextLineReader
 
 from .config import TrainConfig
 from .data import TrainingData, user_files

@@ -5,7 +5,7 @@ check that the next step is the one the interrupted run would have taken (the re
 loop. Everything that decides the next step is in the checkpoint (``checkpointing.py``), so a resumed
 run is bitwise identical to one never interrupted (on CPU; on CUDA with ``--deterministic``). Under
 torchrun every rank runs this code; what DDP and FSDP2 do differently is behind ``parallel.Parallel``.
-Test hooks (SIGKILLs, batch logs) are installed from outside, by ``trainer/harness/``.
+Test hooks (SIGKILLs, batch logs) are installed from outside, by ``tests/system/``.
 """
 
 from __future__ import annotations
@@ -25,6 +25,8 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from tqdm import tqdm
 
 import resumable_data
+from resumable_data.rng import rank_seed, restore_rank_rng_state
+from resumable_data.signals import GracefulStop
 
 from . import checkpointing as ckpt
 from . import parallel
@@ -114,7 +116,7 @@ def _train(config: TrainConfig, par: parallel.Parallel) -> TrainResult:
         resumable_data.seed_everything(config.seed)  # the same initial weights on every rank
         model = GPT(model_config).to(par.device)
         if par.rank > 0:  # different dropout masks per rank
-            resumable_data.seed_everything(resumable_data.rank_seed(config.seed, par.rank))
+            resumable_data.seed_everything(rank_seed(config.seed, par.rank))
         wrapped = par.wrap(model)
         optimizer = torch.optim.AdamW(model.param_groups(config.weight_decay), lr=config.lr, betas=ADAM_BETAS)
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: config.lr_factor(s))
@@ -141,7 +143,7 @@ def _train(config: TrainConfig, par: parallel.Parallel) -> TrainResult:
             )
             # Last, because building the model above drew from the RNGs it restores.
             saved_rng = checkpoint[ckpt.RNG]  # by rank; a rank it lacks is seeded from (seed, step, rank)
-            resumable_data.restore_rank_rng_state(saved_rng, par.rank, seed=config.seed, step=state.step)
+            restore_rank_rng_state(saved_rng, par.rank, seed=config.seed, step=state.step)
             rng = f"ranks {len(saved_rng)}..{par.world_size - 1} seeded from (seed, step, rank)"
             rng = rng if par.world_size > len(saved_rng) else "restored"
             resumed = {"step": state.step, "checkpoint": str(resume_path), "audit": "ok", "elastic": config.elastic}
@@ -218,7 +220,7 @@ def _train(config: TrainConfig, par: parallel.Parallel) -> TrainResult:
         batches = data.batches()  # each new iter() continues the loader's epoch, or starts the next
         stack.callback(batches.close)  # shuts down DataLoader workers
         bar = stack.enter_context(Progress(config.max_steps, state.step, enabled=config.progress and par.is_main))
-        stop = stack.enter_context(resumable_data.GracefulStop(announce=tqdm.write))
+        stop = stack.enter_context(GracefulStop(announce=tqdm.write))
         # Under torchrun the ranks agree on the logged losses and on stopping in one all-reduce every
         # --sync-every steps and at every save, not every step; a single process waits for nobody.
         sync_every = config.sync_every if par.distributed else 1

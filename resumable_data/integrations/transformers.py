@@ -62,7 +62,8 @@ from ..rng.capture import capture_rng_state, restore_rng_state
 
 __all__ = ["STATE_FILE", "ResumableTrainer", "ResumableTrainerMixin"]
 
-STATE_FILE = "resumable_data.json"  # in every checkpoint-N
+STATE_FILE = "resumable_data.json"
+"""The file in every ``checkpoint-N`` that holds the loader's state."""
 _VERSION = "version"
 _LOADER = "loader"
 _PROCESSES = "num_processes"

@@ -286,6 +286,13 @@ class ResumableDataLoader(DataLoader):
 
         O(1) time and size (under 512 bytes serialized), whatever the dataset size, position,
         world size or number of workers.
+
+        Examples:
+            >>> loader = ResumableDataLoader(torch.arange(10), batch_size=4, seed=0)
+            >>> _ = next(iter(loader))
+            >>> loader.state_dict()
+            {'version': 2, 'epoch': 0, 'position': 4, 'dataset_length': 10, 'seed': 0, 'shuffle': True,
+             'world_size': 1, 'drop_last': False, 'batch_size': 4}
         """
         state = self._cursor.state_of(self._progress)
         return self._batches.state_for(state.epoch, state.position)

@@ -1,7 +1,7 @@
 """ResumableSampler: an epoch's order as a pure function of ``(seed, epoch, length)``, resumable in O(1).
 
 Positions are counted globally. Epoch ``e`` has one global order of the dataset (shuffled by a
-keyed :class:`~resumable_data.permutation.Permutation`, or ``0..N-1``); ranks interleave it from the
+keyed :class:`~resumable_data.core.permutation.Permutation`, or ``0..N-1``); ranks interleave it from the
 position ``p`` where this stretch of the epoch starts: rank ``r`` takes global positions
 ``p + r, p + r + W, p + r + 2W, ...``. Because every rank advances in lockstep (as under DDP), the
 saved state — ``epoch`` and ``position`` (global samples consumed in the epoch) — is the same on all
@@ -286,7 +286,17 @@ class ResumableSampler(torch.utils.data.Sampler[int]):
         return state
 
     def state_dict(self) -> dict[str, Any]:
-        """A small plain dict: ``version``, ``epoch``, ``position`` (the newest iterator's) and what fixes the order."""
+        """A small plain dict: ``version``, ``epoch``, ``position`` (the newest iterator's) and what fixes the order.
+
+        Examples:
+            >>> sampler = ResumableSampler(10, seed=0)
+            >>> indices = iter(sampler)
+            >>> [next(indices) for _ in range(3)]
+            [9, 8, 6]
+            >>> sampler.state_dict()
+            {'version': 2, 'epoch': 0, 'position': 3, 'dataset_length': 10, 'seed': 0, 'shuffle': True,
+             'world_size': 1, 'drop_last': False}
+        """
         return self.state_for(self._cursor.epoch, self._cursor.position)
 
     def load_state_dict(self, state_dict: Mapping[str, Any], *, strict: bool = True) -> None:

@@ -22,7 +22,7 @@ from .pack import Pack, cu_seqlens
 from .parquet import ParquetReader
 from .readers import TextLineReader, TokenShardReader
 from .repeat import Repeat
-from .sharded import ShardedIterable
+from .sharded import RecordCounter, ShardedIterable
 from .shuffle import ShuffleBuffer
 from .take import Take
 from .token_batch import BatchByTokens, BucketedBatchByTokens
@@ -38,6 +38,7 @@ __all__ = [
     "Mix",
     "Pack",
     "ParquetReader",
+    "RecordCounter",
     "Repeat",
     "ReplayWarning",
     "ShardedIterable",

@@ -13,19 +13,10 @@ list). The loader strips it off and applies it to its copy of that slot's state
 batches still sitting in a prefetch queue are not counted.
 
 With 0 workers the pipeline is this process's own and stops right after each batch, so it holds
-the state after the batch handed out; the loader reads it from there when a state is asked for,
-rather than applying every update to a copy as it goes (a copy whose writes, one per record into
-a list as long as the buffer, cost more than the batch's own state change). It still takes each
-batch's update, for :meth:`StreamLoader.state_dict` with ``unconsumed=1`` (the position before the
-last batch): the updates since its copy was last refreshed are kept, pickled (as hundreds of
-batches' small dicts and lists they would set off the garbage collector's full collections, a
-tenth of a second each beside a large model's objects), and the copy is refreshed from the
-pipeline once they are ``_REFRESH_RATIO`` (8) times its size, so the per-batch cost stays in
-proportion to the batch, whatever the buffer size. The copy stays pickled until it is needed.
-With 0 workers (and no ``pin_memory``) no DataLoader iterates the pipeline either: in this process
-it would only add its per-batch machinery (a profiler range, a fetcher) to every batch (its cost:
-benchmarks/README.md). A DataLoader is still built for each pass, so that the keywords given are
-checked as they always are. The state::
+the state after the batch handed out: the loader reads it from there (the slot ledger, see
+:mod:`.ledger`, keeps what a state one batch back needs).
+With 0 workers (and no ``pin_memory``) no DataLoader iterates the pipeline either (see :mod:`.slots`).
+The state::
 
     {"version": 1, "epoch": 2, "epoch_done": False, "world_size": 2, "num_workers": 2,
      "next_worker": {"0": 1}, "slots": {"0": {...pipeline state...}, "1": {...}},
@@ -65,19 +56,13 @@ numbers of batches per epoch (shards differ in size).
 from __future__ import annotations
 
 import itertools
-import pickle
-import re
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from typing import Any, NamedTuple
-
-import torch
-from torch.utils.data import DataLoader, IterableDataset, get_worker_info
+from typing import Any
 
 from ..core.cursor import EpochCursor
 from ..core.dist import distributed_defaults
-from ..core.hash import hash_ints, hash_more
+from ..core.hash import hash_ints
 from ..core.state import (
-    INT64_MAX,
     VERSION,
     WORLD_SIZE,
     brief,
@@ -89,9 +74,10 @@ from ..core.state import (
     require_mapping,
 )
 from ..errors import ResumeError
-from ..rng.global_rngs import GLOBAL_RNGS
 from .base import EPOCH, Stream, position_keys, require_count
 from .batch import Batch
+from .ledger import SlotLedger, batch_counts, slot_states
+from .slots import Seeding, SlotDataset, slot_batches, slot_loader
 
 __all__ = ["StreamLoader"]
 
@@ -102,11 +88,7 @@ NUM_WORKERS = "num_workers"
 NEXT_WORKER = "next_worker"
 SLOTS = "slots"
 BATCHES = "batches"  # batches each slot has yielded in the epoch: what seeds the global RNGs for the next
-# With 0 workers, the pickled updates kept beside the slot's copy may grow to this many times the
-# copy's pickled size before the copy is refreshed from the pipeline (about one state_dict()).
-_REFRESH_RATIO = 8
 _BATCH_SALT = 0x73747265616D  # "stream": the global-RNG keys must not coincide with other keys
-_END = object()
 # DataLoader arguments the loader decides itself.
 _OWNED = ("batch_size", "shuffle", "sampler", "batch_sampler", "generator", "collate_fn")
 
@@ -193,24 +175,8 @@ class StreamLoader:
         # The epoch rules; the position itself is the slot states (the cursor's position is unused).
         self._cursor = EpochCursor("stream_loader")
         self._fresh = True  # the slot states are an epoch's start, not a position inside it
-        self._next_worker = 0
-        self._states: list[dict[str, Any]] = []
-        self._yielded: list[int] = []  # per local slot, batches yielded in the epoch (global_rng keys)
-        # The last batch handed out, (slot, its batch count, its state update), folded into the
-        # three fields above only when the caller asks for the next batch or stops: until then
-        # state_dict(unconsumed=1) can still describe the position before it.
-        self._pending: tuple[int, int, dict[str, Any]] | None = None
-        # The slot whose state ``self._stream`` (this process's pipeline) holds right now, exactly as
-        # ``self._states`` records it, or None. With 0 workers that pipeline then iterates without
-        # loading the state again: a restored state is validated once, in load_state_dict, and a
-        # shuffle buffer keeps the records it holds after a break (a reload would re-read them).
-        self._holds: int | None = None
-        # With 0 workers (see the module docstring): the updates of the batches handed out since
-        # the slot's copy was last brought up to date, pickled; their bytes, and the copy's. The
-        # copy is self._states[0], or these bytes when refreshed from the pipeline since.
-        self._updates: list[bytes] = []
-        self._updates_size = self._copy_size = 0
-        self._pickled_states: bytes | None = None
+        # Each local slot's state as of the batches handed out, and which slot is next.
+        self._ledger = SlotLedger(self._stream, workers=self.num_workers > 0)
         self._start_epoch(0)
 
     @property
@@ -221,7 +187,7 @@ class StreamLoader:
     @property
     def batches_yielded(self) -> int:
         """Batches this rank has handed out in the current epoch (restored ones included)."""
-        return sum(self._yielded) + (self._pending[1] - self._yielded[self._pending[0]] if self._pending else 0)
+        return self._ledger.batches_yielded
 
     @property
     def num_slots(self) -> int:
@@ -233,11 +199,8 @@ class StreamLoader:
         for local in range(self._local):
             self._stream.reset(epoch, (self.rank * self._local + local, self.num_slots))
             states.append(self._stream.state_dict())
-        self._states, self._next_worker, self._fresh = states, 0, True
-        self._yielded = [0] * self._local
-        self._pending = None
-        self._holds = self._local - 1
-        self._drop_updates(0)
+        self._ledger.reset(states, [0] * self._local, 0)
+        self._fresh = True
 
     def set_epoch(self, epoch: int) -> None:
         """The next pass is epoch ``epoch`` from its start; a pending restore of that epoch is kept."""
@@ -257,86 +220,38 @@ class StreamLoader:
         yielded = False
         # From here on the pipeline may move (or workers move their copies): nothing is known to
         # hold a recorded state until a batch arrives.
-        holds, self._holds = self._holds, None
+        ledger = self._ledger
+        holds, ledger.holds = ledger.holds, None
         if holds is None:
-            self._apply_updates()  # the pipeline loads the slot's state: it must be up to date
+            ledger.bring_up_to_date()  # the pipeline loads the slot's state: it must be up to date
         for local, count, update, batch in self._batches(segment.epoch, holds):
-            self._pending = (local, count, update)
+            # With 0 workers the pipeline stopped right after this batch: it holds the state just
+            # recorded, and keeps holding it if the caller stops here (the generator closes at the yield).
+            ledger.record(local, count, update)
             self._fresh, yielded = False, True
             self._cursor.advance(segment, 0, False)
-            if self.num_workers == 0:
-                # The pipeline stopped right after this batch: it holds the state just recorded,
-                # and keeps holding it if the caller stops here (the generator closes at the yield).
-                self._holds = local
             try:
                 yield batch
             finally:
                 # The caller wants the next batch, or stopped: fold this one in before the pipeline moves.
-                self._settle()
-            self._holds = None  # the pipeline moves again
+                ledger.settle()
+            ledger.holds = None  # the pipeline moves again
         self._cursor.advance(segment, 0, True)
         if not yielded and not fresh and not pinned:
             # Restored right after the epoch's last batch: go on with the next epoch rather than
             # hand the caller an empty one.
             yield from self
 
-    def _settle(self) -> None:
-        """Fold the last batch handed out into the slot states."""
-        if self._pending is not None:
-            local, count, update = self._pending
-            self._pending = None
-            if self.num_workers:
-                self._states[local] = self._stream.apply_update(self._states[local], update)
-            else:
-                # The pipeline holds this state; the update is kept for state_dict(unconsumed=1)
-                # until the updates outgrow a refresh of the copy from the pipeline.
-                kept = pickle.dumps(update, protocol=pickle.HIGHEST_PROTOCOL)
-                self._updates.append(kept)
-                self._updates_size += len(kept)
-                if self._updates_size > _REFRESH_RATIO * self._copy_size and self._holds == local:
-                    self._refresh()
-            self._yielded[local] = count
-            self._next_worker = (local + 1) % self._local
-
-    def _refresh(self) -> bytes:
-        """Make the pipeline's state the slot's copy, with no updates beside it (0 workers, the
-        pipeline holding the state after the last batch handed out); returns the copy pickled.
-
-        The copy stays pickled until it is needed (:meth:`_apply_updates`): most are replaced by
-        the next refresh unread, and a buffer's worth of key lists unpickled at every refresh
-        would be that many more objects for the garbage collector to track."""
-        kept = pickle.dumps([self._stream.state_dict()], protocol=pickle.HIGHEST_PROTOCOL)
-        self._drop_updates(len(kept))
-        self._pickled_states = kept
-        return kept
-
-    def _drop_updates(self, copy_size: int) -> None:
-        """No updates are kept beside the slot's copy, whose pickled size is ``copy_size`` (0: unknown,
-        so the first update kept refreshes it), and the copy is ``self._states``."""
-        self._updates, self._updates_size, self._copy_size = [], 0, copy_size
-        self._pickled_states = None
-
-    def _apply_updates(self) -> None:
-        """Bring ``self._states[0]`` up to date with the copy and the updates kept beside it (0 workers)."""
-        if self._pickled_states is not None:
-            self._states = pickle.loads(self._pickled_states)
-            self._pickled_states = None
-        if self._updates:
-            state = self._states[0]
-            for kept in self._updates:
-                state = self._stream.apply_update(state, pickle.loads(kept))
-            self._states[0] = state
-            self._drop_updates(self._copy_size)
-
     def _batches(self, epoch: int, holds: int | None) -> Iterator[tuple[int, int, dict[str, Any], Any]]:
         """``(slot, batches it has yielded, state update, batch)`` of this pass: the first from this
         process when warm."""
         if self.warm_start:
-            local = self._next_worker
+            ledger = self._ledger
+            local = ledger.next_worker
             # The worker for this slot will load the state after this batch, never this pipeline.
             seeding = self._seeding(epoch)
             first = next(
-                _slot_batches(self._stream, local, self._states[local], self._yielded[local], seeding, load=True),
+                slot_batches(self._stream, local, ledger.states[local], ledger.yielded[local], seeding, load=True),
                 None,
             )
             if first is not None:
@@ -345,35 +260,19 @@ class StreamLoader:
                 holds = None
         yield from self._slots(epoch, holds)
 
-    def _seeding(self, epoch: int) -> _Seeding | None:
+    def _seeding(self, epoch: int) -> Seeding | None:
         """How this pass seeds the global RNGs before each batch (None: ``global_rng=None``)."""
         if self.global_rng is None:
             return None
-        return _Seeding(hash_ints(epoch, self.num_slots, _BATCH_SALT), self.rank * self._local)
+        return Seeding(hash_ints(epoch, self.num_slots, _BATCH_SALT), self.rank * self._local)
 
     def _slots(self, epoch: int, holds: int | None) -> Iterable[tuple[int, int, dict[str, Any], Any]]:
         """The pass's batches from the slots: through a DataLoader's workers, or in this process."""
-        dataset = _SlotDataset(
-            self._stream, list(self._states), list(self._yielded), self._seeding(epoch), self._next_worker, holds
+        ledger = self._ledger
+        dataset = SlotDataset(
+            self._stream, list(ledger.states), list(ledger.yielded), self._seeding(epoch), ledger.next_worker, holds
         )
-        # A private generator: torch draws the workers' base seed from it, which would otherwise
-        # consume the global RNG (and change model randomness after a resume).
-        generator = torch.Generator()
-        generator.manual_seed(hash_ints(epoch, self.rank) >> 1)
-        # Built with 0 workers too: it validates the caller's DataLoader keywords as it always does.
-        loader = DataLoader(
-            dataset,
-            batch_size=None,
-            num_workers=self.num_workers,
-            collate_fn=_unchanged,
-            generator=generator,
-            **self._dataloader_kwargs,
-        )
-        if self.num_workers == 0 and not loader.pin_memory:
-            # In this process a DataLoader adds nothing but its own per-batch machinery (a profiler
-            # range, the fetcher), so the slot's pipeline is iterated directly.
-            return dataset
-        return loader
+        return slot_loader(dataset, self.num_workers, hash_ints(epoch, self.rank) >> 1, self._dataloader_kwargs)
 
     # -- state ---------------------------------------------------------------------------------
     def state_dict(self, *, unconsumed: int = 0) -> dict[str, Any]:
@@ -391,25 +290,10 @@ class StreamLoader:
                 for the next one since).
         """
         check_int_arg("unconsumed", unconsumed, minimum=0)
-        if unconsumed > 1 or (unconsumed and self._pending is None):
-            held = "1" if self._pending is not None else "0 (no batch handed out is held back)"
+        if unconsumed > 1 or (unconsumed and not self._ledger.holds_back):
+            held = "1" if self._ledger.holds_back else "0 (no batch handed out is held back)"
             raise ResumeError(f"state_dict(unconsumed={unconsumed}): can take back at most {held}")
-        yielded, next_worker = list(self._yielded), self._next_worker
-        if self._pending is not None and not unconsumed:
-            local, count, update = self._pending
-            yielded[local], next_worker = count, (local + 1) % self._local
-        if self.num_workers == 0 and self._holds is not None and not unconsumed:
-            # The pipeline holds the state after the last batch handed out: read it from there,
-            # and refresh the copy from it unless a batch is still held back.
-            held_back = self._pending is not None
-            states = _copy([self._stream.state_dict()]) if held_back else pickle.loads(self._refresh())
-        else:
-            self._apply_updates()
-            states = _copy(self._states)
-            if self._pending is not None and not unconsumed:
-                # On a copy: self._states stays as it is, so a later call can still take the batch
-                # back; copied again, since the state shares lists with the update.
-                states[local] = _copy([self._stream.apply_update(states[local], update)])[0]
+        states, yielded, next_worker = self._ledger.snapshot(unconsumed)
         return {
             VERSION: LOADER_STATE_VERSION,
             EPOCH: self._cursor.epoch,
@@ -442,7 +326,7 @@ class StreamLoader:
         old_local = max(1, old_workers)
         # The slot count comes from untrusted ints: compare it, never materialize a range of it.
         old_slots = old_world * old_local
-        slots = _slots_of(state, old_slots)
+        slots = slot_states(state, SLOTS, old_slots, _WHAT)
         for g, slot_state in slots.items():
             slot_epoch = slot_state.get(EPOCH) if isinstance(slot_state, Mapping) else None
             if isinstance(slot_epoch, int) and slot_epoch != epoch:
@@ -459,7 +343,7 @@ class StreamLoader:
                     f"{sorted(slots)[:20]}); load this rank's own state or StreamLoader.merge_states of all ranks'"
                 )
             raw = [slots[g] for g in mine]
-            yielded = _batches_of(state, mine)
+            yielded = batch_counts(state, BATCHES, mine, _WHAT)
             next_worker = require_mapping(state.get(NEXT_WORKER), f"{_WHAT} {NEXT_WORKER!r}").get(str(self.rank))
             if not is_int(next_worker) or not 0 <= next_worker < self._local:
                 raise ResumeError(
@@ -497,11 +381,8 @@ class StreamLoader:
         for apply in applies:
             apply()
             states.append(self._stream.state_dict())
-        self._states, self._next_worker, self._fresh = states, next_worker, False
-        self._yielded = yielded
-        self._pending = None
-        self._holds = self._local - 1
-        self._drop_updates(0)
+        self._ledger.reset(states, yielded, next_worker)
+        self._fresh = False
         self._cursor.restore(epoch, 0, epoch_done)
 
     @staticmethod
@@ -538,7 +419,7 @@ class StreamLoader:
             merged[NEXT_WORKER].update(require_mapping(state.get(NEXT_WORKER), f"{_WHAT} {NEXT_WORKER!r}"))
             merged[BATCHES].update(require_mapping(state.get(BATCHES, {}), f"{_WHAT} {BATCHES!r}"))
             merged[EPOCH_DONE] = merged[EPOCH_DONE] and require_bool(state, EPOCH_DONE, _WHAT)
-        _check_same_pipeline(_slots_of(merged, _max_slots(merged)), max(1, merged[NUM_WORKERS]))
+        _check_same_pipeline(slot_states(merged, SLOTS, _max_slots(merged), _WHAT), max(1, merged[NUM_WORKERS]))
         return merged
 
 
@@ -591,116 +472,3 @@ def _check_same_pipeline(slots: Mapping[int, Any], local: int) -> None:
                 "read twice and others never. Build the pipeline with the same arguments (seeds, shard list, "
                 "buffer sizes, weights) on every rank"
             )
-
-
-_SLOT_NAME = re.compile(r"0|[1-9][0-9]*")
-
-
-def _slots_of(state: Mapping[str, Any], num_slots: int) -> dict[int, Any]:
-    """The ``"slots"`` field as ``{slot number: pipeline state}``; names are canonical ASCII decimals."""
-    slots = require_mapping(state.get(SLOTS), f"{_WHAT} {SLOTS!r}")
-    parsed = {}
-    for key in slots:
-        # Canonical decimal only: "²" and "٣" pass str.isdigit(), and "01" would alias slot 1.
-        # Checking the length first bounds int(), which refuses strings of over 4300 digits.
-        if not (
-            isinstance(key, str)
-            and len(key) <= len(str(num_slots))
-            and _SLOT_NAME.fullmatch(key)
-            and int(key) < num_slots
-        ):
-            raise ResumeError(f"{_WHAT} state: slot {brief(key)} is not a slot number below {num_slots}")
-        parsed[int(key)] = slots[key]
-    return parsed
-
-
-def _copy(states: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """A deep copy of the slot states, so that the caller owns what state_dict() returns.
-
-    A pickle round trip of data this loader made itself: a shuffle buffer's state lists every
-    buffered key, and copy.deepcopy is several times slower on such lists.
-    """
-    copied: list[dict[str, Any]] = pickle.loads(pickle.dumps(states, protocol=pickle.HIGHEST_PROTOCOL))
-    return copied
-
-
-def _batches_of(state: Mapping[str, Any], mine: range) -> list[int]:
-    """The ``"batches"`` counts of this rank's slots (0 for a state saved before they were kept)."""
-    counts = require_mapping(state.get(BATCHES, {}), f"{_WHAT} {BATCHES!r}")
-    batches = [counts.get(str(g), 0) for g in mine]
-    for g, n in zip(mine, batches, strict=True):
-        if not is_int(n) or not 0 <= n <= INT64_MAX:
-            raise ResumeError(f"{_WHAT} state field {BATCHES!r} has {brief(n)} for slot {g}, expected an int >= 0")
-    return batches
-
-
-def _unchanged(item: Any) -> Any:
-    """The DataLoader's collate_fn: workers already batched, and the state must pass untouched."""
-    return item
-
-
-class _Seeding(NamedTuple):
-    """Global-RNG seeding before each batch: slot ``g``'s ``n``-th batch of the epoch is pulled
-    through the pipeline under ``hash_more(prefix, g, n)``."""
-
-    prefix: int  # hash_ints(epoch, number of slots, salt)
-    first_slot: int  # this rank's first global slot
-
-
-class _SlotDataset(IterableDataset):
-    """What each worker iterates: its slot's pipeline from the slot's state, batch by batch.
-
-    ``holds`` is the slot whose state the loader's own pipeline already holds (see
-    ``StreamLoader._holds``); iterating in the loader's process (0 workers), that pipeline goes on
-    from there instead of validating and applying the same state again. A worker always loads its
-    slot's state into its copy of the pipeline.
-    """
-
-    def __init__(
-        self,
-        stream: Stream,
-        states: list[dict[str, Any]],
-        yielded: list[int],
-        seeding: _Seeding | None,
-        next_worker: int,
-        holds: int | None,
-    ) -> None:
-        self.stream = stream
-        self.states = states
-        self.yielded = yielded
-        self.seeding = seeding
-        self.next_worker = next_worker
-        self.holds = holds
-
-    def __iter__(self) -> Iterator[tuple[int, int, dict[str, Any], Any]]:
-        info = get_worker_info()
-        # Rotate slots over workers so that the DataLoader's round-robin, which always starts at
-        # worker 0, starts at the slot that was next when the state was saved.
-        local = 0 if info is None else (info.id + self.next_worker) % len(self.states)
-        load = info is not None or local != self.holds
-        yield from _slot_batches(self.stream, local, self.states[local], self.yielded[local], self.seeding, load=load)
-
-
-def _slot_batches(
-    stream: Stream, local: int, state: dict[str, Any], yielded: int, seeding: _Seeding | None, *, load: bool
-) -> Iterator[tuple[int, int, dict[str, Any], Any]]:
-    """The per-batch path: slot ``local``'s batches from ``state`` (loaded when ``load``), each with
-    the count of batches the slot has yielded and the change to the state it makes; whichever
-    process runs it (a worker, or this one)."""
-    if load:
-        stream.load_state_dict(state)
-    items = iter(stream)
-    # In the main process the global RNGs are the training loop's too: they are put back after each batch.
-    restore = get_worker_info() is None
-    while True:
-        if seeding is None:
-            item = next(items, _END)
-        else:
-            # Pulling the batch runs the pipeline (map's fn included) for it, under its own key.
-            with GLOBAL_RNGS.seeded(hash_more(seeding.prefix, seeding.first_slot + local, yielded), restore=restore):
-                item = next(items, _END)
-        if item is _END:
-            return
-        yielded += 1
-        # The change since the last batch's state: as large as a batch, not as the state.
-        yield local, yielded, stream.state_update(), item

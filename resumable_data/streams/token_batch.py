@@ -6,17 +6,17 @@ cost stays within ``max_tokens``: the sum of the records' lengths, or with ``pad
 batch padded to its longest record costs, ``len(batch) * longest``.
 
 State: deciding that a record does not fit means reading it, so between two batches one record
-may have been read for the next batch. The state is its key, never the record::
+may have been read for the next batch. The state is its key (``[epoch, shard, offset]``), never
+the record:
 
-    {
-        "version": 2,
-        "epoch": 0,
-        "max_tokens": 4096,
-        "padded": False,
-        "oversized": "error",
-        "carry": [[epoch, shard, offset]],
-        "source": {...},
-    }
+>>> from resumable_data import ShardedIterable
+>>> documents = {"a": [[1, 2, 3], [4], [5, 6], [7, 8, 9, 10]]}
+>>> source = ShardedIterable(["a"], read_shard=lambda shard, start: iter(documents[shard][start:]), shuffle=False)
+>>> stream = source.batch_by_tokens(4)
+>>> next(iter(stream))
+[[1, 2, 3], [4]]
+>>> {key: value for key, value in stream.state_dict().items() if key != "source"}  # and the source's state
+{'version': 2, 'epoch': 0, 'max_tokens': 4, 'padded': False, 'oversized': 'error', 'carry': [[0, 0, 2]]}
 
 A restore re-reads that one record by key and starts the next batch with it. On a layout change
 (another number of workers or ranks) it goes back to the sources as a pending record, so every

@@ -17,6 +17,7 @@ import torch
 
 from resumable_data import CheckpointLockedError, CheckpointManager, ResumeError
 from resumable_data.checkpoint import durable as _durable
+from resumable_data.testing import assert_same
 
 
 def make_state(step: int) -> dict[str, Any]:
@@ -29,22 +30,6 @@ def make_state(step: int) -> dict[str, Any]:
         "train_state": {"step": step, "best_val_loss": None, "name": "run"},
         "rng": torch.get_rng_state(),
     }
-
-
-def assert_same_state(a: Any, b: Any) -> None:
-    assert type(a) is type(b)
-    if isinstance(a, torch.Tensor):
-        assert torch.equal(a, b)
-    elif isinstance(a, dict):
-        assert list(a) == list(b)
-        for key in a:
-            assert_same_state(a[key], b[key])
-    elif isinstance(a, (list, tuple)):
-        assert len(a) == len(b)
-        for x, y in zip(a, b, strict=True):
-            assert_same_state(x, y)
-    else:
-        assert a == b
 
 
 def steps(manager: CheckpointManager) -> list[int]:
@@ -76,17 +61,17 @@ def test_round_trip_and_layout(manager: CheckpointManager) -> None:
     assert manifest["size"] == (path / "state.pt").stat().st_size
     assert len(manifest["sha256"]) == 64 and manifest["library_version"]
     assert manager.latest() == path and manager.best() == path
-    assert_same_state(manager.load(), state)
+    assert_same(manager.load(), state, strict_containers=True)
     # A step folder, its payload file, and a name relative to the run folder all load.
-    assert_same_state(manager.load(path / "state.pt"), state)
-    assert_same_state(manager.load("step-00000007"), state)
+    assert_same(manager.load(path / "state.pt"), state, strict_containers=True)
+    assert_same(manager.load("step-00000007"), state, strict_containers=True)
 
 
 def test_payload_loads_with_weights_only(manager: CheckpointManager) -> None:
     state = make_state(3)
     path = manager.save(3, state)
     loaded = torch.load(path / "state.pt", weights_only=True)
-    assert_same_state(loaded, state)
+    assert_same(loaded, state, strict_containers=True)
 
 
 def test_module_state_dict_round_trips(manager: CheckpointManager) -> None:
@@ -100,7 +85,7 @@ def test_module_state_dict_round_trips(manager: CheckpointManager) -> None:
     fresh.load_state_dict(loaded["model"], strict=True)
     fresh_opt = torch.optim.AdamW(fresh.parameters())
     fresh_opt.load_state_dict(loaded["optimizer"])
-    assert_same_state(fresh.state_dict(), model.state_dict())
+    assert_same(fresh.state_dict(), model.state_dict(), strict_containers=True)
 
 
 def test_step_of() -> None:
@@ -122,7 +107,7 @@ def test_saving_an_existing_step_replaces_it(manager: CheckpointManager) -> None
     manager.save(5, make_state(1))
     manager.save(5, make_state(2))
     assert steps(manager) == [5]
-    assert_same_state(manager.load(), make_state(2))
+    assert_same(manager.load(), make_state(2), strict_containers=True)
 
 
 # -- refusing bad input before writing -----------------------------------------------------------
@@ -205,7 +190,7 @@ def test_corrupt_newest_falls_back_to_previous(manager: CheckpointManager) -> No
     with pytest.warns(UserWarning, match="step-00000002.*checksum mismatch"):
         assert manager.latest() == older
     with pytest.warns(UserWarning, match="checksum mismatch"):
-        assert_same_state(manager.load(), make_state(1))
+        assert_same(manager.load(), make_state(1), strict_containers=True)
 
 
 def test_load_corrupt_or_truncated_path_names_it(manager: CheckpointManager) -> None:
@@ -230,7 +215,7 @@ def test_resaving_a_corrupt_step_replaces_it(manager: CheckpointManager) -> None
     with pytest.warns(UserWarning):
         assert manager.step_of(manager.latest()) == 1
     manager.save(2, make_state(2))  # the run resumed from 1 and reached step 2 again
-    assert_same_state(manager.load(), make_state(2))
+    assert_same(manager.load(), make_state(2), strict_containers=True)
 
 
 # -- pruning -------------------------------------------------------------------------------------
@@ -319,7 +304,7 @@ def test_async_save_returns_before_the_write_and_snapshots_state(tmp_path: Path,
         slow_writer.release.set()
         m.wait()
         assert path.exists()
-        assert_same_state(m.load(), expected)
+        assert_same(m.load(), expected, strict_containers=True)
 
 
 def test_async_at_most_one_save_in_flight(tmp_path: Path, slow_writer: SlowWriter) -> None:
@@ -401,7 +386,7 @@ def test_async_keeps_storage_sharing_like_sync(tmp_path: Path) -> None:
     assert ["a", "b", "c", "d", "e"] in storage_groups(async_state)
     assert ["model.lm_head.weight", "model.wte.weight"] in storage_groups(async_state)
     assert async_state["a"] is async_state["e"]
-    assert_same_state(async_state, sync_state)
+    assert_same(async_state, sync_state, strict_containers=True)
     assert not torch.equal(async_state["a"], w)
 
     # torch.save refuses one storage viewed as two dtypes; async copies each dtype apart, as before.

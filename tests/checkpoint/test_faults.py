@@ -38,6 +38,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from resumable_data import CheckpointLockedError, CheckpointManager, ResumeError
+from resumable_data.testing import assert_same
 from trainer.data import prepare_data
 
 REPO = Path(__file__).resolve().parents[2]
@@ -59,17 +60,6 @@ def step_names(manager: CheckpointManager) -> list[str]:
 
 def run_folder_entries(manager: CheckpointManager) -> list[str]:
     return sorted(path.name for path in manager.directory.iterdir())
-
-
-def assert_same(a: Any, b: Any) -> None:
-    if isinstance(a, torch.Tensor):
-        assert torch.equal(a, b)
-    elif isinstance(a, dict):
-        assert a.keys() == b.keys()
-        for key in a:
-            assert_same(a[key], b[key])
-    else:
-        assert a == b
 
 
 @pytest.fixture

@@ -27,11 +27,11 @@ from typing import Any
 
 import pytest
 
-from dist_harness import tiny
+from helpers.trainer_runs import end_weights, losses, tiny
 from resumable_data import CheckpointManager
+from system.chaos_distributed import alive, children
+from system.verify import config_to_argv
 from trainer.config import TrainConfig
-from trainer.harness.chaos_distributed import alive, children
-from trainer.harness.verify import config_to_argv
 from trainer.metrics import read_metrics
 
 REPO = Path(__file__).resolve().parents[2]
@@ -90,14 +90,6 @@ def wait_for_step(run_dir: str, step: int, starts: int = 1, timeout: float = JOB
             return list(log[begun[starts - 1]]["pids"])
         time.sleep(0.05)
     raise TimeoutError(f"{run_dir}: step {step} of launch {starts} not logged within {timeout} s")
-
-
-def losses(run_dir: str) -> dict[int, float]:
-    return {e["step"]: e["loss"] for e in read_metrics(run_dir) if e["event"] == "step"}
-
-
-def end_weights(run_dir: str) -> list[str]:
-    return [e for e in read_metrics(run_dir) if e["event"] == "end"][-1]["rank_weights"]
 
 
 STALE_ROUND = textwrap.dedent(

@@ -35,6 +35,7 @@ from resumable_data.streams import (
     mix,
     readers,
 )
+from resumable_data.testing import assert_same
 from streams_harness import CountingReader, FetchLog, MemoryShards, write_token_shards
 
 WINDOW = 4  # 250 windows per shard of 1000 tokens
@@ -81,15 +82,6 @@ def state_and_continuation(make, cut: int, tail: int) -> tuple[dict[str, Any], l
         next(iterator)
     state = json_roundtrip(stream.state_dict())
     return state, list(itertools.islice(iterator, tail))
-
-
-def assert_same(got: list[Any], expected: list[Any]) -> None:
-    assert len(got) == len(expected)
-    for a, b in zip(got, expected, strict=True):
-        if isinstance(a, torch.Tensor):
-            assert torch.equal(a, b)
-        else:
-            assert a == b
 
 
 @pytest.mark.parametrize(

@@ -1,6 +1,6 @@
 """The chaos harness, in small: SIGKILLs mid-write, mid-prune and at a random moment (with forked
 workers alive), each followed by an immediate relaunch with ``--resume auto``; the run must end
-bitwise equal to the uninterrupted one. ``python -m trainer chaos --kills 100`` is the full session."""
+bitwise equal to the uninterrupted one. ``python tests/system chaos --kills 100`` is the full session."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from trainer.harness.chaos import PLAN, ChaosReport, chaos
-from trainer.harness.killpoints import KILLPOINTS
+from system.chaos import PLAN, ChaosReport, chaos
+from system.killpoints import KILLPOINTS
 
 # The session runs in subprocesses with their own timeouts; this bounds the whole test.
 SESSION_TIMEOUT_S = 240

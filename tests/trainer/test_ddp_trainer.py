@@ -22,17 +22,17 @@ from typing import Any
 import pytest
 import torch
 
-from dist_harness import tiny
+from helpers.trainer_runs import end_weights, losses, tiny
 from resumable_data import CheckpointManager, ResumeError
 from resumable_data.testing import assert_same
+from system import index_log
+from system.killpoints import ENTRY as KILLPOINTS_ENTRY
+from system.verify import child_env, config_to_argv, verify_resume
 from trainer.checkpointing import CHECKPOINT_FOLDER, DCP_FOLDER
 from trainer.config import TrainConfig
-from trainer.harness import index_log
-from trainer.harness.verify import config_to_argv, verify_resume
 from trainer.metrics import read_metrics
 from trainer.train_state import elastic_plan
 
-REPO = Path(__file__).resolve().parents[2]
 JOB_TIMEOUT = 120
 KILL_AT = 15
 
@@ -41,20 +41,19 @@ def torchrun(
     config: TrainConfig, nproc: int, *, wait: bool = True, log_indices: bool = False
 ) -> subprocess.Popen[bytes] | int:
     """``torchrun -m trainer train``; with ``log_indices`` every rank logs its batch indices to
-    RUN_DIR (``trainer.harness.index_log``, installed from outside the trainer by ``trainer.harness.killpoints``)."""
-    entry = "trainer.harness.killpoints" if log_indices else "trainer"
+    RUN_DIR (``system.index_log``, installed from outside the trainer by ``system.killpoints``)."""
+    entry = KILLPOINTS_ENTRY if log_indices else ("-m", "trainer")
     command = [
         sys.executable,
         "-m",
         "torch.distributed.run",
         "--standalone",
         f"--nproc_per_node={nproc}",
-        "-m",
-        entry,
+        *entry,
         "train",
         *config_to_argv(config),
     ]
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env = child_env()
     if log_indices:
         env[index_log.ENV] = config.run_dir
     Path(config.run_dir).mkdir(parents=True, exist_ok=True)
@@ -67,15 +66,6 @@ def torchrun(
     except subprocess.TimeoutExpired:
         process.kill()
         raise
-
-
-def losses(run_dir: str) -> dict[int, float]:
-    """The last logged loss of every step (a step run twice, before and after a kill, counts once)."""
-    return {e["step"]: e["loss"] for e in read_metrics(run_dir) if e["event"] == "step"}
-
-
-def end_weights(run_dir: str) -> list[str]:
-    return [e for e in read_metrics(run_dir) if e["event"] == "end"][-1]["rank_weights"]
 
 
 @pytest.fixture(scope="module")

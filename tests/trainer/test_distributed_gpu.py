@@ -11,8 +11,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_ddp_trainer import end_weights, losses, tiny, torchrun
+from test_ddp_trainer import torchrun
 
+from helpers.trainer_runs import end_weights, losses, tiny
 from trainer.checkpointing import DCP_FOLDER
 
 pytestmark = pytest.mark.gpu

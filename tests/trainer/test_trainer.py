@@ -27,14 +27,14 @@ from hypothesis import strategies as st
 from torch.distributed.checkpoint import stateful as torch_stateful
 
 import resumable_data
-from dist_harness import TINY
+from helpers.trainer_runs import TINY, final_checkpoint, text_corpus, tiny
 from resumable_data import CheckpointLockedError, CheckpointManager, ResumeError
 from resumable_data.testing import assert_same
+from system.verify import config_to_argv, verify_resume
 from trainer.__main__ import main
 from trainer.checkpointing import CHECKPOINT_FOLDER, CHECKPOINT_KEYS
 from trainer.config import TrainConfig
 from trainer.data import TokenWindows, prepare_data
-from trainer.harness.verify import config_to_argv, verify_resume
 from trainer.metrics import read_metrics
 from trainer.plot import plot_run
 from trainer.train import TrainResult, train
@@ -48,20 +48,7 @@ CORPUS_BYTES = 1000
 
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    path = tmp_path_factory.mktemp("corpus") / "text.txt"
-    path.write_bytes(Path(random.__file__).read_bytes()[:CORPUS_BYTES])
-    return path
-
-
-def tiny(tmp_path: Path, corpus: Path, name: str, **overrides: Any) -> TrainConfig:
-    """The tiny configuration, its run in ``tmp_path/name``."""
-    settings = {**TINY, **overrides}
-    return TrainConfig(run_dir=str(tmp_path / name), data=str(corpus), cache_dir=str(tmp_path / "cache"), **settings)
-
-
-def final_checkpoint(run_dir: str | Path) -> dict[str, Any]:
-    with CheckpointManager(Path(run_dir) / CHECKPOINT_FOLDER, lock=False) as manager:
-        return manager.load()
+    return text_corpus(tmp_path_factory.mktemp("corpus"), CORPUS_BYTES)
 
 
 def scramble_global_rngs() -> None:
@@ -83,12 +70,12 @@ def assert_resumes_identically(
     Returns:
         The legs of the interrupted run.
     """
-    reference = train(tiny(tmp_path, corpus, "reference", **overrides))
+    reference = train(tiny(tmp_path, "reference", data=corpus, **overrides))
     legs = []
     for stop in [*stops, None]:
         scramble_global_rngs()
         settings = {**overrides, **(resumed_with or {})} if legs else overrides
-        legs.append(train(tiny(tmp_path, corpus, "interrupted", stop_at=stop, **settings)))
+        legs.append(train(tiny(tmp_path, "interrupted", data=corpus, stop_at=stop, **settings)))
         expected_step = stop if stop is not None else reference.step
         assert legs[-1].step == expected_step
     for previous, leg in itertools.pairwise(legs):
@@ -145,7 +132,7 @@ def test_resume_with_a_different_number_of_workers(tmp_path: Path, corpus: Path)
 
 
 def test_sigkill_in_a_subprocess_resumes_identically(tmp_path: Path, corpus: Path) -> None:
-    config = tiny(tmp_path, corpus, "verify", max_steps=12)
+    config = tiny(tmp_path, "verify", data=corpus, max_steps=12)
     assert verify_resume(config, kill_at_step=7)  # checkpoints at 4 and 6: step 7 is replayed from 6
 
 
@@ -162,11 +149,11 @@ def corrupt(checkpoint: Path) -> None:
 
 @pytest.mark.slow  # tests/checkpoint/test_faults.py and tests/trainer/test_chaos.py cover falling back in the default suite
 def test_corrupt_newest_checkpoint_falls_back_to_the_previous_one(tmp_path: Path, corpus: Path) -> None:
-    reference = train(tiny(tmp_path, corpus, "reference"))
-    first = train(tiny(tmp_path, corpus, "run", stop_at=8))  # checkpoints at 6 (eval) and 8
+    reference = train(tiny(tmp_path, "reference", data=corpus))
+    first = train(tiny(tmp_path, "run", data=corpus, stop_at=8))  # checkpoints at 6 (eval) and 8
     corrupt(Path(first.run_dir) / CHECKPOINT_FOLDER / "step-00000008")
     with pytest.warns(UserWarning, match="skipping checkpoint .*step-00000008"):
-        second = train(tiny(tmp_path, corpus, "run"))
+        second = train(tiny(tmp_path, "run", data=corpus))
     assert second.resumed_from is not None and CheckpointManager.step_of(second.resumed_from) == 6
     assert_same(reference.losses, {**first.losses, **second.losses}, "losses")
     assert_same(final_checkpoint(reference.run_dir), final_checkpoint(second.run_dir), "final checkpoint")
@@ -175,10 +162,10 @@ def test_corrupt_newest_checkpoint_falls_back_to_the_previous_one(tmp_path: Path
 def test_resume_path_to_a_corrupt_checkpoint_is_a_clear_error(
     tmp_path: Path, corpus: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    first = train(tiny(tmp_path, corpus, "run", stop_at=4))
+    first = train(tiny(tmp_path, "run", data=corpus, stop_at=4))
     target = Path(first.run_dir) / CHECKPOINT_FOLDER / "step-00000004"
     corrupt(target)
-    config = tiny(tmp_path, corpus, "run", resume=str(target))
+    config = tiny(tmp_path, "run", data=corpus, resume=str(target))
     with pytest.raises(ResumeError, match=r"step-00000004.*checksum mismatch"):
         train(config)
     # The command line says the same in one line, with exit code 2.
@@ -203,7 +190,7 @@ def test_resume_path_to_a_corrupt_checkpoint_is_a_clear_error(
 
 
 def test_second_trainer_on_a_run_folder_refuses_and_sigterm_saves(tmp_path: Path, corpus: Path) -> None:
-    config = tiny(tmp_path, corpus, "run", max_steps=100_000, eval_every=1000, checkpoint_every=1000)
+    config = tiny(tmp_path, "run", data=corpus, max_steps=100_000, eval_every=1000, checkpoint_every=1000)
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     first = subprocess.Popen(
         [sys.executable, "-m", "trainer", "train", *config_to_argv(config)],
@@ -235,33 +222,33 @@ def _events(run_dir: str) -> list[dict[str, Any]]:
 
 
 def test_resume_never_refuses_a_folder_with_checkpoints(tmp_path: Path, corpus: Path) -> None:
-    train(tiny(tmp_path, corpus, "run", stop_at=4))
+    train(tiny(tmp_path, "run", data=corpus, stop_at=4))
     with pytest.raises(ResumeError, match=r"--resume never, but .* already holds checkpoints"):
-        train(tiny(tmp_path, corpus, "run", resume="never"))
+        train(tiny(tmp_path, "run", data=corpus, resume="never"))
 
 
 def test_architecture_comes_from_the_checkpoint_and_a_conflicting_flag_is_an_error(
     tmp_path: Path, corpus: Path
 ) -> None:
-    first = train(tiny(tmp_path, corpus, "run", stop_at=4))
+    first = train(tiny(tmp_path, "run", data=corpus, stop_at=4))
     # Architecture flags left unset: the checkpoint's are used.
     unset = dict.fromkeys(("n_layer", "n_head", "n_embd", "block_size", "dropout"))
-    assert train(tiny(tmp_path, corpus, "run", stop_at=5, **unset)).resumed_from is not None
+    assert train(tiny(tmp_path, "run", data=corpus, stop_at=5, **unset)).resumed_from is not None
     with pytest.raises(ResumeError, match=r"--n-embd 32 \(checkpoint: 16\)"):
-        train(tiny(tmp_path, corpus, "run", n_embd=32))
+        train(tiny(tmp_path, "run", data=corpus, n_embd=32))
     assert first.step == 4
 
 
 def test_resume_audit_catches_a_changed_schedule_data_order_or_weight_decay(tmp_path: Path, corpus: Path) -> None:
-    train(tiny(tmp_path, corpus, "run", stop_at=5))
+    train(tiny(tmp_path, "run", data=corpus, stop_at=5))
     with pytest.raises(ResumeError, match=r"resume audit failed.*learning rate"):
-        train(tiny(tmp_path, corpus, "run", max_steps=30))
+        train(tiny(tmp_path, "run", data=corpus, max_steps=30))
     with pytest.raises(ResumeError, match=r"resume audit failed.*next batch"):
-        train(tiny(tmp_path, corpus, "run", grad_accum=2))
+        train(tiny(tmp_path, "run", data=corpus, grad_accum=2))
     # The restored optimizer would quietly keep the old value (found in review: no error, no effect).
     with pytest.raises(ResumeError, match=r"resume audit failed.*weight decay 0.1.*--weight-decay 0.3"):
-        train(tiny(tmp_path, corpus, "run", weight_decay=0.3))
-    ok = train(tiny(tmp_path, corpus, "run"))
+        train(tiny(tmp_path, "run", data=corpus, weight_decay=0.3))
+    ok = train(tiny(tmp_path, "run", data=corpus))
     assert any(e["event"] == "resume" and e["audit"] == "ok" for e in read_metrics(ok.run_dir))
 
 
@@ -269,14 +256,14 @@ def test_a_train_state_without_the_batch_layout_is_refused_before_anything_is_bu
     tmp_path: Path, corpus: Path
 ) -> None:
     """Trainer 0.1.0 wrote train_state version 1 without world_size, batch_size and grad_accum."""
-    train(tiny(tmp_path, corpus, "run", stop_at=4))
+    train(tiny(tmp_path, "run", data=corpus, stop_at=4))
     with CheckpointManager(tmp_path / "run" / CHECKPOINT_FOLDER, lock=False) as manager:
         old = manager.load()
         for key in ("world_size", "batch_size", "grad_accum"):
             del old["train_state"][key]
         manager.save(5, old)
     with pytest.raises(ResumeError, match=r"train_state lacks \['world_size', 'batch_size', 'grad_accum'\].*0\.1\.0"):
-        train(tiny(tmp_path, corpus, "run"))
+        train(tiny(tmp_path, "run", data=corpus))
     assert not any(e["event"] == "start" and e["step"] == 5 for e in read_metrics(tmp_path / "run"))
 
 
@@ -366,7 +353,7 @@ def test_token_windows_are_non_overlapping_and_shifted_by_one(tmp_path: Path) ->
 
 
 def test_checkpoint_layout(tmp_path: Path, corpus: Path) -> None:
-    result = train(tiny(tmp_path, corpus, "run", stop_at=6))
+    result = train(tiny(tmp_path, "run", data=corpus, stop_at=6))
     path = Path(result.run_dir) / CHECKPOINT_FOLDER / "step-00000006" / "state.pt"
     state = torch.load(path, map_location="cpu", weights_only=True)
     assert tuple(state) == CHECKPOINT_KEYS
@@ -414,8 +401,8 @@ def test_default_run_loss_falls(tmp_path: Path) -> None:
 
 
 def test_plot_marks_resume_points(tmp_path: Path, corpus: Path) -> None:
-    train(tiny(tmp_path, corpus, "run", stop_at=5))
-    train(tiny(tmp_path, corpus, "run"))
+    train(tiny(tmp_path, "run", data=corpus, stop_at=5))
+    train(tiny(tmp_path, "run", data=corpus))
     path = plot_run(tmp_path / "run")
     assert path.stat().st_size > 10_000
     assert [e["step"] for e in read_metrics(tmp_path / "run") if e["event"] == "resume"] == [5]

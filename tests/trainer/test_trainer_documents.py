@@ -22,14 +22,13 @@ from typing import Any
 import pytest
 import torch
 
-import dist_harness
-from resumable_data import CheckpointManager, ResumeError
+from helpers.trainer_runs import TINY, final_checkpoint, tiny
+from resumable_data import ResumeError
 from resumable_data.testing import assert_same
+from system.verify import child_env
 from trainer.__main__ import main
-from trainer.checkpointing import CHECKPOINT_FOLDER
 from trainer.config import TrainConfig
 from trainer.documents import EOS, StreamData, document_data, document_files
-from trainer.harness.verify import child_env
 from trainer.metrics import read_metrics
 from trainer.parallel import Parallel
 from trainer.train import train
@@ -38,7 +37,7 @@ REPO = Path(__file__).resolve().parents[2]
 BLOCK = 16
 # 3 training files of 6 documents: about 40 windows of 17 tokens, so an epoch is about 10 batches of 4.
 DOCS_PER_FILE = 6
-TINY = {**dist_harness.TINY, "max_steps": 12}  # the trainer's smallest run, with an epoch (about 10 steps) inside
+STEPS = 12  # runs of the TINY preset this long hold an epoch (about 10 steps)
 
 
 def write_documents(folder: Path, files: int = 4, docs: int = DOCS_PER_FILE, *, parquet: bool = False) -> Path:
@@ -62,10 +61,6 @@ def write_documents(folder: Path, files: int = 4, docs: int = DOCS_PER_FILE, *, 
 @pytest.fixture(scope="module")
 def documents(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_documents(tmp_path_factory.mktemp("documents"))
-
-
-def tiny(tmp_path: Path, data: Path, name: str, **overrides: Any) -> TrainConfig:
-    return TrainConfig(run_dir=str(tmp_path / name), data=str(data), **{**TINY, **overrides})
 
 
 def stream_data(data: Path, **overrides: Any) -> StreamData:
@@ -166,18 +161,13 @@ def test_document_folders_are_recognized_and_bad_ones_refused(tmp_path: Path, do
 # -- the trainer ---------------------------------------------------------------------------------
 
 
-def final_checkpoint(run_dir: str) -> dict[str, Any]:
-    with CheckpointManager(Path(run_dir) / CHECKPOINT_FOLDER, lock=False) as manager:
-        return manager.load()
-
-
 def test_training_on_documents_stopped_and_resumed_equals_one_run(tmp_path: Path, documents: Path) -> None:
     """Across the epoch boundary, with the loader's state, the audit and the RNGs in the checkpoint;
     the model's vocabulary holds the end-of-document token."""
-    assert epoch_length(documents) < TINY["max_steps"]
-    reference = train(tiny(tmp_path, documents, "reference"))
-    first = train(tiny(tmp_path, documents, "interrupted", stop_at=5))
-    second = train(tiny(tmp_path, documents, "interrupted"))
+    assert epoch_length(documents) < STEPS
+    reference = train(tiny(tmp_path, "reference", data=documents, max_steps=STEPS))
+    first = train(tiny(tmp_path, "interrupted", data=documents, max_steps=STEPS, stop_at=5))
+    second = train(tiny(tmp_path, "interrupted", data=documents, max_steps=STEPS))
     assert second.resumed_from is not None and first.step == 5
     assert_same(reference.losses, {**first.losses, **second.losses}, "losses")
     final = final_checkpoint(reference.run_dir)
@@ -188,11 +178,11 @@ def test_training_on_documents_stopped_and_resumed_equals_one_run(tmp_path: Path
 
 def test_the_resume_audit_covers_the_document_stream(tmp_path: Path, documents: Path) -> None:
     """A changed --grad-accum reads other batches next: the stream restores, the audit refuses."""
-    train(tiny(tmp_path, documents, "run", stop_at=4))
+    train(tiny(tmp_path, "run", data=documents, max_steps=STEPS, stop_at=4))
     with pytest.raises(ResumeError, match=r"resume audit failed.*the next batch"):
-        train(tiny(tmp_path, documents, "run", grad_accum=2))
+        train(tiny(tmp_path, "run", data=documents, max_steps=STEPS, grad_accum=2))
     with pytest.raises(ResumeError):  # another text field: the carried document is not the one saved
-        train(tiny(tmp_path, documents, "run", text_field="title"))
+        train(tiny(tmp_path, "run", data=documents, max_steps=STEPS, text_field="title"))
 
 
 @pytest.mark.slow  # three trainer processes, about 10 s each on 2 cores

@@ -1,7 +1,7 @@
 """The trainer on CUDA: bf16 autocast training, and an exact resume with deterministic algorithms.
 
 Skipped (visibly, see tests/conftest.py) on machines without a CUDA device. The figures the issue
-asks for (step time, verify-resume on CUDA) come from ``python -m trainer gpu-smoke``; these tests
+asks for (step time, verify-resume on CUDA) come from ``python -m trainer gpu-smoke`` (``tests/system/gpu_smoke.py``); these tests
 are the pass/fail part of the same checks.
 """
 
@@ -15,28 +15,18 @@ import pytest
 import torch
 
 from resumable_data import CheckpointManager
+from system.verify import VERIFY_DEFAULTS, verify_resume
 from trainer.checkpointing import CHECKPOINT_FOLDER
 from trainer.config import TrainConfig
-from trainer.harness.verify import verify_resume
 from trainer.train import train
 
 pytestmark = pytest.mark.gpu
 
-SMALL = dict(
-    n_layer=2,
-    n_head=2,
-    n_embd=64,
-    block_size=64,
-    dropout=0.1,
-    batch_size=8,
-    max_steps=30,
-    warmup_steps=5,
-    eval_every=10,
-    eval_batches=2,
-    checkpoint_every=10,
-    progress=False,
-    device="cuda",
-)
+# verify-resume's own run (2 layers, block 64, dropout on), shorter, on CUDA.
+SMALL = {
+    **{k: v for k, v in VERIFY_DEFAULTS.items() if k != "run_dir"},
+    **dict(max_steps=30, warmup_steps=5, eval_every=10, eval_batches=2, progress=False, device="cuda"),
+}
 
 
 @pytest.fixture(scope="module")

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import collections
 import os
-import random
 import re
 import select
 import sys
@@ -14,23 +13,19 @@ from pathlib import Path
 
 import pytest
 
-from dist_harness import TINY as TINY_RUN
+from helpers.trainer_runs import text_corpus, tiny
 from trainer.config import TrainConfig
 from trainer.data import prepare_data
 from trainer.metrics import FALLBACK_COLUMNS, Progress, format_lr, read_metrics
 from trainer.train import train
 
-# The trainer tests' TINY run, 8 steps with no evaluation or checkpoint on the way (FRAME reads "/8").
-TINY = {**TINY_RUN, "max_steps": 8, "eval_every": 100, "checkpoint_every": 100}
+# The TINY run for 8 steps with no evaluation or checkpoint on the way (FRAME reads "/8").
+EIGHT_STEPS = {"max_steps": 8, "eval_every": 100, "checkpoint_every": 100}
 FRAME = re.compile(r"(\d+)/8 \[.*loss=\s*(\S+), lr=\s*(\S+), tok/s=\s*(\S+)\]")
 
 
-def tiny(tmp_path: Path, **overrides: object) -> TrainConfig:
-    corpus = tmp_path / "text.txt"
-    if not corpus.exists():  # a rewritten corpus would be tokenized again
-        corpus.write_bytes(Path(random.__file__).read_bytes()[:1000])
-    settings = {**TINY, "progress": False, **overrides}
-    return TrainConfig(run_dir=str(tmp_path / "run"), data=str(corpus), cache_dir=str(tmp_path / "cache"), **settings)
+def eight_steps(tmp_path: Path, **overrides: object) -> TrainConfig:
+    return tiny(tmp_path, "run", data=text_corpus(tmp_path, 1000), **{**EIGHT_STEPS, **overrides})
 
 
 def test_the_first_build_of_the_corpus_says_what_it_is_doing_and_a_cached_one_says_nothing(tmp_path: Path) -> None:
@@ -53,9 +48,9 @@ def test_the_resume_line_says_where_the_run_continues_and_the_bar_draws_each_ste
     people). Every frame of the bar pairs a step count with that step's loss and learning rate (never
     the new loss beside the old count), no step is drawn twice but the last (redrawn under the final
     messages and when the bar closes), and all frames are equally wide, the first (no values yet) too."""
-    train(tiny(tmp_path, stop_at=5))
+    train(eight_steps(tmp_path, stop_at=5))
     capsys.readouterr()
-    result = train(tiny(tmp_path, progress=True))
+    result = train(eight_steps(tmp_path, progress=True))
     captured = capsys.readouterr()
     lrs = {e["step"]: e["lr"] for e in read_metrics(tmp_path / "run") if e["event"] == "step"}
     [line] = [line for line in captured.out.splitlines() if line.startswith("resuming at")]

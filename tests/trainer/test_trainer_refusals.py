@@ -16,13 +16,13 @@ from pathlib import Path
 
 import pytest
 
-from dist_harness import tiny
 from full_disk import fill, small_disk
+from helpers.trainer_runs import tiny
 from resumable_data import ResumeError
+from system.verify import config_to_argv
 from trainer.__main__ import main
 from trainer.checkpointing import CHECKPOINT_FOLDER
 from trainer.config import TrainConfig
-from trainer.harness.verify import config_to_argv
 from trainer.metrics import read_metrics
 from trainer.train import train
 

@@ -1,7 +1,7 @@
 """The trainer's ``--threads``: one intra-op thread by default, carried to the runs it starts.
 
-verify-resume starts ``python -m trainer train`` children; they read the count from
-``$TRAINER_THREADS``, so a parent's ``--threads`` reaches them and both runs compute alike.
+verify-resume (``tests/system/``) starts ``python -m trainer train`` children; they read the count
+from ``$TRAINER_THREADS``, so a parent's ``--threads`` reaches them and both runs compute alike.
 """
 
 from __future__ import annotations
@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from system import cli
 from trainer.__main__ import DEFAULT_THREADS, THREADS_ENV, _parser, main
 
 
@@ -23,7 +24,7 @@ def keep_threads(monkeypatch: pytest.MonkeyPatch):
 def test_default_is_one_thread_and_the_environment_overrides_it(keep_threads) -> None:
     assert DEFAULT_THREADS == 1
     assert _parser().parse_args(["train"]).threads == 1
-    assert _parser().parse_args(["verify-resume"]).threads == 1
+    assert cli._parser().parse_args(["verify-resume"]).threads == 1
     keep_threads.setenv(THREADS_ENV, "2")
     assert _parser().parse_args(["train"]).threads == 2
     assert _parser().parse_args(["train", "--threads", "3"]).threads == 3

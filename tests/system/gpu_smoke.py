@@ -14,10 +14,11 @@ from pathlib import Path
 
 import torch
 
-from ..config import TrainConfig
-from ..metrics import read_metrics
-from ..model import ModelConfig
-from ..train import train
+from trainer.config import TrainConfig
+from trainer.metrics import read_metrics
+from trainer.model import ModelConfig
+from trainer.train import train
+
 from .verify import VERIFY_DEFAULTS, VERIFY_KILL_AT, verify_resume
 
 __all__ = ["gpu_smoke"]

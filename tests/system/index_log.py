@@ -3,7 +3,7 @@
 ``verify-resume --nproc N`` and the torchrun tests check that an elastic resume reads every sample
 of the interrupted epoch exactly once, which needs the indices of every micro-batch of every step
 on every rank. The trainer does not log them itself; :func:`install`, called before the trainer
-starts (``TRAINER_INDEX_LOG=FOLDER python -m trainer.harness.killpoints train ...``), observes it from the
+starts (``TRAINER_INDEX_LOG=FOLDER python -m system.killpoints train ...``), observes it from the
 outside through public hooks:
 
 - each batch a ``ResumableDataLoader`` yields is preceded by ``peek_indices(1)`` (which changes

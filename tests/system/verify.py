@@ -2,7 +2,7 @@
 
 Three jobs train the same configuration: one straight through; one that kills itself with
 SIGKILL (no handler runs, nothing is flushed or saved) during step k, armed from outside the
-trainer by the ``step`` kill point of :mod:`trainer.harness.killpoints`; and one that resumes the killed
+trainer by the ``step`` kill point of :mod:`system.killpoints`; and one that resumes the killed
 run from its newest checkpoint. The per-step losses of every attempt and the final weights
 and optimizer state must be bitwise equal.
 
@@ -10,7 +10,7 @@ With ``--nproc N`` each job is a ``torchrun`` job of N ranks (rank 0 is the one 
 then stops the others), every rank must end with the same weights, and two elastic resumes of the
 killed run follow: on one rank (``--elastic global-batch``: gradient accumulation doubles) and on
 N + 1 ranks (``--elastic per-rank-batch``). Their batch indices, logged by every rank
-(:mod:`trainer.harness.index_log`), must read the rest of the interrupted epoch exactly once.
+(:mod:`system.index_log`), must read the rest of the interrupted epoch exactly once.
 """
 
 from __future__ import annotations
@@ -28,14 +28,15 @@ from typing import Any
 
 from resumable_data import CheckpointManager
 from resumable_data.testing import first_difference
+from trainer.checkpointing import CHECKPOINT_FOLDER, MODEL, OPTIMIZER
+from trainer.config import TrainConfig, flag
+from trainer.data import TokenWindows, default_cache_dir, prepare_data
+from trainer.documents import document_files
+from trainer.metrics import read_metrics
+from trainer.model import ModelConfig
 
-from ..checkpointing import CHECKPOINT_FOLDER, MODEL, OPTIMIZER
-from ..config import TrainConfig, flag
-from ..data import TokenWindows, default_cache_dir, prepare_data
-from ..documents import document_files
-from ..metrics import read_metrics
-from ..model import ModelConfig
 from . import index_log
+from .killpoints import ENTRY
 
 __all__ = ["VERIFY_DEFAULTS", "VERIFY_KILL_AT", "child_env", "config_to_argv", "verify_resume"]
 
@@ -77,17 +78,18 @@ JOB_TIMEOUT_S = 900
 
 def child_env() -> dict[str, str]:
     """The environment for a trainer subprocess: it must import this very trainer and library,
-    installed or not."""
-    source_root = str(Path(__file__).resolve().parents[2])
-    return {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [source_root, os.environ.get("PYTHONPATH")]))}
+    installed or not, and these checks (``system.killpoints``)."""
+    tests = Path(__file__).resolve().parents[1]
+    paths = [str(tests.parent), str(tests), os.environ.get("PYTHONPATH")]
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, paths))}
 
 
 def _run(config: TrainConfig, label: str, nproc: int | None = None, *, kill_at: int | None = None) -> int:
     """Train ``config`` in fresh processes (``torchrun`` with ``nproc`` ranks when given); the
     output goes to ``RUN_DIR/LABEL.log``.
 
-    Under torchrun every rank logs its batch indices (:mod:`trainer.harness.index_log`) for the elastic
-    checks; ``kill_at`` SIGKILLs (rank 0) during that step (:mod:`trainer.harness.killpoints`).
+    Under torchrun every rank logs its batch indices (:mod:`system.index_log`) for the elastic
+    checks; ``kill_at`` SIGKILLs (rank 0) during that step (:mod:`system.killpoints`).
     """
     launcher = (
         [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
@@ -96,7 +98,7 @@ def _run(config: TrainConfig, label: str, nproc: int | None = None, *, kill_at: 
     )
     instrumented = nproc is not None or kill_at is not None
     kill = ["step", str(kill_at)] if kill_at is not None else []
-    entry = ["-m", "trainer.harness.killpoints", *kill] if instrumented else ["-m", "trainer"]
+    entry = [*ENTRY, *kill] if instrumented else ["-m", "trainer"]
     command = [*launcher, *entry, "train", *config_to_argv(config)]
     env = child_env()
     if nproc is not None:

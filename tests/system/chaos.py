@@ -3,7 +3,7 @@
 The way storage engines are tested. A tiny model trains once straight through (the reference, every
 checkpoint kept). Then runs of the same configuration are killed with SIGKILL again and again and
 relaunched *at once* with ``--resume auto`` until each finishes. Kills land at random moments and at
-aimed ones (:mod:`trainer.harness.killpoints`): mid payload write, between payload and manifest, just before
+aimed ones (:mod:`system.killpoints`): mid payload write, between payload and manifest, just before
 and after the publishing rename, mid prune; launches alternate ``--num-workers`` 0 and 2 (forked
 workers outlive a killed trainer for a few seconds) and sync and async saves. Checked:
 
@@ -26,41 +26,26 @@ import subprocess
 import sys
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from helpers.trainer_runs import text_corpus, tiny
 from resumable_data import CheckpointManager, ResumeError
 from resumable_data.testing import first_difference
+from trainer.checkpointing import CHECKPOINT_FOLDER
+from trainer.config import TrainConfig
+from trainer.metrics import read_metrics
 
-from ..checkpointing import CHECKPOINT_FOLDER
-from ..config import TrainConfig
-from ..metrics import read_metrics
-from .killpoints import KILLPOINTS
+from .killpoints import ENTRY, KILLPOINTS
 from .verify import child_env, config_to_argv
 
-__all__ = ["CHAOS_DEFAULTS", "ChaosReport", "chaos"]
+__all__ = ["CHAOS_RUN", "ChaosReport", "chaos"]
 
-# Small enough that a launch is mostly Python start-up: many kills per minute on 2 cores. Dropout on
-# (so RNG restore matters), a checkpoint every 2 steps (so kills often land in writes and prunes).
-CHAOS_DEFAULTS: dict[str, Any] = dict(
-    n_layer=1,
-    n_head=2,
-    n_embd=16,
-    block_size=16,
-    dropout=0.1,
-    batch_size=4,
-    max_steps=24,
-    lr=1e-2,
-    min_lr=1e-3,
-    warmup_steps=3,
-    eval_every=8,
-    eval_batches=1,
-    checkpoint_every=2,
-    keep_last=2,
-    progress=False,
-)
+# The tests' TINY run: a launch is mostly Python start-up, so many kills per minute on 2 cores. A
+# checkpoint every 2 steps, so kills often land in writes and prunes.
+CHAOS_RUN: dict[str, Any] = dict(max_steps=24, eval_every=8, checkpoint_every=2, keep_last=2)
 CORPUS_BYTES = 4000
 # Kill points in turn: any 3 kills in a row include a checkpoint write, a random moment and a prune;
 # with workers and async alternating on periods 2 and 4, every point meets every combination
@@ -93,6 +78,21 @@ class Launch:
     exit_code: int | None = None
     first_event: int = 0  # index of its first event in the run's metrics log
     snapshot: Path | None = None  # the checkpoint folder as the kill left it
+    killed: str = ""  # under torchrun, what a random-moment kill hit ("rank 1", "agent")
+    orphans: list[int] = field(default_factory=list)  # ranks that outlived their killed agent
+
+    def __str__(self) -> str:
+        return f"{self.killpoint} {self.killed}".strip()
+
+
+@dataclass(frozen=True)
+class Checkpoints:
+    """How the checks read a checkpoint format: the file format here, DCP in :mod:`system.chaos_distributed`."""
+
+    folder: str  # the run folder's checkpoint folder
+    load: Callable[[Path], dict[str, Any]]  # a step folder's whole state
+    newest_valid: Callable[[Path], int | None]  # of a checkpoint folder, as ``--resume auto`` picks it
+    verified: Callable[[Path], Iterable[tuple[Path, int, dict[str, Any]]]]  # (folder, step, state) that verify
 
 
 @dataclass
@@ -169,20 +169,38 @@ def chaos(kills: int, run_dir: str | Path = "runs/chaos", *, seed: int = 0, log:
     base = Path(run_dir)
     config, expected_losses, train_s = _reference_run(base)
     log(f"chaos: reference run of {config.max_steps} steps trained in {train_s:.2f} s; now {kills} kills")
+    relaunch = lambda run, rng, report: _kill_until_finished(run, kills, rng, train_s, report, base / "snapshots")
+    return run_session(kills, config, expected_losses, relaunch, FILE_CHECKPOINTS, seed=seed, log=log, started=started)
+
+
+def run_session(
+    kills: int,
+    config: TrainConfig,
+    expected_losses: dict[int, float],
+    relaunch: Callable[[TrainConfig, random.Random, ChaosReport], list[Launch]],
+    checkpoints: Checkpoints,
+    *,
+    seed: int,
+    log: Any,
+    started: float,
+) -> ChaosReport:
+    """Runs of the reference's ``config`` (in folders beside it), each killed and relaunched by
+    ``relaunch`` until it finishes, then compared with the reference; until ``kills`` SIGKILLs landed
+    or a check failed. ``started``: the session's ``time.perf_counter()`` start, for its wall time."""
+    base = Path(config.run_dir).parent
     report = ChaosReport()
     rng = random.Random(seed)
+    references: dict[int, dict[str, Any]] = {}
     for run_number in itertools.count(1):
         if report.total_kills >= kills or report.failures:
             break
         run = replace(config, run_dir=str(base / f"run-{run_number:03d}"), resume="auto")
-        launches = _kill_until_finished(run, kills, rng, train_s, report, base / "snapshots")
+        launches = relaunch(run, rng, report)
         if not report.failures:
             report.runs_completed += 1
-            _check_run(run, launches, expected_losses, Path(config.run_dir), report)
-        log(
-            f"  {Path(run.run_dir).name}: {len(launches)} launches, kills so far {report.total_kills}/{kills}"
-            f"{'' if report.ok else ' FAILED: ' + report.failures[-1]}"
-        )
+            check_run(run, launches, expected_losses, Path(config.run_dir), checkpoints, report, references)
+        status = "" if report.ok else " FAILED: " + report.failures[-1]
+        log(f"  {Path(run.run_dir).name}: {len(launches)} launches, kills so far {report.total_kills}/{kills}{status}")
     report.wall_s = time.perf_counter() - started
     return report
 
@@ -193,11 +211,7 @@ def _reference_run(base: Path) -> tuple[TrainConfig, dict[int, float], float]:
     loss at every step and how long its training took (the range of the random kill moments)."""
     shutil.rmtree(base, ignore_errors=True)
     base.mkdir(parents=True)
-    corpus = base / "corpus.txt"
-    corpus.write_bytes(Path(random.__file__).read_bytes()[:CORPUS_BYTES])
-    config = TrainConfig(
-        run_dir=str(base / "reference"), data=str(corpus), cache_dir=str(base / "cache"), **CHAOS_DEFAULTS
-    )
+    config = tiny(base, "reference", data=text_corpus(base, CORPUS_BYTES), **CHAOS_RUN)
     reference = replace(config, resume="never", keep_last=10**6)
     code = _launch(reference, Launch(NO_KILL, "0", 0, False)).wait(timeout=LAUNCH_TIMEOUT_S)
     if code != 0:
@@ -228,12 +242,7 @@ def _kill_until_finished(
         report.launches += 1
         launch.first_event = len(_events(run.run_dir))
         process = _launch(replace(run, num_workers=launch.num_workers, async_save=launch.async_save), launch)
-        try:
-            launch.exit_code = process.wait(timeout=LAUNCH_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            launch.exit_code = process.wait()
-            report.failures.append(f"{run.run_dir}: a launch ran over {LAUNCH_TIMEOUT_S} s and was stopped")
+        wait_for(process, launch, run.run_dir, LAUNCH_TIMEOUT_S, report)
         launches.append(launch)
         if launch.exit_code != -signal.SIGKILL:
             break
@@ -258,11 +267,29 @@ def _launch(config: TrainConfig, launch: Launch) -> subprocess.Popen[bytes]:
     if launch.killpoint == NO_KILL:
         command = [sys.executable, "-m", "trainer", *train_argv]
     else:
-        command = [sys.executable, "-m", "trainer.harness.killpoints", launch.killpoint, launch.count, *train_argv]
-    log_path = Path(config.run_dir) / "launches.log"
+        command = [sys.executable, *ENTRY, launch.killpoint, launch.count, *train_argv]
+    header = f"{launch.killpoint} {launch.count} workers={launch.num_workers} async={launch.async_save}"
+    return start_logged(command, config.run_dir, header)
+
+
+def wait_for(
+    process: subprocess.Popen[bytes], launch: Launch, run_dir: str, timeout: float, report: ChaosReport
+) -> None:
+    """Wait for a launch's exit code; one that runs over ``timeout`` seconds is stopped and fails the run."""
+    try:
+        launch.exit_code = process.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        launch.exit_code = process.wait()
+        report.failures.append(f"{run_dir}: a launch ran over {timeout} s and was stopped")
+
+
+def start_logged(command: list[str], run_dir: str, header: str) -> subprocess.Popen[bytes]:
+    """Start ``command`` (a trainer launch), its output appended to RUN_DIR/launches.log after ``$ header``."""
+    log_path = Path(run_dir) / "launches.log"
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with open(log_path, "a") as out:
-        out.write(f"\n$ {launch.killpoint} {launch.count} workers={launch.num_workers} async={launch.async_save}\n")
+        out.write(f"\n$ {header}\n")
         out.flush()
         # One thread per process: a launch is tiny, and contention on a shared machine only slows it.
         env = {**child_env(), "OMP_NUM_THREADS": "1"}
@@ -288,76 +315,77 @@ def check_losses(name: str, events: list[dict[str, Any]], expected: dict[int, fl
         report.failures.append(f"{name}: steps {sorted(missing)} were never logged")
 
 
-def _check_run(
+def check_run(
     run: TrainConfig,
     launches: list[Launch],
     expected_losses: dict[int, float],
     reference_dir: Path,
+    checkpoints: Checkpoints,
     report: ChaosReport,
+    reference_states: dict[int, dict[str, Any]],
 ) -> None:
-    """Compare one finished chaos run with the reference; count and describe every difference."""
+    """Compare one finished chaos run with the reference; count and describe every difference.
+
+    ``reference_states`` caches the reference's states by step across the runs of a session."""
     name = Path(run.run_dir).name
     events = _events(run.run_dir)
-    reference_states: dict[int, dict[str, Any]] = {}
 
     def reference_state(step: int) -> dict[str, Any]:
         if step not in reference_states:
-            reference_states[step] = _load(reference_dir / CHECKPOINT_FOLDER / f"step-{step:08d}")
+            reference_states[step] = checkpoints.load(reference_dir / checkpoints.folder / f"step-{step:08d}")
         return reference_states[step]
 
     floor = 0  # the newest checkpoint known to be durable so far
     for i, launch in enumerate(launches):
         own = events[launch.first_event : launches[i + 1].first_event if i + 1 < len(launches) else len(events)]
         if i > 0:
-            _check_resume_point(name, i, own, launches[i - 1].snapshot, report)
+            killed = launches[i - 1].snapshot
+            expected = (killed and checkpoints.newest_valid(killed)) or 0
+            check_resume_point(f"{name}: launch {i + 1}", own, expected, report)
         if launch.snapshot is not None:
-            floor = _check_kill(name, i, launch, launch.snapshot, own, floor, reference_state, report)
+            newest = checkpoints.newest_valid(launch.snapshot) or 0
+            kill = f"{name}: after kill {i + 1} ({launch})"
+            floor = check_kill(kill, own, floor, launch.async_save, newest, report)
+            check_states(name, checkpoints.verified(launch.snapshot), newest, reference_state, report)
     check_losses(name, events, expected_losses, report)
-    final = _load(Path(run.run_dir) / CHECKPOINT_FOLDER / f"step-{run.max_steps:08d}")
-    difference = first_difference(reference_state(run.max_steps), final)
-    if difference is not None:
-        report.final_mismatches += 1
-        report.failures.append(f"{name}: final state differs from the uninterrupted run at {difference}")
+    final = checkpoints.load(Path(run.run_dir) / checkpoints.folder / f"step-{run.max_steps:08d}")
+    check_final(name, reference_state(run.max_steps), final, report)
 
 
-def _check_resume_point(name: str, i: int, own: list[dict[str, Any]], killed: Path | None, report: ChaosReport) -> None:
-    """Launch ``i`` (after a kill that left the folder ``killed``) resumed from its newest valid checkpoint."""
+def check_resume_point(launch: str, own: list[dict[str, Any]], expected: int, report: ChaosReport) -> None:
+    """A launch (its events ``own``) that started resumed from ``expected``, the newest checkpoint
+    that verified after the kill before it (0: none, it starts from scratch)."""
     resumed = [e["step"] for e in own if e["event"] == "resume"]
-    expected = (killed and _newest_valid(killed)) or 0
     if any(e["event"] == "start" for e in own) and (resumed[0] if resumed else 0) != expected:
         report.wrong_resume_point += 1
-        report.failures.append(
-            f"{name}: launch {i + 1} resumed from {resumed[0] if resumed else 0}, newest valid was {expected}"
-        )
+        report.failures.append(f"{launch} resumed from {resumed[0] if resumed else 0}, newest valid was {expected}")
 
 
-def _check_kill(
-    name: str,
-    i: int,
-    launch: Launch,
-    snapshot: Path,
-    own: list[dict[str, Any]],
-    floor: int,
-    reference_state: Callable[[int], dict[str, Any]],
-    report: ChaosReport,
+def check_kill(
+    kill: str, own: list[dict[str, Any]], floor: int, async_save: bool, newest: int, report: ChaosReport
 ) -> int:
-    """After kill ``i`` (its checkpoint folder copied to ``snapshot``): no checkpoint saved before it
-    is lost, and every one that verifies holds the reference's state. Returns the newest valid step."""
+    """No checkpoint the killed launch (its events ``own``) had saved before is lost: the newest
+    valid one after the kill, ``newest``, is at least the newest durable one. Returns the new floor."""
     saved = [e["step"] for e in own if e["event"] == "checkpoint"]
-    durable = saved[:-1] if launch.async_save else saved  # an async save is durable once the next one starts
+    durable = saved[:-1] if async_save else saved  # an async save is durable once the next one starts
     floor = max([floor, *durable])
-    newest = _newest_valid(snapshot) or 0
     if newest < floor:
         report.checkpoints_lost += 1
-        report.failures.append(
-            f"{name}: after kill {i + 1} ({launch.killpoint}) the newest valid checkpoint is {newest}, but {floor} had been saved"
-        )
-    for folder in sorted(snapshot.glob("step-*")):
-        state = _verified_state(folder)
-        if state is None:  # incomplete or corrupt: never selected (the resume check proves it)
-            continue
+        report.failures.append(f"{kill} the newest valid checkpoint is {newest}, but {floor} had been saved")
+    return newest
+
+
+def check_states(
+    name: str,
+    verified: Iterable[tuple[Path, int, dict[str, Any]]],
+    newest: int,
+    reference_state: Callable[[int], dict[str, Any]],
+    report: ChaosReport,
+) -> None:
+    """Every checkpoint that verifies after a kill (folder, step, state) holds the reference's state:
+    incomplete or corrupt ones are never selected (:func:`check_resume_point` proves it)."""
+    for folder, step, state in verified:
         report.checkpoints_checked += 1
-        step = CheckpointManager.step_of(folder)
         difference = first_difference(reference_state(step), state)
         if difference is not None:
             report.corrupt_valid += 1
@@ -365,7 +393,14 @@ def _check_kill(
             report.failures.append(
                 f"{name}: checkpoint {folder} verifies but differs from the reference at {difference}"
             )
-    return newest
+
+
+def check_final(name: str, reference: dict[str, Any], final: dict[str, Any], report: ChaosReport) -> None:
+    """A finished run's final state is the uninterrupted run's."""
+    difference = first_difference(reference, final)
+    if difference is not None:
+        report.final_mismatches += 1
+        report.failures.append(f"{name}: final state differs from the uninterrupted run at {difference}")
 
 
 def _newest_valid(folder: Path) -> int | None:
@@ -376,14 +411,19 @@ def _newest_valid(folder: Path) -> int | None:
     return None if newest is None else CheckpointManager.step_of(newest)
 
 
-def _verified_state(folder: Path) -> dict[str, Any] | None:
-    """The state of a checkpoint folder if its manifest and checksum verify, else None."""
-    try:
-        return _load(folder)
-    except ResumeError:
-        return None
+def _verified(snapshot: Path) -> Iterator[tuple[Path, int, dict[str, Any]]]:
+    """Each checkpoint of ``snapshot`` whose manifest and checksum verify, with its step and state."""
+    for folder in sorted(snapshot.glob("step-*")):
+        try:
+            state = _load(folder)
+        except ResumeError:
+            continue
+        yield folder, CheckpointManager.step_of(folder), state
 
 
 def _load(folder: Path) -> dict[str, Any]:
     with CheckpointManager(folder.parent, lock=False) as manager:
         return manager.load(folder)
+
+
+FILE_CHECKPOINTS = Checkpoints(CHECKPOINT_FOLDER, _load, _newest_valid, _verified)

@@ -1,13 +1,13 @@
 """chaos --nproc N: SIGKILL ranks and the torchrun agent of a DCP run again and again, relaunch, compare.
 
-The distributed counterpart of :mod:`trainer.chaos`. A tiny model trains once under ``torchrun``
+The distributed counterpart of :mod:`system.chaos`. A tiny model trains once under ``torchrun``
 straight through (the reference, every checkpoint kept). Then runs of the same configuration are
 killed again and again and relaunched *at once* with ``--resume auto``, as a cluster requeues a
 job, until each finishes. A kill is one of, in turn:
 
 - a rank (by start order: any of them) or the torchrun agent SIGKILLed at a random moment of the
   run; an agent's ranks must exit by themselves (:func:`resumable_data.torchrun.watch_parent`);
-- rank 0 SIGKILLed at an aimed moment of a checkpoint write (:mod:`trainer.harness.killpoints`): mid
+- rank 0 SIGKILLed at an aimed moment of a checkpoint write (:mod:`system.killpoints`): mid
   ``trainer.pt``, just after it is synced, manifest synced, just before and after the publishing
   rename, a step folder moved aside or half deleted by pruning.
 
@@ -22,7 +22,6 @@ every logged loss and the final state equal the uninterrupted run's, bitwise.
 from __future__ import annotations
 
 import contextlib
-import itertools
 import os
 import random
 import shutil
@@ -32,23 +31,34 @@ import sys
 import tempfile
 import time
 import warnings
-from dataclasses import dataclass, field, replace
+from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
+from helpers.trainer_runs import text_corpus, tiny
 from resumable_data import DcpStore, ResumeError
 from resumable_data.checkpoint.dcp import dcp_checkpoint_problem
-from resumable_data.testing import first_difference
+from trainer.checkpointing import DCP_FOLDER
+from trainer.config import TrainConfig
+from trainer.dcp_store import EXTRAS_NAME
+from trainer.metrics import read_metrics
 
-from ..checkpointing import DCP_FOLDER
-from ..config import TrainConfig
-from ..dcp_store import EXTRAS_NAME
-from ..metrics import read_metrics
-from .chaos import CHAOS_DEFAULTS, CORPUS_BYTES, ChaosReport, check_losses
-from .verify import child_env, config_to_argv
+from .chaos import (
+    CHAOS_RUN,
+    CORPUS_BYTES,
+    ChaosReport,
+    Checkpoints,
+    Launch,
+    run_session,
+    start_logged,
+    wait_for,
+)
+from .killpoints import ENTRY
+from .verify import config_to_argv
 
 __all__ = ["DISTRIBUTED_PLAN", "chaos_distributed"]
 
@@ -61,18 +71,6 @@ LAUNCH_TIMEOUT_S = 400
 # How long the ranks of a killed agent may outlive it.
 ORPHAN_GRACE_S = 15
 NO_KILL = "none"
-
-
-@dataclass
-class _Launch:
-    killpoint: str
-    count: str
-    num_workers: int
-    exit_code: int | None = None
-    first_event: int = 0
-    snapshot: Path | None = None
-    killed: str = ""
-    orphans: list[int] = field(default_factory=list)
 
 
 def chaos_distributed(
@@ -108,21 +106,8 @@ def chaos_distributed(
     started = time.perf_counter()
     base = Path(run_dir)
     config, expected_losses, train_s = _reference_run(base, checkpoint_format, nproc, log)
-    report = ChaosReport()
-    rng = random.Random(seed)
-    references: dict[int, dict[str, Any]] = {}
-    for run_number in itertools.count(1):
-        if report.total_kills >= kills or report.failures:
-            break
-        run = replace(config, run_dir=str(base / f"run-{run_number:03d}"), resume="auto")
-        launches = _launch_until_finished(run, base, kills, train_s, nproc, rng, report)
-        if not report.failures:
-            report.runs_completed += 1
-            _check_run(run, launches, expected_losses, base / "reference", references, report)
-        status = "" if report.ok else " FAILED: " + report.failures[-1]
-        log(f"  {Path(run.run_dir).name}: {len(launches)} launches, kills so far {report.total_kills}/{kills}{status}")
-    report.wall_s = time.perf_counter() - started
-    return report
+    relaunch = lambda run, rng, report: _launch_until_finished(run, base, kills, train_s, nproc, rng, report)
+    return run_session(kills, config, expected_losses, relaunch, DCP_CHECKPOINTS, seed=seed, log=log, started=started)
 
 
 def _reference_run(
@@ -131,12 +116,10 @@ def _reference_run(
     """Empty ``base``, train the uninterrupted reference; its config, losses and training time."""
     shutil.rmtree(base, ignore_errors=True)
     base.mkdir(parents=True)
-    corpus = base / "corpus.txt"
-    corpus.write_bytes(Path(random.__file__).read_bytes()[:CORPUS_BYTES])
-    paths = {"run_dir": str(base / "reference"), "data": str(corpus), "cache_dir": str(base / "cache")}
-    config = TrainConfig(**paths, checkpoint_format=checkpoint_format, **CHAOS_DEFAULTS)
+    corpus = text_corpus(base, CORPUS_BYTES)
+    config = tiny(base, "reference", data=corpus, checkpoint_format=checkpoint_format, **CHAOS_RUN)
     reference = replace(config, resume="never", keep_last=10**6)
-    code = _torchrun(reference, _Launch(NO_KILL, "0", 0), nproc).wait(timeout=LAUNCH_TIMEOUT_S)
+    code = _torchrun(reference, Launch(NO_KILL, "0", 0, async_save=False), nproc).wait(timeout=LAUNCH_TIMEOUT_S)
     if code != 0:
         raise RuntimeError(f"the reference run failed with exit code {code}; see {base / 'reference' / 'launches.log'}")
     events = read_metrics(reference.run_dir)
@@ -148,10 +131,10 @@ def _reference_run(
 
 def _launch_until_finished(
     run: TrainConfig, base: Path, kills: int, train_s: float, nproc: int, rng: random.Random, report: ChaosReport
-) -> list[_Launch]:
+) -> list[Launch]:
     """Launch ``run`` again and again, each launch armed with the plan's next kill, until one ends
     unkilled (or fails); every landed kill's checkpoint folder is kept as a snapshot."""
-    launches: list[_Launch] = []
+    launches: list[Launch] = []
     while True:
         attempt = report.total_kills
         if attempt < kills:
@@ -159,7 +142,7 @@ def _launch_until_finished(
             count = f"{rng.uniform(0.0, train_s):.3f}" if point.endswith("at-seconds") else str(rng.randint(1, 2))
         else:
             point, count = NO_KILL, "0"
-        launch = _Launch(point, count, num_workers=2 * (attempt % 2))
+        launch = Launch(point, count, num_workers=2 * (attempt % 2), async_save=run.checkpoint_format == "dcp-async")
         report.launches += 1
         launch.first_event = len(_events(run.run_dir))
         _run_launch(run, launch, nproc, rng, report)
@@ -168,20 +151,15 @@ def _launch_until_finished(
             return launches
 
 
-def _run_launch(run: TrainConfig, launch: _Launch, nproc: int, rng: random.Random, report: ChaosReport) -> None:
+def _run_launch(run: TrainConfig, launch: Launch, nproc: int, rng: random.Random, report: ChaosReport) -> None:
     """Start one launch, kill it at its random moment if it has one, and wait for its exit code."""
     process = _torchrun(replace(run, num_workers=launch.num_workers), launch, nproc)
     if launch.killpoint.endswith("at-seconds"):
         launch.killed = _kill_later(process, run.run_dir, launch, rng, nproc)
-    try:
-        launch.exit_code = process.wait(timeout=LAUNCH_TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        process.kill()
-        launch.exit_code = process.wait()
-        report.failures.append(f"{run.run_dir}: a launch ran over {LAUNCH_TIMEOUT_S} s and was stopped")
+    wait_for(process, launch, run.run_dir, LAUNCH_TIMEOUT_S, report)
 
 
-def _killed_as_planned(run: TrainConfig, base: Path, launch: _Launch, number: int, report: ChaosReport) -> bool:
+def _killed_as_planned(run: TrainConfig, base: Path, launch: Launch, number: int, report: ChaosReport) -> bool:
     """Whether the launch died of its kill (then snapshot its checkpoints: the run goes on); a
     launch that finished, failed or left orphans ends the run (failures are recorded)."""
     aimed = launch.killpoint != NO_KILL and not launch.killpoint.endswith("at-seconds")
@@ -208,24 +186,18 @@ def _killed_as_planned(run: TrainConfig, base: Path, launch: _Launch, number: in
     return False
 
 
-def _torchrun(config: TrainConfig, launch: _Launch, nproc: int) -> subprocess.Popen[bytes]:
+def _torchrun(config: TrainConfig, launch: Launch, nproc: int) -> subprocess.Popen[bytes]:
     """``torchrun`` (c10d rendezvous, no restarts: the harness relaunches) of the trainer, armed
     on rank 0 with a kill point unless it is a random-moment kill or none."""
     train_argv = ["train", *config_to_argv(config)]
     aimed = launch.killpoint != NO_KILL and not launch.killpoint.endswith("at-seconds")
-    entry = ["-m", "trainer.harness.killpoints", launch.killpoint, launch.count] if aimed else ["-m", "trainer"]
+    entry = [*ENTRY, launch.killpoint, launch.count] if aimed else ["-m", "trainer"]
     launcher = ["-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--max-restarts=0"]
     command = [sys.executable, *launcher, "--rdzv-backend=c10d", "--rdzv-endpoint=localhost:0", *entry, *train_argv]
-    log_path = Path(config.run_dir) / "launches.log"
-    log_path.parent.mkdir(parents=True, exist_ok=True)
-    with open(log_path, "a") as out:
-        out.write(f"\n$ {launch.killpoint} {launch.count} workers={launch.num_workers}\n")
-        out.flush()
-        env = {**child_env(), "OMP_NUM_THREADS": "1"}
-        return subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env)
+    return start_logged(command, config.run_dir, f"{launch.killpoint} {launch.count} workers={launch.num_workers}")
 
 
-def _kill_later(process: subprocess.Popen[bytes], run_dir: str, launch: _Launch, rng: random.Random, nproc: int) -> str:
+def _kill_later(process: subprocess.Popen[bytes], run_dir: str, launch: Launch, rng: random.Random, nproc: int) -> str:
     """Once the launch has started training, wait ``launch.count`` seconds and SIGKILL a rank or the
     agent. Returns what was killed, or "" if the launch ended first."""
     starts = sum(e["event"] == "start" for e in _events(run_dir)[: launch.first_event])
@@ -287,87 +259,11 @@ def _events(run_dir: str) -> list[dict[str, Any]]:
     return read_metrics(run_dir) if (Path(run_dir) / "metrics.jsonl").is_file() else []
 
 
-def _check_run(
-    run: TrainConfig,
-    launches: list[_Launch],
-    expected_losses: dict[int, float],
-    reference_dir: Path,
-    references: dict[int, dict[str, Any]],
-    report: ChaosReport,
-) -> None:
-    """Compare one finished chaos run with the reference; count and describe every difference."""
-    name = Path(run.run_dir).name
-
-    def reference_state(step: int) -> dict[str, Any]:
-        if step not in references:
-            references[step] = _state(reference_dir / DCP_FOLDER / f"step-{step:08d}")
-        return references[step]
-
-    events = _events(run.run_dir)
-    floor = 0
-    for i, launch in enumerate(launches):
-        own = events[launch.first_event : launches[i + 1].first_event if i + 1 < len(launches) else len(events)]
-        if i > 0:
-            _check_resume_point(name, i, own, launches[i - 1], report)
-        if launch.snapshot is not None:
-            floor = _check_snapshot(name, i, run, launch, launch.snapshot, own, floor, reference_state, report)
-    check_losses(name, events, expected_losses, report)
-    final = first_difference(
-        reference_state(run.max_steps), _state(Path(run.run_dir) / DCP_FOLDER / f"step-{run.max_steps:08d}")
-    )
-    if final is not None:
-        report.final_mismatches += 1
-        report.failures.append(f"{name}: final state differs from the uninterrupted run at {final}")
-
-
-def _check_resume_point(name: str, i: int, own: list[dict[str, Any]], before: _Launch, report: ChaosReport) -> None:
-    """Launch ``i`` must resume from the newest valid checkpoint the killed launch before it left."""
-    resumed = [e for e in own if e["event"] == "resume"]
-    started = [e for e in own if e["event"] == "start"]
-    expected = before.snapshot and _newest_valid(before.snapshot)
-    if started and (resumed[0]["step"] if resumed else 0) != (expected or 0):
-        report.wrong_resume_point += 1
-        report.failures.append(
-            f"{name}: launch {i + 1} resumed from {resumed[0]['step'] if resumed else 0}, newest valid was {expected}"
-        )
-
-
-def _check_snapshot(
-    name: str,
-    i: int,
-    run: TrainConfig,
-    launch: _Launch,
-    snapshot: Path,
-    own: list[dict[str, Any]],
-    floor: int,
-    reference_state: Any,
-    report: ChaosReport,
-) -> int:
-    """A killed launch lost no durable checkpoint, and every one that verifies equals the
-    reference's; returns the newest valid step (the next launch's floor)."""
-    saved = [e["step"] for e in own if e["event"] == "checkpoint"]
-    durable = saved[:-1] if run.checkpoint_format == "dcp-async" else saved
-    floor = max([floor, *durable])
-    newest = _newest_valid(snapshot) or 0
-    if newest < floor:
-        report.checkpoints_lost += 1
-        report.failures.append(
-            f"{name}: after kill {i + 1} ({launch.killpoint} {launch.killed}) the newest valid checkpoint "
-            f"is {newest}, but {floor} had been saved"
-        )
+def _verified(snapshot: Path) -> Iterator[tuple[Path, int, dict[str, Any]]]:
+    """Each DCP checkpoint of ``snapshot`` that verifies, with its step and whole state."""
     for folder in DcpStore(snapshot).checkpoints():
-        if dcp_checkpoint_problem(folder, verify=True) is not None:
-            continue
-        report.checkpoints_checked += 1
-        step = int(folder.name.split("-")[1])
-        difference = first_difference(reference_state(step), _state(folder))
-        if difference is not None:
-            report.corrupt_valid += 1
-            report.corrupt_selected += step == newest
-            report.failures.append(
-                f"{name}: checkpoint {folder} verifies but differs from the reference at {difference}"
-            )
-    return newest
+        if dcp_checkpoint_problem(folder, verify=True) is None:
+            yield folder, int(folder.name.split("-")[1]), _state(folder)
 
 
 def _newest_valid(folder: Path) -> int | None:
@@ -390,3 +286,6 @@ def _state(folder: Path) -> dict[str, Any]:
         dcp_to_torch_save(folder, Path(tmp) / "full.pt")
         shards = torch.load(Path(tmp) / "full.pt", weights_only=False)
     return {"shards": shards, "extras": extras}
+
+
+DCP_CHECKPOINTS = Checkpoints(DCP_FOLDER, _state, _newest_valid, _verified)

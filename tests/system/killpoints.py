@@ -1,7 +1,7 @@
 """Kill points: run the trainer and SIGKILL it at a chosen moment of a step, a checkpoint write or a prune.
 
-    python -m trainer.harness.killpoints [KILLPOINT N] train [train flags...]
-    TRAINER_INDEX_LOG=FOLDER python -m trainer.harness.killpoints ...     # also log every batch's indices
+    python -m system.killpoints [KILLPOINT N] train [train flags...]     # tests/ and the root on PYTHONPATH
+    TRAINER_INDEX_LOG=FOLDER python -m system.killpoints ...     # also log every batch's indices
 
 Like failpoints in storage engines: the process kills itself (SIGKILL, nothing flushed, no handler
 run) at the N-th time it reaches ``KILLPOINT``, so verify-resume and the chaos harness can aim at
@@ -11,7 +11,7 @@ checkpoint write makes (``torch.save``, ``os.fsync``, ``os.rename``, ``shutil.rm
 at the paths involved, and by a global optimizer step pre-hook. Only the trainer's own process
 kills itself: forked DataLoader workers inherit the wrappers but never fire; under torchrun only
 rank 0 is armed (torchrun then stops the other ranks). ``$TRAINER_INDEX_LOG``, read once here,
-installs :mod:`trainer.harness.index_log`.
+installs :mod:`system.index_log`.
 
 Kill points (in the order a step and a save reach them):
 
@@ -45,7 +45,11 @@ from typing import Any
 import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-__all__ = ["KILLPOINTS", "main"]
+__all__ = ["ENTRY", "KILLPOINTS", "main"]
+
+# How a harness starts the trainer armed: ``[sys.executable, *ENTRY, KILLPOINT, N, "train", ...]``,
+# with :func:`system.verify.child_env`'s PYTHONPATH.
+ENTRY = ("-m", "system.killpoints")
 
 KILLPOINTS = (
     "step",
@@ -160,9 +164,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     armed = bool(args) and args[0] in KILLPOINTS
     if not args or (armed and len(args) < 3):
-        raise SystemExit(f"usage: python -m trainer.harness.killpoints [KILLPOINT N] COMMAND [FLAGS...]\n{__doc__}")
+        raise SystemExit(f"usage: python -m system.killpoints [KILLPOINT N] COMMAND [FLAGS...]\n{__doc__}")
     # Imported before arming, so "after-seconds" counts from a trainer ready to run, not from imports.
-    from ..__main__ import main as trainer_main
+    from trainer.__main__ import main as trainer_main
+
     from . import index_log
 
     if os.environ.get(index_log.ENV):

@@ -1,0 +1,127 @@
+"""Reading shards: records in order from a cursor, records at given offsets, fingerprints, counts.
+
+A reader is ``read_shard(shard, start)`` (records from record offset ``start``), or an object with
+``read_from(shard, start)`` yielding ``(next offset, record)`` (its own offsets: bytes for
+:class:`~resumable_data.streams.TextLineReader`). Optional capabilities, asked with ``getattr``:
+
+* ``read_records(shard, offsets)``: the records at those ascending offsets, one open per shard;
+* ``identity(shard)``: a short fingerprint of the shard as it is now (:class:`ShardedIterable`
+  refuses a restore over a changed shard);
+* ``num_records(shard)``: the shard's record count, cheaply (:class:`RecordCounter`).
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Generator, Sequence
+from typing import Any, Protocol, runtime_checkable
+
+from ...core.state import check_int_arg
+from ...errors import ResumeError
+from .shards import Shards
+
+__all__ = ["COUNT", "RecordCounter", "count_records", "read_at", "records_from"]
+
+COUNT = "count"  # sizes="count": ask the reader for the record counts (RecordCounter)
+
+
+@runtime_checkable
+class RecordCounter(Protocol):
+    """A reader that knows each shard's record count cheaply (a file size, a Parquet footer).
+
+    :class:`ShardedIterable` built with ``sizes="count"`` asks such a reader for the counts (once,
+    when it is built: one count per shard, before anything is read), so its state is a position
+    and :meth:`Stream.shuffle_window` reads by position without the caller listing the sizes. :class:`~resumable_data.streams.TokenShardReader` and
+    :class:`~resumable_data.streams.ParquetReader` are record counters; a reader that would have to
+    read a whole shard to count it (:class:`~resumable_data.streams.TextLineReader`) is not one.
+    The counts must be record offsets as ``read_shard(shard, start)`` takes them (record numbers).
+    """
+
+    def num_records(self, shard: Any) -> int:
+        """The number of records ``shard`` holds."""
+        ...
+
+
+def count_records(reader: Any, shards: Sequence[Any]) -> list[int]:
+    """The record count of each shard as ``reader`` gives it (``sizes="count"``).
+
+    Raises:
+        ResumeError: the reader cannot count (no ``num_records``, or offsets of its own:
+            ``read_from``), a shard cannot be read (missing), or a count is not an int >= 0.
+    """
+    if not isinstance(reader, RecordCounter) or hasattr(reader, "read_from"):
+        raise ResumeError(
+            f"sizes={COUNT!r} needs a reader that counts a shard's records cheaply, num_records(shard), with "
+            f"record numbers as offsets, but {type(reader).__name__} has "
+            + ("its own offsets (bytes)" if hasattr(reader, "read_from") else "no num_records")
+            + "; pass sizes=[record count of each shard] (e.g. from an index file), or leave sizes=None"
+        )
+    sizes = []
+    for index, shard in enumerate(shards):
+        try:
+            count = reader.num_records(shard)
+        except OSError as exc:
+            raise ResumeError(f"cannot count the records of shard {index} {str(shard)!r}: {exc}") from exc
+        sizes.append(check_int_arg(f"{type(reader).__name__}.num_records({str(shard)!r})", count, minimum=0))
+    return sizes
+
+
+def records_from(shards: Shards, reader: Any, index: int, start: int) -> Generator[tuple[int, Any], None, None]:
+    """``(next offset, record)`` of shard ``index`` from ``start``; OSError becomes ResumeError, and a
+    shard shorter than its known size is refused."""
+    shard, name = shards.items[index], shards.names[index]
+    try:
+        if hasattr(reader, "read_from"):
+            yield from reader.read_from(shard, start)
+        elif shards.sizes is None:
+            yield from enumerate(reader(shard, start), start=start + 1)
+        else:
+            size = shards.sizes[index]
+            records = itertools.islice(reader(shard, start), max(0, size - start))
+            offset = start
+            for offset, record in enumerate(records, start=start + 1):
+                yield offset, record
+            if offset < size:
+                raise ResumeError(
+                    f"shard {index} {name!r} ended after {offset} records, but "
+                    f"{'the reader counted' if shards.counted else 'sizes gives'} it {size}: the shard changed"
+                    + ("" if shards.counted else ", or sizes is wrong")
+                )
+    except OSError as exc:
+        raise ResumeError(f"cannot read shard {index} {name!r} at offset {start}: {exc}") from exc
+
+
+def read_at(shards: Shards, reader: Any, index: int, offsets: list[int]) -> list[Any]:
+    """The records of shard ``index`` at ``offsets`` (ascending); a missing one is a ResumeError.
+
+    A reader with ``read_records(shard, offsets)`` gets them in one call; any other reader is read
+    in runs, one ``read_shard`` call per run of consecutive records.
+    """
+    name = shards.names[index]
+    read_records = getattr(reader, "read_records", None)
+    if read_records is not None:
+        try:
+            records = list(read_records(shards.items[index], offsets))
+        except OSError as exc:
+            raise ResumeError(f"cannot read shard {index} {name!r} at offsets {offsets[:3]}...: {exc}") from exc
+        if len(records) != len(offsets):
+            raise ResumeError(
+                f"{type(reader).__name__}.read_records returned {len(records)} records for "
+                f"{len(offsets)} offsets of shard {index} {name!r}"
+            )
+        return records
+    records = []
+    while len(records) < len(offsets):
+        run = records_from(shards, reader, index, offsets[len(records)])
+        for next_offset, record in run:
+            records.append(record)
+            if len(records) == len(offsets) or offsets[len(records)] != next_offset:
+                break
+        else:
+            missing = offsets[len(records)]
+            raise ResumeError(
+                f"shard {index} {name!r} has no record at offset {missing}: it is shorter "
+                "than when the checkpoint was written (truncated or replaced?)"
+            )
+        run.close()  # releases the reader's file now, not at garbage collection
+    return records

@@ -1,0 +1,443 @@
+"""The ShardedIterable class: the seekable source of a stream pipeline (see the package docstring).
+
+The class keeps the live position of its slot and reads; the state value, the layout arithmetic,
+the key checks and the layout change live in the sibling modules.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from ...core.growth import APPEND, ERROR, check_growth
+from ...core.state import check_int_arg, require_int
+from ...errors import ResumeError
+from ..base import EPOCH, Key, Slot, Stream, fetch_grouped
+from ..positional import Positional
+from .checks import Reads, key_check, keys_check
+from .keys import DEALT, IDENTITIES, NUM_SHARDS, PENDING, POSITION, REMAINING, SLOT, WHAT
+from .layout import NO_CURSOR, Dealt, Layout
+from .reading import COUNT, count_records, read_at, records_from
+from .rebalance import rebalance
+from .shards import Shards
+from .state import ShardState
+
+__all__ = ["ShardedIterable"]
+
+
+class ShardedIterable(Stream):
+    """Records of many shards, shard order shuffled per epoch, restorable in O(1) per shard.
+
+    Args:
+        shards: paths or any keys, one per shard; ``str(shard)`` names it in the state and in
+            errors. The list (and its order) must be the same when resuming, so if the data may
+            move to another mount point, pass paths relative to a root that ``read_shard`` joins.
+        read_shard: ``read_shard(shard, start)`` returns an iterator over the shard's records from
+            record offset ``start``. A reader with a ``read_from(shard, start)`` method yielding
+            ``(next offset, record)`` pairs keeps its own offsets instead (byte offsets for
+            :class:`TextLineReader`). A reader may also offer ``read_records(shard, offsets)``,
+            the records at those ascending offsets: a shuffle buffer's restore then opens each
+            shard once (both ready-made readers do).
+        shuffle: shuffle the shard order each epoch.
+        seed: seed of the shard order; only ``(seed, epoch)`` decide it.
+        sizes: the record count of each shard, when known (an index file), or ``"count"`` to ask
+            a reader that counts cheaply (:class:`RecordCounter`: :class:`TokenShardReader`,
+            :class:`ParquetReader`), once, here: the state is then a position, not a list of
+            cursors, and :meth:`Stream.shuffle_window` re-reads nothing but the records it hands
+            out (and restores into another ``num_workers``). A state saved with ``sizes=None``
+            still loads with ``"count"``. Needs a reader whose offsets are record numbers (not
+            :class:`TextLineReader`'s bytes).
+        allow_changed_shards: resume even when a partly read shard's identity (size and content
+            digest) differs from the checkpoint's; records may then be skipped or repeated.
+        growth: what a restore does with a checkpoint taken on fewer shards (shards appended to the
+            list since; the checkpoint's list must be its prefix, by names and sizes): ``"error"``
+            (default) refuses it; ``"next_epoch"`` finishes the restored epoch over the
+            checkpoint's shards and reads the new ones from the next epoch; ``"append"`` deals the
+            new shards, shuffled, to the slots after the shards they still have, so they are read
+            in the rest of this epoch. Shards removed, renamed or reordered are always refused.
+
+    Example:
+        With files, ``shards`` is e.g. ``sorted(glob("data/*.bin"))`` and ``read_shard`` a
+        :class:`TokenShardReader`; here two shards are held in memory:
+
+        >>> records = {"a": [0, 1, 2, 3], "b": [4, 5, 6]}
+        >>> def read(shard, start):  # a shard's records from offset ``start`` on
+        ...     return iter(records[shard][start:])
+        >>> stream = ShardedIterable(["a", "b"], read_shard=read, seed=0)
+        >>> records_read = iter(stream)
+        >>> [next(records_read) for _ in range(5)]  # this epoch's shard order: b, then a
+        [4, 5, 6, 0, 1]
+        >>> stream.state_dict()["remaining"]  # [[shard index, name, cursor]]: a few bytes per shard
+        [[0, 'a', 2]]
+        >>> fresh = ShardedIterable(["a", "b"], read_shard=read, seed=0)
+        >>> fresh.load_state_dict(stream.state_dict())  # reads shard "a" directly at its cursor
+        >>> list(fresh)
+        [2, 3]
+    """
+
+    POSITION_KEYS = frozenset({EPOCH, SLOT, REMAINING, POSITION, DEALT, PENDING, IDENTITIES})
+
+    in_order = True  # a slot's appended shards come after every shard it had (see growth)
+
+    def __init__(
+        self,
+        shards: Iterable[Any],
+        *,
+        read_shard: Callable[[Any, int], Iterator[Any]],
+        shuffle: bool = True,
+        seed: int = 0,
+        sizes: Sequence[int] | str | None = None,
+        allow_changed_shards: bool = False,
+        growth: str = ERROR,
+    ) -> None:
+        super().__init__()
+        self.shards = list(shards)
+        if not self.shards:
+            raise ResumeError("ShardedIterable needs at least one shard, but got an empty shard list")
+        if not callable(read_shard) and not hasattr(read_shard, "read_from"):
+            raise TypeError(f"read_shard must be callable, got {type(read_shard).__name__}")
+        counted = isinstance(sizes, str) and sizes == COUNT
+        if counted:
+            self.sizes: list[int] | None = count_records(read_shard, self.shards)
+        elif isinstance(sizes, str):
+            raise ResumeError(f"sizes should be a list of record counts, {COUNT!r} or None, but got sizes={sizes!r}")
+        elif sizes is not None:
+            self.sizes = [check_int_arg("sizes[i]", size, minimum=0) for size in sizes]
+            if len(self.sizes) != len(self.shards):
+                raise ResumeError(
+                    f"sizes must give one record count per shard: {len(self.shards)} shards but {len(self.sizes)} sizes"
+                )
+            if hasattr(read_shard, "read_from"):
+                raise ResumeError(
+                    f"sizes= needs a reader whose offsets are record numbers, but {type(read_shard).__name__} keeps "
+                    "its own offsets (bytes); leave sizes=None for it"
+                )
+        else:
+            self.sizes = None
+        self.allow_changed_shards = bool(allow_changed_shards)
+        self.growth = check_growth(growth)
+        self.read_shard = read_shard
+        self.shuffle = bool(shuffle)
+        self.seed = check_int_arg("seed", seed, minimum=-(2**63))
+        self._shards = Shards(
+            self.shards,
+            seed=self.seed,
+            shuffle=self.shuffle,
+            sizes=self.sizes,
+            growth=self.growth,
+            counted=counted,
+        )
+        self._identity = getattr(read_shard, "identity", None)
+        self._identities: dict[int, str] = {}
+        self._unverified: set[int] = set()  # restored identities not compared with the shard yet
+        # Every identity of this epoch, taken when a shard was entered or restored: what a stage
+        # above that still holds a finished shard's records saves with them (with_identities, with_held).
+        self._entered: dict[int, str] = {}
+        self._position: int | None = None  # with sizes: records this slot has read in its shards' order
+        self._dealt: Dealt = ()  # with sizes: the epoch's layout changes so far (see DEALT)
+        self._pieces: tuple[int, ...] = (len(self.shards),)  # what the current epoch's order is built over
+        self._slot: Slot = (0, 1)
+        # [shard index, cursor], the first one being read; with a position only that one (the next
+        # ones follow from the position).
+        self._remaining: list[list[int]] = []
+        self._pending: deque[list[int]] = deque()  # handed out from the left: O(1) each
+        self.reset(0, None)
+
+    # -- order and reading ---------------------------------------------------------------------
+    def shard_order(self, epoch: int) -> list[int]:
+        """Shard indices in the order epoch ``epoch`` reads them (all slots together): for the current
+        epoch as a restore may have grown it (see ``growth``), for any other over every shard."""
+        return self._shards.order((epoch, self._pieces if epoch == self._epoch else (len(self.shards),))).tolist()
+
+    def identity(self, index: int) -> str | None:
+        """The reader's fingerprint of shard ``index`` as it is now (None: the reader gives none)."""
+        if self._identity is None:
+            return None
+        try:
+            return str(self._identity(self.shards[index]))
+        except OSError as exc:
+            raise ResumeError(f"cannot read shard {index} {self._shards.names[index]!r}: {exc}") from exc
+
+    def _take_identity(self, index: int) -> str | None:
+        """The identity of shard ``index`` as it is now, noted as entered in this epoch."""
+        identity = self.identity(index)
+        if identity is not None:
+            self._entered[index] = identity
+        return identity
+
+    def _verify(self, index: int, where: str) -> None:
+        """Before shard ``index`` is read again (``where``: from its cursor, or by key), refuse it if its
+        restored identity differs from the file as it is now."""
+        if index not in self._unverified:
+            return
+        saved, now = self._identities[index], self.identity(index)
+        if now is not None and now != saved:
+            raise ResumeError(
+                f"shard {index} {self._shards.names[index]!r} ({where}) changed since the checkpoint: it was "
+                f"{saved} (size:digest of its edges), it is {now} now; resuming would skip or repeat records. "
+                "Restore the shard the checkpoint read, or pass allow_changed_shards=True to ShardedIterable "
+                "to read it as it is"
+            )
+        self._unverified.discard(index)
+
+    # -- known sizes: a slot's position <-> (shard, cursor) -------------------------------------------
+    def _here(self) -> ShardState:
+        """Where this slot stands, as a state value (sharing the live lists: read it at once)."""
+        return ShardState(
+            self._epoch,
+            self._slot,
+            self._pieces,
+            self._remaining,
+            self._pending,
+            self._identities,
+            self._position,
+            self._dealt,
+        )
+
+    def _layout(self) -> Layout:
+        return self._shards.layout((self._epoch, self._pieces), self._slot, self._dealt)
+
+    # -- the positional capability (streams.positional.Positional): the shuffles' fast paths ---------
+    def positional(self) -> Positional | None:
+        """This source as its own positional view when its shard sizes are known, else None (see
+        :meth:`slot_length` for when a position can be used: not while pending records come first)."""
+        return self if self.sizes is not None else None
+
+    def take_pending(self, count: int) -> list[Key]:
+        """The keys of the next ``count`` pending records, moved past unread (a window fetches them)."""
+        taken = [self._pending.popleft() for _ in range(min(count, len(self._pending)))]
+        return [(self._epoch, index, offset) for index, offset in taken]
+
+    def saved_position(self, state: Mapping[str, Any]) -> int | None:
+        """The position of a checked ``state``; None when it lists cursors."""
+        position = state.get(POSITION)
+        return None if position is None else int(position)
+
+    def split_pending(self, state: Mapping[str, Any], count: int) -> tuple[list[Key], dict[str, Any]] | None:
+        """The keys of a checked ``state``'s first ``count`` pending records and the state without them."""
+        pending = state[PENDING]
+        if len(pending) < count:
+            return None
+        return [(state[EPOCH], index, offset) for index, offset in pending[:count]], {**state, PENDING: pending[count:]}
+
+    def slot_length(self) -> int | None:
+        """Records this slot reads from its shards in the current epoch, when the sizes are known and
+        no pending records come first (right after a layout change); else None."""
+        if self._position is None or self._pending:
+            return None
+        return self._layout().total
+
+    @property
+    def pending_count(self) -> int:
+        """Records this slot reads before its shards: those a shuffle held at a layout change."""
+        return len(self._pending)
+
+    @property
+    def position(self) -> int | None:
+        """Records this slot has read in the current epoch (see :meth:`slot_length`), or None."""
+        return self._position
+
+    def keys_at(self, positions: np.ndarray, state: Mapping[str, Any] | None = None) -> list[Key]:
+        """The keys of the records at these positions of this slot's epoch, without reading them.
+
+        Needs :meth:`slot_length` to be known; positions must lie below it. With ``state`` (a
+        checked state with a position), for that state's epoch and slot instead.
+        """
+        where = self._here() if state is None else ShardState.parse(state, self._shards)
+        return where.layout(self._shards).keys(where.epoch, positions)
+
+    def seek(self, position: int) -> None:
+        """Continue this slot's epoch at ``position`` (records it has read), without reading anything.
+
+        The records between the current position and ``position`` are held by the caller (a
+        window that fetches them by key): the identities of their shards are kept, taken now for a
+        shard entered at its start, so that a restore refuses a shard changed under them (a
+        restored one is compared when the shard is next read).
+        """
+        layout = self._layout()
+        start = self._position or 0
+        first = layout.locate(start)
+        last = layout.locate(position - 1) if position > start else first - 1
+        identities = {}
+        for index in layout.shards[first : last + 1].tolist():
+            identity = self._identities.get(index)
+            if identity is None:
+                identity = self._take_identity(index)
+            if identity is not None:
+                identities[index] = identity
+        self._remaining = layout.remaining_at(position)
+        self._position = position
+        self._identities = identities
+        self._unverified &= identities.keys()
+
+    def take_keys(self, count: int) -> list[Key] | None:
+        """The keys of this slot's next ``count`` records (fewer at its end), the slot moved past them
+        without reading them: a shuffle buffer then fills with keys and reads each record when it
+        is drawn, as a restore does with the keys it re-reads.
+
+        None, and nothing moved, unless the keys follow from the position (known sizes, no pending
+        records) and the reader reads records by offset (``read_records``: reading them by key
+        costs about what reading them in order does). The shards' identities end up as reading
+        the records would leave them: taken for a shard entered at its start, compared with the
+        checkpoint's for a restored one (a ResumeError before anything moves).
+        """
+        if self._position is None or self._pending or getattr(self.read_shard, "read_records", None) is None:
+            return None
+        layout = self._layout()
+        position = self._position
+        stop = min(position + count, layout.total)
+        if stop <= position:
+            return []
+        first, last = layout.locate(position), layout.locate(stop - 1)  # the shards of the first and last record
+        identities = dict(self._identities)
+        for k in range(first, last + 1):  # what iter_keyed does as it enters each shard, and leaves it
+            index = int(layout.shards[k])
+            entry = position - int(layout.starts[k]) + int(layout.firsts[k]) if k == first else int(layout.firsts[k])
+            done = k < last or stop == int(layout.starts[k + 1])
+            if index in self._unverified:
+                self._verify(index, f"cursor at offset {entry}")
+            elif entry == 0 and self._identity is not None:
+                # Taken for a shard the keys finish too: the buffer holds its records (with_held).
+                identity = self._take_identity(index)
+                if identity is not None and not done:
+                    identities[index] = identity
+            if done:
+                identities.pop(index, None)
+        keys = layout.keys(self._epoch, np.arange(position, stop, dtype=np.int64))
+        self._remaining = layout.remaining_at(stop)
+        self._position, self._identities = stop, identities
+        return keys
+
+    # -- reading -----------------------------------------------------------------------------------
+    def fetch(self, key: Key) -> Any:
+        return self.fetch_many([key])[0]
+
+    def fetch_many(self, keys: Sequence[Key]) -> list[Any]:
+        """Re-read ``keys`` shard by shard: each shard opened once, its offsets read in ascending order.
+
+        A reader with ``read_records(shard, offsets)`` gets all of a shard's offsets in one call (the
+        ready-made readers open the file once and slice or seek); any other reader is read in runs,
+        one ``read_shard`` call per run of consecutive records.
+        """
+
+        def read(index: int, positions: list[int]) -> list[Any]:
+            offsets = [keys[p][2] for p in positions]
+            self._verify(index, f"read again by key from offset {offsets[0]}")
+            return read_at(self._shards, self.read_shard, index, offsets)
+
+        return fetch_grouped(keys, 1, read)
+
+    def iter_keyed(self) -> Iterator[tuple[Key, Any]]:
+        epoch = self._epoch
+        if self._pending:
+            # Records a shuffle buffer held before a layout change: re-read them together.
+            records = self.fetch_many([(epoch, index, offset) for index, offset in self._pending])
+            for record in records:
+                index, offset = self._pending.popleft()
+                yield (epoch, index, offset), record
+        while True:
+            if not self._remaining and self._position is not None:  # the next shard, from the position
+                self._remaining = self._layout().remaining_at(self._position)
+            if not self._remaining:
+                return
+            entry = self._remaining[0]
+            if entry[0] in self._unverified:  # before the shard's first record is read
+                self._verify(entry[0], f"cursor at offset {entry[1]}")
+            elif entry[1] == 0 and self._identity is not None:
+                identity = self._take_identity(entry[0])
+                if identity is not None:
+                    self._identities[entry[0]] = identity
+            for next_offset, record in records_from(self._shards, self.read_shard, entry[0], entry[1]):
+                key = (epoch, entry[0], entry[1])
+                entry[1] = next_offset
+                if self._position is not None:
+                    self._position += 1
+                yield key, record
+            del self._remaining[0]
+            self._identities.pop(entry[0], None)
+
+    # -- epochs and state ------------------------------------------------------------------------
+    def reset(self, epoch: int, slot: Slot | None) -> None:
+        if slot is not None:
+            self._slot = slot
+        self._epoch = epoch
+        s, num_slots = self._slot
+        self._pending, self._identities, self._unverified, self._dealt = deque(), {}, set(), ()
+        self._entered = {}
+        self._pieces = (len(self.shards),)  # a new epoch's order covers every shard
+        if self.sizes is None:
+            self._remaining = [[index, 0] for index in self.shard_order(epoch)[s::num_slots]]
+        else:
+            self._position = 0
+            self._remaining = self._layout().remaining_at(0)
+
+    def state_dict(self) -> dict[str, Any]:
+        # A shard just finished keeps its identity while a window above holds its records (seek).
+        return self._here().to_dict(self._shards)
+
+    def check(self, state: Any) -> Callable[[], None]:
+        parsed = ShardState.parse(state, self._shards)
+
+        def apply() -> None:
+            self._epoch, self._slot, self._pieces = parsed.epoch, parsed.slot, parsed.pieces
+            self._remaining = [list(entry) for entry in parsed.remaining]
+            self._pending = deque(list(entry) for entry in parsed.pending)
+            self._position, self._dealt = parsed.position, parsed.dealt
+            self._identities, self._entered = dict(parsed.identities), dict(parsed.identities)
+            # Compared when the shard is next read: a restore opens no shard it does not read.
+            self._unverified = set() if self.allow_changed_shards else set(parsed.identities)
+
+        return apply
+
+    def _reads(self, state: Mapping[str, Any] | None) -> Reads:
+        """What a checked ``state`` has read (nothing without a state)."""
+        if state is None:
+            return Reads(None, np.full(len(self.shards), NO_CURSOR, dtype=np.int64), set())
+        return ShardState.parse(state, self._shards).reads(self._shards)
+
+    def key_checker(self, state: Mapping[str, Any] | None) -> Callable[[Key], None]:
+        return key_check(self._reads(state))
+
+    def keys_checker(self, state: Mapping[str, Any] | None) -> Callable[[Sequence[Key]], None]:
+        return keys_check(self._reads(state))  # the state parsed once for both checks
+
+    def with_identities(self, state: dict[str, Any]) -> dict[str, Any]:
+        if not self._entered:
+            return state
+        _, cursors, pending = self._reads(state)
+        held = {index for index, _ in pending}
+        saved = state.get(IDENTITIES, {})
+        identities = {
+            str(index): identity
+            for index, identity in self._entered.items()
+            if cursors[index] != NO_CURSOR or index in held
+        }
+        return {**state, IDENTITIES: {**identities, **saved}}
+
+    def with_held(self, state: dict[str, Any], shards: Iterable[Key]) -> dict[str, Any]:
+        # A held record's shard is (epoch, shard index); a shard still being read has its identity
+        # in the state already, a finished one gets the identity noted when it was entered.
+        saved = state[IDENTITIES]
+        added = {}
+        for shard in shards:
+            index = shard[1]
+            identity = self._entered.get(index)
+            if identity is not None and str(index) not in saved:
+                added[str(index)] = identity
+        return {**state, IDENTITIES: {**saved, **added}} if added else state
+
+    def saved_slots(self, state: Mapping[str, Any]) -> list[Slot]:
+        return [ShardState.parse(state, self._shards).slot]
+
+    def appends(self, state: Mapping[str, Any]) -> bool:
+        # The restored epoch's order takes the shards appended since as a new piece (ShardState.parse).
+        return self.growth == APPEND and require_int(state, NUM_SHARDS, WHAT, minimum=1) < len(self.shards)
+
+    def rebalance(
+        self, states: Sequence[Mapping[str, Any]], num_slots: int, pending: list[Key]
+    ) -> list[dict[str, Any]]:
+        parsed = [ShardState.parse(s, self._shards) for s in states]
+        return [state.to_dict(self._shards) for state in rebalance(self._shards, parsed, num_slots, pending)]
