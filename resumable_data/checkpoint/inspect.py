@@ -125,7 +125,7 @@ class Report:
 
 @dataclass
 class DcpReport:
-    """A verified DCP step folder's summary (:class:`~resumable_data.DcpStore`).
+    """A verified DCP step folder's summary (:class:`~resumable_data.checkpoint.DcpStore`).
 
     Attributes:
         folder: The step folder.

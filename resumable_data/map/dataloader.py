@@ -50,7 +50,7 @@ class ResumableDataLoader(DataLoader):
     Args:
         dataset: a map-style dataset (``__getitem__`` + ``__len__``; ``__getitems__`` is used when
             present). A dataset whose class sets ``wants_sample_key = True`` is indexed with
-            :class:`~resumable_data.SampleKey` so it can draw per-sample randomness.
+            :class:`~resumable_data.rng.SampleKey` so it can draw per-sample randomness.
         batch_size: samples per batch on this rank (>= 1).
         shuffle: shuffle each epoch with a keyed permutation of ``(seed, epoch)``.
         seed: the order's seed (also the global-RNG seeds' and the workers'); the global RNG is never

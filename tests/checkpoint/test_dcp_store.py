@@ -23,9 +23,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from full_disk import fill, small_disk
-from resumable_data import CheckpointLockedError, CheckpointManager, DcpStore, ResumeError, dcp_errors
+from resumable_data import CheckpointManager, ResumeError
 from resumable_data.__main__ import main as cli
+from resumable_data.checkpoint import CheckpointLockedError, DcpStore
 from resumable_data.checkpoint.manifest import dcp_checkpoint_problem
+from resumable_data.distributed import dcp_errors
 
 EXTRAS = "trainer.pt"
 

@@ -37,7 +37,8 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from resumable_data import CheckpointLockedError, CheckpointManager, ResumeError
+from resumable_data import CheckpointManager, ResumeError
+from resumable_data.checkpoint import CheckpointLockedError
 from trainer.data import prepare_data
 
 REPO = Path(__file__).resolve().parents[2]

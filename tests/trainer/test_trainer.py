@@ -28,7 +28,8 @@ from torch.distributed.checkpoint import stateful as torch_stateful
 
 import resumable_data
 from dist_harness import TINY
-from resumable_data import CheckpointLockedError, CheckpointManager, ResumeError
+from resumable_data import CheckpointManager, ResumeError
+from resumable_data.checkpoint import CheckpointLockedError
 from resumable_data.testing import assert_same
 from trainer.__main__ import main
 from trainer.checkpointing import CHECKPOINT_FOLDER, CHECKPOINT_KEYS
