@@ -12,6 +12,7 @@ import importlib
 import warnings
 from typing import Any
 
+from . import distributed as distributed  # a namespace, reachable as resumable_data.distributed as before
 from .checkpoint import CheckpointManager
 from .core.version import __version__
 from .errors import ResumeError, ResumeWarning, Stateful
@@ -37,38 +38,24 @@ __all__ = [
     "wrap",
 ]
 
-# Names that were top-level in 0.1.0 and moved to a namespace: each still resolves here, with a
-# DeprecationWarning naming its new home, for one release. Imported only when asked for.
-_MOVED = {
-    "CheckpointLockedError": "resumable_data.checkpoint",
-    "DataLoaderState": "resumable_data.distributed",
-    "DcpStore": "resumable_data.checkpoint",
-    "GracefulStop": "resumable_data.checkpoint",
-    "IterableSource": "resumable_data.streams",
-    "ParquetReader": "resumable_data.streams",
-    "Permutation": "resumable_data.core",
-    "RandomMap": "resumable_data.rng",
-    "ReplayWarning": "resumable_data.streams",
-    "SampleKey": "resumable_data.rng",
-    "TextLineReader": "resumable_data.streams",
-    "TokenShardReader": "resumable_data.streams",
-    "check_world_size": "resumable_data.distributed",
-    "choose_checkpoint": "resumable_data.checkpoint",
-    "dcp_errors": "resumable_data.distributed",
-    "decide_on_rank_zero": "resumable_data.distributed",
-    "fail_together": "resumable_data.distributed",
-    "global_state": "resumable_data.distributed",
-    "rank_seed": "resumable_data.rng",
-    "require_agreement": "resumable_data.distributed",
-    "restore_rank_rng_state": "resumable_data.rng",
-    "sample_generator": "resumable_data.rng",
-    "sample_numpy_rng": "resumable_data.rng",
-    "sample_seed": "resumable_data.rng",
+# Names that were top-level in 0.1.0 and moved to a namespace, by namespace: each still resolves
+# here, with a DeprecationWarning naming its new home, for one release. Imported only when asked for.
+_MOVED_TO = {
+    "resumable_data.checkpoint": "CheckpointLockedError DcpStore GracefulStop choose_checkpoint",
+    "resumable_data.core": "Permutation",
+    "resumable_data.distributed": "DataLoaderState check_world_size dcp_errors decide_on_rank_zero fail_together "
+    "global_state require_agreement",
+    "resumable_data.rng": "RandomMap SampleKey rank_seed restore_rank_rng_state sample_generator sample_numpy_rng "
+    "sample_seed",
+    "resumable_data.streams": "IterableSource ParquetReader ReplayWarning TextLineReader TokenShardReader",
 }
+_MOVED = {name: home for home, names in _MOVED_TO.items() for name in names.split()}
 
 
 def __getattr__(name: str) -> Any:
     """A moved name from its new home, with a ``DeprecationWarning`` that says where it is now."""
+    if name == "signals":  # GracefulStop's old module, imported here until 0.1.0: importing it warns
+        return importlib.import_module(f"{__name__}.signals")
     home = _MOVED.get(name)
     if home is None:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

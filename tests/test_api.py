@@ -23,52 +23,29 @@ import resumable_data
 
 ROOT = Path(__file__).resolve().parent.parent
 
-# Every name that left the top level, and the namespace that holds it now.
+# Every name that left the top level, by the namespace that holds it now.
 MOVED = {
-    "CheckpointLockedError": "resumable_data.checkpoint",
-    "DataLoaderState": "resumable_data.distributed",
-    "DcpStore": "resumable_data.checkpoint",
-    "GracefulStop": "resumable_data.checkpoint",
-    "IterableSource": "resumable_data.streams",
-    "ParquetReader": "resumable_data.streams",
-    "Permutation": "resumable_data.core",
-    "RandomMap": "resumable_data.rng",
-    "ReplayWarning": "resumable_data.streams",
-    "SampleKey": "resumable_data.rng",
-    "TextLineReader": "resumable_data.streams",
-    "TokenShardReader": "resumable_data.streams",
-    "check_world_size": "resumable_data.distributed",
-    "choose_checkpoint": "resumable_data.checkpoint",
-    "dcp_errors": "resumable_data.distributed",
-    "decide_on_rank_zero": "resumable_data.distributed",
-    "fail_together": "resumable_data.distributed",
-    "global_state": "resumable_data.distributed",
-    "rank_seed": "resumable_data.rng",
-    "require_agreement": "resumable_data.distributed",
-    "restore_rank_rng_state": "resumable_data.rng",
-    "sample_generator": "resumable_data.rng",
-    "sample_numpy_rng": "resumable_data.rng",
-    "sample_seed": "resumable_data.rng",
+    name: home
+    for home, names in {
+        "resumable_data.streams": "IterableSource ParquetReader ReplayWarning TextLineReader TokenShardReader",
+        "resumable_data.rng": "RandomMap SampleKey rank_seed restore_rank_rng_state sample_generator "
+        "sample_numpy_rng sample_seed",
+        "resumable_data.checkpoint": "CheckpointLockedError DcpStore choose_checkpoint GracefulStop",
+        "resumable_data.distributed": "DataLoaderState check_world_size dcp_errors decide_on_rank_zero "
+        "fail_together global_state require_agreement",
+        "resumable_data.core": "Permutation",
+    }.items()
+    for name in names.split()
 }
 
 # The top level: what the quickstart needs.
 KEPT = {
-    "CheckpointManager",
-    "ResumableDataLoader",
-    "ResumableSampler",
-    "ResumeError",
-    "ResumeWarning",
-    "ShardedIterable",
-    "Stateful",
-    "Stream",
-    "StreamLoader",
-    "__version__",
-    "capture_rng_state",
-    "mix",
-    "restore_rng_state",
-    "seed_everything",
-    "wrap",
-}
+    "wrap", "ResumableDataLoader", "ResumableSampler",  # map-style loading
+    "ShardedIterable", "Stream", "StreamLoader", "mix",  # streams
+    "ResumeError", "ResumeWarning", "Stateful",  # errors, and what a state holder follows
+    "capture_rng_state", "restore_rng_state", "seed_everything",  # the global RNGs
+    "CheckpointManager", "__version__",
+}  # fmt: skip
 
 # Kept names that their namespace offers too, so one import line serves a namespace's users.
 ALSO_IN_NAMESPACE = {
@@ -148,6 +125,22 @@ def test_the_old_signals_module_imports_with_a_warning(monkeypatch: pytest.Monke
     with pytest.warns(DeprecationWarning, match=re.escape("from resumable_data.checkpoint import GracefulStop")):
         old: ModuleType = importlib.import_module("resumable_data.signals")
     assert old.GracefulStop is importlib.import_module("resumable_data.checkpoint").GracefulStop
+
+
+def test_after_import_resumable_data_its_namespaces_and_the_old_signals_module_are_attributes() -> None:
+    # A fresh interpreter: `import resumable_data` alone, as a user's script starts.
+    probe = (
+        "import warnings, resumable_data\n"
+        "with warnings.catch_warnings(record=True) as caught:\n"
+        "    warnings.simplefilter('always')\n"
+        "    print(resumable_data.distributed.global_state.__name__, resumable_data.streams.mix.__name__)\n"
+        "    assert not caught, caught\n"
+        "    print(resumable_data.signals.GracefulStop.__name__)\n"
+        "print(*{w.category.__name__ for w in caught})\n"
+    )
+    result = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.split() == ["global_state", "mix", "GracefulStop", "DeprecationWarning"]
 
 
 def _old_paths(path: Path) -> list[str]:
