@@ -23,7 +23,8 @@ from typing import Any
 import datasets
 import torch
 
-from resumable_data import ParquetReader, ResumableDataLoader, ShardedIterable, StreamLoader
+from resumable_data import ResumableDataLoader, ShardedIterable, StreamLoader
+from resumable_data.streams import ParquetReader
 
 BLOCK = 16
 

@@ -27,7 +27,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from resumable_data import ShardedIterable, StreamLoader, TextLineReader, mix
+from resumable_data import ShardedIterable, StreamLoader, mix
+from resumable_data.streams import TextLineReader
 
 BLOCK = 64  # tokens per training example; each window holds BLOCK + 1 for next-token targets
 EOS = 256  # after the 256 byte values

@@ -19,7 +19,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from resumable_data import ShardedIterable, StreamLoader, TokenShardReader, mix
+from resumable_data import ShardedIterable, StreamLoader, mix
+from resumable_data.streams import TokenShardReader
 
 BLOCK = 32  # tokens per training example; each window holds BLOCK + 1 for next-token targets
 

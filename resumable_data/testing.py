@@ -35,7 +35,7 @@ def first_difference(expected: Any, actual: Any, path: str = "", *, strict_conta
     """Where ``actual`` first differs from ``expected``, or None when they are bitwise the same.
 
     Compares tensors, numpy arrays (and numpy scalars), python numbers, strings, bytes, None,
-    dataclasses (such as :class:`~resumable_data.SampleKey`) and any nesting of dicts, lists and
+    dataclasses (such as :class:`~resumable_data.rng.SampleKey`) and any nesting of dicts, lists and
     tuples. Containers are compared by their items, not their type: mappings by keys and values
     (not key order, nor ``dict`` against ``OrderedDict``), lists and tuples alike (a JSON round
     trip, or torch's distributed optimizer state, turns one into the other). A tensor's device and

@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from resumable_data import SampleKey
+from resumable_data.rng import SampleKey
 from resumable_data.testing import assert_same
 
 Roundtrip = Callable[[dict[str, Any]], dict[str, Any]]

@@ -20,7 +20,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from resumable_data import SampleKey
+from resumable_data.rng import SampleKey
 from resumable_data.testing import assert_same, first_difference
 
 TORCH_DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16, torch.int64, torch.uint8, torch.bool]

@@ -26,7 +26,7 @@ from tqdm import tqdm
 
 import resumable_data
 from resumable_data.rng import rank_seed, restore_rank_rng_state
-from resumable_data.signals import GracefulStop
+from resumable_data.checkpoint import GracefulStop
 
 from . import checkpointing as ckpt
 from . import parallel

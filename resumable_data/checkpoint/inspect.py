@@ -19,8 +19,20 @@ import torch
 
 from ..core.state import EPOCH, POSITION, VERSION, WORLD_SIZE
 from ..errors import ResumeError
-from .dcp import DcpManifest, dcp_checkpoint_problem, is_dcp_folder, read_dcp_manifest, verify_payload
-from .manifest import MANIFEST_NAME, PAYLOAD_NAME, STEP_RE, Manifest, checkpoint_problem, read_manifest, step_of
+from .manifest import (
+    MANIFEST_NAME,
+    PAYLOAD_NAME,
+    STEP_RE,
+    DcpManifest,
+    Manifest,
+    checkpoint_problem,
+    dcp_checkpoint_problem,
+    is_dcp_folder,
+    read_dcp_manifest,
+    read_manifest,
+    step_of,
+    verify_payload,
+)
 from .weights_only import load_weights_only
 
 __all__ = ["DcpReport", "Report", "inspect_checkpoint"]
@@ -113,7 +125,7 @@ class Report:
 
 @dataclass
 class DcpReport:
-    """A verified DCP step folder's summary (:class:`~resumable_data.DcpStore`).
+    """A verified DCP step folder's summary (:class:`~resumable_data.checkpoint.DcpStore`).
 
     Attributes:
         folder: The step folder.

@@ -21,9 +21,10 @@ before deleting it (so a crash mid-delete cannot leave a half-deleted ``step-N``
 (whose manifest this one cannot judge). A failed write raises an
 ``OSError`` naming the checkpoint and the OS error, and leaves the folder as it was.
 
-The manager's jobs live in small modules: the lock (``lock``), the manifest and what makes a
-checkpoint valid (``manifest``), weights-only checks and loading (``weights_only``), durable file
-operations (``durable``).
+The manager's jobs live in small modules: the step-folder publish, prune and validity cache it
+shares with ``DcpStore`` (``store``), the lock (``lock``), the manifest and what makes a checkpoint
+valid (``manifest``), weights-only checks and loading (``weights_only``), durable file operations
+(``durable``).
 """
 
 from __future__ import annotations
@@ -33,9 +34,7 @@ import math
 import os
 import uuid
 import warnings
-from collections.abc import Iterable
 from pathlib import Path
-from types import TracebackType
 from typing import Any
 
 from ..errors import ResumeError
@@ -44,27 +43,22 @@ from .lock import CheckpointLockedError, RunLock
 from .manifest import (
     MANIFEST_NAME,
     MANIFEST_VERSION,
+    MAX_MANIFEST_BYTES,
     PAYLOAD_NAME,
     Manifest,
     checkpoint_problem,
     file_digest,
     read_manifest,
-    refuse_to_replace_newer,
-    step_folders,
     step_name,
-    written_by_newer,
 )
 from .manifest import step_of as _step_of
+from .store import TMP_PREFIX, StepFolderStore
 from .weights_only import is_mapping, load_weights_only, snapshot
 
 __all__ = ["CheckpointLockedError", "CheckpointManager"]
 
-_TMP_PREFIX = ".tmp-"
-# A checkpoint's identity on disk for the validity cache: inode, size and mtime of both files.
-_StatKey = tuple[int, ...]
 
-
-class CheckpointManager:
+class CheckpointManager(StepFolderStore):
     """Saves, finds, verifies and prunes the checkpoints of one training run.
 
     Each checkpoint is a folder ``DIRECTORY/step-{step:08d}/`` holding ``state.pt`` (the state,
@@ -101,6 +95,10 @@ class CheckpointManager:
                     ckpt.save(step, state, metric=val_loss)
     """
 
+    manifest_version = MANIFEST_VERSION
+    max_manifest_bytes = MAX_MANIFEST_BYTES
+    retried_at = "save"
+
     def __init__(
         self,
         directory: str | os.PathLike[str],
@@ -110,13 +108,7 @@ class CheckpointManager:
         async_save: bool = False,
         lock: bool = True,
     ) -> None:
-        if isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 2:
-            raise ResumeError(
-                f"keep_last must be an int >= 2 so a corrupt newest checkpoint still leaves one to "
-                f"resume from, but got keep_last={keep_last!r}"
-            )
-        self.directory = Path(directory)
-        self.keep_last = keep_last
+        super().__init__(directory, keep_last)
         self.keep_best = keep_best
         self.async_save = async_save
         # Durably: a run folder that a power loss can take away takes its first checkpoints with it.
@@ -125,22 +117,6 @@ class CheckpointManager:
         self._executor: concurrent.futures.ThreadPoolExecutor | None = None
         self._pending: concurrent.futures.Future[Path] | None = None
         self._closed = False
-        # Checksums verified by this manager, so pruning does not re-read every kept checkpoint on
-        # every save. Keyed by path; trusted only while inode, size and mtime are unchanged.
-        self._verified: dict[Path, tuple[_StatKey, bool]] = {}
-
-    # -- context manager -------------------------------------------------------------------------
-
-    def __enter__(self) -> CheckpointManager:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        self.close()
 
     # -- writing ---------------------------------------------------------------------------------
 
@@ -182,7 +158,7 @@ class CheckpointManager:
             metric = float(metric)
         if not is_mapping(state):
             raise ResumeError(f"state must be a dict, but got {type(state).__name__}")
-        refuse_to_replace_newer(self.directory / step_name(step), MANIFEST_VERSION)
+        self._refuse_to_replace_newer(self.directory / step_name(step))
         # The snapshot also validates; async copies tensors to CPU now, because the caller may
         # update them in place as soon as save() returns.
         copied = snapshot(state, "state", copy=self.async_save, memo={})
@@ -242,116 +218,28 @@ class CheckpointManager:
 
     def _publish(self, step: int, state: dict[str, Any], metric: float | None, target: Path) -> None:
         """Write into a temp folder and rename it to ``target``; on failure, leave the folder as it was."""
-        tmp = self.directory / f"{_TMP_PREFIX}{target.name}-{uuid.uuid4().hex[:12]}"
+        tmp = self.directory / f"{TMP_PREFIX}{target.name}-{uuid.uuid4().hex[:12]}"
         os.mkdir(tmp)
-        replaced: Path | None = None
-        published = False
         try:
             durable.write_payload(state, tmp / PAYLOAD_NAME)
             sha256, size = file_digest(tmp / PAYLOAD_NAME)
             with durable.durable_file(tmp / MANIFEST_NAME) as f:
                 f.write(Manifest(step=step, sha256=sha256, size=size, metric=metric).to_json())
             durable.fsync_dir(tmp)
-            # rename() cannot replace a non-empty folder, so an existing step-N is moved aside
-            # first. A crash between the two renames loses that step-N (resume falls back to the
-            # step before it); the old copy is only deleted once the new one is in place.
-            replaced = self._move_aside(target) if os.path.lexists(target) else None
-            os.rename(tmp, target)
-            published = True
-            durable.fsync_dir(self.directory)
+            self._swap_in(tmp, target)
         except BaseException:
-            # Undo in reverse order, so the folder is as it was: the new step-N (if it landed but
-            # could not be made durable) goes back to its temp name, the old one comes back.
-            if published:
-                os.rename(target, tmp)
-            if replaced is not None:
-                os.rename(replaced, target)
             self._remove_quietly(tmp)
             raise
-        if replaced is not None:
-            self._remove_quietly(replaced)
-        self._remember(target, valid=True)
-
-    def _prune(self, keep: Path) -> None:
-        """Keep the newest ``keep_last`` valid checkpoints, ``keep`` and the best; delete the rest.
-
-        Invalid checkpoints never count towards ``keep_last``: one newer than the K-th valid one
-        stays (skipped with a warning when reading; replaced when its step is saved again), older
-        ones go with the valid ones there, except those a newer release wrote, which always stay.
-        """
-        folders = self._step_folders()
-        survivors = {keep}
-        valid_kept = 0
-        doomed: list[Path] = []
-        for path in reversed(folders):
-            if valid_kept >= self.keep_last:
-                doomed.append(path)
-            elif path == keep or self._is_valid(path):
-                valid_kept += 1
-                survivors.add(path)
-        if self.keep_best:
-            best = self._best_of(folders, warn=False)
-            if best is not None:
-                survivors.add(best)
-        for path in doomed:
-            if path not in survivors and written_by_newer(path, MANIFEST_VERSION) is None:
-                try:
-                    durable.remove_tree(self._move_aside(path))
-                except OSError as e:
-                    # The new checkpoint is safe; only space is at stake, so say so and go on.
-                    warnings.warn(f"could not prune checkpoint {path}: {e}", stacklevel=3)
-                self._verified.pop(path, None)
-
-    def _move_aside(self, path: Path) -> Path:
-        """Rename a step folder to a .tmp-* name, durably, before deleting it.
-
-        The rename is atomic, so a crash mid-delete leaves a .tmp-* leftover, never half a step-N.
-        """
-        doomed = self.directory / f"{_TMP_PREFIX}deleted-{path.name}-{uuid.uuid4().hex[:12]}"
-        os.rename(path, doomed)
-        durable.fsync_dir(self.directory)
-        return doomed
-
-    def _remove_leftovers(self) -> None:
-        for path in self.directory.glob(f"{_TMP_PREFIX}*"):
-            self._remove_quietly(path)
-
-    @staticmethod
-    def _remove_quietly(path: Path) -> None:
-        """Remove a temp entry; if that fails, warn (the next save tries again) rather than fail a save."""
-        try:
-            durable.remove_tree(path)
-        except OSError as e:
-            warnings.warn(f"could not remove the leftover {path}: {e}; the next save tries again", stacklevel=4)
 
     # -- validity --------------------------------------------------------------------------------
 
-    def problem(self, path: str | os.PathLike[str]) -> str | None:
-        """What makes the checkpoint folder ``path`` unusable (manifest, size and checksum are
-        checked), or None when it can be loaded."""
-        self._settle()
-        return self._problem(Path(path))
+    def _folder_problem(self, path: Path, *, verify: bool) -> str | None:
+        return checkpoint_problem(path, verify=verify)
 
-    def _problem(self, path: Path) -> str | None:
-        """Verify ``path`` fully (manifest and checksum) and remember the verdict for pruning."""
-        problem = checkpoint_problem(path, verify=True)
-        self._remember(path, valid=problem is None)
-        return problem
+    def _also_keep(self, folders: list[Path]) -> Path | None:
+        return self._best_of(folders, warn=False) if self.keep_best else None
 
-    def _is_valid(self, path: Path) -> bool:
-        """Whether ``path`` is a valid checkpoint, verified once per version of its files."""
-        key = _stat_key(path)
-        cached = self._verified.get(path)
-        if key is not None and cached is not None and cached[0] == key:
-            return cached[1]
-        return self._problem(path) is None
-
-    def _remember(self, path: Path, *, valid: bool) -> None:
-        key = _stat_key(path)
-        if key is not None:
-            self._verified[path] = (key, valid)
-
-    def _best_of(self, folders: Iterable[Path], *, warn: bool) -> Path | None:
+    def _best_of(self, folders: list[Path], *, warn: bool) -> Path | None:
         """The valid checkpoint with the lowest metric (NaN and None never win; ties: the newest).
 
         Folders with an unreadable manifest are passed over silently (callers that report warn
@@ -373,30 +261,6 @@ class CheckpointManager:
         return None
 
     # -- reading ---------------------------------------------------------------------------------
-
-    def checkpoints(self) -> list[Path]:
-        """Complete checkpoints, oldest first.
-
-        Complete means: a ``step-N`` folder whose manifest parses and is well-typed, names step N,
-        and whose payload has the size the manifest records. The checksum is not read here (see
-        :meth:`latest`).
-        """
-        self._settle()
-        return [path for path in self._step_folders() if checkpoint_problem(path, verify=False) is None]
-
-    def latest(self) -> Path | None:
-        """The newest checkpoint whose manifest is valid and whose checksum matches.
-
-        Incomplete, corrupt or odd newer checkpoints are skipped with a ``warnings.warn`` naming
-        each. ``.tmp-*`` folders (writes in progress or cut off by a crash) are ignored.
-        """
-        self._settle()
-        for path in reversed(self._step_folders()):
-            problem = self._problem(path)
-            if problem is None:
-                return path
-            warnings.warn(f"skipping checkpoint {path}: {problem}", stacklevel=2)
-        return None
 
     def best(self) -> Path | None:
         """The valid checkpoint with the lowest metric (ties: the newest), or None if none has one.
@@ -466,10 +330,6 @@ class CheckpointManager:
         """
         return _step_of(path)
 
-    def _step_folders(self) -> list[Path]:
-        """Every ``step-N`` folder (or symlink to one), complete or not, ordered by step."""
-        return step_folders(self.directory)
-
     def _resolve(self, path: Path) -> Path:
         """Map a user's path (folder, payload file, or a name inside the run folder) to a folder."""
         if not path.exists() and not path.is_absolute() and (self.directory / path).exists():
@@ -477,19 +337,3 @@ class CheckpointManager:
         if not path.exists():
             raise ResumeError(f"cannot load checkpoint {path}: no such file or folder")
         return path if path.is_dir() else path.parent
-
-
-def _stat_key(folder: Path) -> _StatKey | None:
-    """Inode, size and mtime of a checkpoint's two files, or None if either is missing."""
-    try:
-        payload, manifest = (folder / PAYLOAD_NAME).stat(), (folder / MANIFEST_NAME).stat()
-    except OSError:
-        return None
-    return (
-        payload.st_ino,
-        payload.st_size,
-        payload.st_mtime_ns,
-        manifest.st_ino,
-        manifest.st_size,
-        manifest.st_mtime_ns,
-    )

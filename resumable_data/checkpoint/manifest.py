@@ -1,9 +1,12 @@
-"""The checkpoint manifest: what it holds, how it is written, and how a folder is judged valid.
+"""The checkpoint manifests: what they hold, how they are written, and how a folder is judged valid.
+
+Two formats share the keys declared here: a :class:`Manifest` records the one payload of a
+:class:`CheckpointManager` folder; a :class:`DcpManifest` records every file of a ``DcpStore``
+folder (DCP's shards and index, and the payloads written beside them).
 
 A manifest is data to distrust: a disk, a copy tool or a person can leave anything in it. It is read
-with bounds (at most :data:`MAX_MANIFEST_BYTES`, a regular file only, JSON nested at most
-:data:`MAX_DEPTH` deep, checked *before* the parser runs, so no input can exhaust the stack or
-memory), and every field is type-checked into a :class:`Manifest`. Anything odd makes the checkpoint
+with bounds (at most :data:`MAX_MANIFEST_BYTES`, a regular file only, JSON nested at most a few
+levels deep: see :mod:`.bounded_json`), and every field is type-checked into a :class:`Manifest`. Anything odd makes the checkpoint
 *invalid*, with a one-line reason; the manager then skips it with a warning, as it skips a corrupt
 payload.
 """
@@ -17,25 +20,32 @@ import os
 import re
 import stat
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeGuard, TypeVar
 
 from ..core.state import VERSION, brief, is_int
 from ..core.version import __version__
 from ..errors import ResumeError
+from .bounded_json import read_json_object
 
 __all__ = [
+    "DCP_METADATA",
     "MANIFEST_NAME",
     "PAYLOAD_NAME",
+    "DcpManifest",
     "Manifest",
     "checkpoint_problem",
+    "dcp_checkpoint_problem",
     "file_digest",
+    "is_dcp_folder",
+    "read_dcp_manifest",
     "read_json_object",
     "read_manifest",
     "refuse_to_replace_newer",
     "step_folders",
+    "verify_payload",
     "written_by_newer",
 ]
 
@@ -45,23 +55,28 @@ MANIFEST_NAME = "manifest.json"
 STEP_RE = re.compile(r"^step-(\d+)$")
 # A real manifest is about 400 bytes of flat JSON.
 MAX_MANIFEST_BYTES = 64 * 1024
-MAX_DEPTH = 4
+DCP_MANIFEST_VERSION = 1
+# DCP's own index of the shards: written last by DCP's coordinator, so a folder without it is incomplete.
+DCP_METADATA = ".metadata"
+# One entry of about 120 bytes per file: room for tens of thousands of ranks' shards.
+MAX_DCP_MANIFEST_BYTES = 16 * 1024 * 1024
 _HASH_CHUNK = 1 << 20
 _LAST_TIMESTAMP = 253402300799  # 9999-12-31T23:59:59Z, the last time datetime can show
 _SHA256_RE = re.compile(r"^[0-9a-f]{64}$")
-_OPENING = frozenset(b"[{")
-_CLOSING = frozenset(b"]}")
-_QUOTE, _BACKSLASH = ord('"'), ord("\\")
 
-# Manifest keys, declared once.
+# Manifest keys, declared once; the DCP manifest uses the first six and the last three.
 STEP = "step"
 CREATED = "created"
 CREATED_ISO = "created_iso"
-PAYLOAD = "payload"
 SHA256 = "sha256"
 SIZE = "size"
 LIBRARY_VERSION = "library_version"
+PAYLOAD = "payload"
 METRIC = "metric"
+KIND = "kind"
+KIND_DCP = "dcp"
+FILES = "files"
+PAYLOADS = "payloads"
 
 
 @dataclass(frozen=True)
@@ -86,12 +101,10 @@ class Manifest:
 
     def to_json(self) -> bytes:
         """The file content, with the wall-clock time in both machine and human form."""
-        created = time.time() if self.created is None else self.created
         record = {
             VERSION: MANIFEST_VERSION,
             STEP: self.step,
-            CREATED: created,
-            CREATED_ISO: datetime.datetime.fromtimestamp(created, datetime.timezone.utc).isoformat(),
+            **_created(self.created),
             PAYLOAD: PAYLOAD_NAME,
             SHA256: self.sha256,
             SIZE: self.size,
@@ -99,6 +112,52 @@ class Manifest:
             METRIC: self.metric,
         }
         return (json.dumps(record, indent=2) + "\n").encode()
+
+
+@dataclass(frozen=True)
+class DcpManifest:
+    """The typed content of a DCP step folder's ``manifest.json``.
+
+    Attributes:
+        step: The training step; must match the folder's ``step-N`` name.
+        files: Every file of the folder but the manifest, by name: ``(size, sha256)``.
+        payloads: The names among ``files`` written by ``DcpStore.publish`` (weights-only).
+        created: Unix time of the write.
+        library_version: The resumable_data release that wrote it.
+    """
+
+    step: int
+    files: dict[str, tuple[int, str]]
+    payloads: tuple[str, ...] = ()
+    created: float | None = None
+    library_version: str | None = None
+
+    def to_json(self) -> bytes:
+        record = {
+            VERSION: DCP_MANIFEST_VERSION,
+            KIND: KIND_DCP,
+            STEP: self.step,
+            **_created(self.created),
+            LIBRARY_VERSION: self.library_version or __version__,
+            PAYLOADS: list(self.payloads),
+            FILES: {name: {SIZE: size, SHA256: sha256} for name, (size, sha256) in sorted(self.files.items())},
+        }
+        return (json.dumps(record, indent=1) + "\n").encode()
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(size for size, _ in self.files.values())
+
+
+def _created(created: float | None) -> dict[str, Any]:
+    """The time of a write (now if None), in machine and human form."""
+    created = time.time() if created is None else created
+    return {CREATED: created, CREATED_ISO: datetime.datetime.fromtimestamp(created, datetime.timezone.utc).isoformat()}
+
+
+def plain_name(name: Any) -> bool:
+    """Whether ``name`` names a file inside a folder: no path separator, not ``.`` or ``..``."""
+    return isinstance(name, str) and name not in ("", ".", "..") and "/" not in name and "\0" not in name
 
 
 def step_of(path: str | os.PathLike[str]) -> int:
@@ -164,76 +223,6 @@ def read_manifest(folder: Path) -> Manifest:
     return _typed(read_json_object(path, max_bytes=MAX_MANIFEST_BYTES), path)
 
 
-def read_json_object(path: Path, *, max_bytes: int) -> dict[str, Any]:
-    """Read a manifest-like JSON object with bounded effort: a regular file of at most ``max_bytes``,
-    nested at most :data:`MAX_DEPTH` deep (checked before the parser runs).
-
-    Raises:
-        ResumeError: Missing, not a regular file, too large, too deep, not JSON, or not an object.
-    """
-    raw = _read_bounded(path, max_bytes)
-    depth = _nesting_depth(raw)
-    if depth > MAX_DEPTH:
-        raise ResumeError(f"manifest {path} is nested {depth} levels deep (at most {MAX_DEPTH} allowed)")
-    try:
-        record = json.loads(raw)
-    except (ValueError, RecursionError) as e:  # ValueError covers bad UTF-8 and over-long integers
-        raise ResumeError(f"manifest {path} is not valid JSON: {e}") from None
-    if not isinstance(record, dict):
-        raise ResumeError(f"manifest {path} is not a JSON object but {type(record).__name__}")
-    return record
-
-
-def _read_bounded(path: Path, max_bytes: int) -> bytes:
-    # O_NONBLOCK: a FIFO planted under the name must not hang the reader; it is refused below anyway.
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
-    except FileNotFoundError:
-        raise ResumeError(f"missing manifest {MANIFEST_NAME} (incomplete write?)") from None
-    except OSError as e:
-        raise ResumeError(f"unreadable manifest {path}: {e.strerror}") from None
-    try:
-        info = os.fstat(fd)
-        if not stat.S_ISREG(info.st_mode):
-            raise ResumeError(f"manifest {path} is not a regular file")
-        if info.st_size > max_bytes:
-            raise ResumeError(f"manifest {path} has {info.st_size} bytes (at most {max_bytes} allowed)")
-        with os.fdopen(fd, "rb", closefd=False) as f:
-            raw = f.read(max_bytes + 1)
-    except OSError as e:
-        raise ResumeError(f"unreadable manifest {path}: {e.strerror}") from None
-    finally:
-        os.close(fd)
-    if len(raw) > max_bytes:  # grew while being read
-        raise ResumeError(f"manifest {path} has more than {max_bytes} bytes")
-    return raw
-
-
-def _nesting_depth(raw: bytes) -> int:
-    """How deep arrays and objects nest, ignoring brackets inside strings: one linear pass, no
-    recursion (a regex over strings would rescan from every stray quote)."""
-    if raw.count(b"[") + raw.count(b"{") <= MAX_DEPTH:  # every real manifest: one object
-        return MAX_DEPTH
-    depth = deepest = 0
-    in_string = escaped = False
-    for byte in raw:
-        if in_string:
-            if escaped:
-                escaped = False
-            elif byte == _BACKSLASH:
-                escaped = True
-            elif byte == _QUOTE:
-                in_string = False
-        elif byte == _QUOTE:
-            in_string = True
-        elif byte in _OPENING:
-            depth += 1
-            deepest = max(deepest, depth)
-        elif byte in _CLOSING:
-            depth -= 1
-    return deepest
-
-
 def _typed(record: Mapping[str, Any], path: Path) -> Manifest:
     def field(key: str, ok: Any, expected: str, *, required: bool) -> Any:
         if key not in record:
@@ -258,7 +247,7 @@ def _typed(record: Mapping[str, Any], path: Path) -> Manifest:
     size = field(SIZE, lambda v: is_int(v) and v >= 0, "an int >= 0", required=True)
     field(PAYLOAD, lambda v: v == PAYLOAD_NAME, repr(PAYLOAD_NAME), required=False)
     metric = field(METRIC, lambda v: v is None or _is_number(v), "a number or null", required=False)
-    created = field(CREATED, lambda v: _is_number(v) and 0 <= v <= _LAST_TIMESTAMP, "a Unix time", required=False)
+    created = field(CREATED, _is_time, "a Unix time", required=False)
     field(CREATED_ISO, lambda v: isinstance(v, str), "a string", required=False)
     library = field(LIBRARY_VERSION, lambda v: isinstance(v, str), "a string", required=False)
     return Manifest(
@@ -271,8 +260,12 @@ def _typed(record: Mapping[str, Any], path: Path) -> Manifest:
     )
 
 
-def _is_number(value: Any) -> bool:
+def _is_number(value: Any) -> TypeGuard[int | float]:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and _fits_float(value)
+
+
+def _is_time(value: Any) -> TypeGuard[int | float]:
+    return _is_number(value) and 0 <= value <= _LAST_TIMESTAMP
 
 
 def _fits_float(value: int | float) -> bool:
@@ -305,6 +298,48 @@ def name_problem(folder: Path, step: int) -> str | None:
     return None
 
 
+_Read = TypeVar("_Read", Manifest, DcpManifest)
+
+
+def _named_manifest(folder: Path, read: Callable[[Path], _Read], *, check_name: bool) -> _Read | str:
+    """The manifest of a step folder, or why there is none that fits the folder."""
+    if not folder.is_dir():
+        return "not a checkpoint folder"
+    try:
+        manifest = read(folder)
+    except ResumeError as e:
+        return str(e)
+    if check_name and (problem := name_problem(folder, manifest.step)) is not None:
+        return problem
+    return manifest
+
+
+def _files_problem(folder: Path, files: Mapping[str, tuple[int, str]], *, verify: bool, follow: bool) -> str | None:
+    """The first file that is not as recorded: sizes of all first (cheap), then, with ``verify``, sha256s.
+
+    Args:
+        follow: Accept a symlink to a regular file (a payload someone linked in); DCP folders do not.
+    """
+    for name, (size, _) in files.items():
+        try:
+            info = (folder / name).stat() if follow else (folder / name).lstat()
+        except OSError:
+            return f"{name} is missing"
+        if not stat.S_ISREG(info.st_mode):
+            return f"{name} is not a regular file"
+        if info.st_size != size:
+            return f"{name} has {info.st_size} bytes but the manifest records {size} (truncated?)"
+    if verify:
+        for name, (_, sha256) in files.items():
+            try:
+                actual, _ = file_digest(folder / name)
+            except OSError as e:
+                return f"{name} is unreadable: {e.strerror}"
+            if actual != sha256:
+                return f"checksum mismatch: {name} has sha256 {actual}, manifest records {sha256}"
+    return None
+
+
 def checkpoint_problem(folder: Path, *, verify: bool, check_name: bool = True) -> str | None:
     """What is wrong with a checkpoint folder, or None if it is complete (and, with ``verify``, its
     payload's sha256 matches the manifest). Never raises for anything found on disk.
@@ -313,28 +348,115 @@ def checkpoint_problem(folder: Path, *, verify: bool, check_name: bool = True) -
         check_name: Require the folder's ``step-N`` name to match the manifest's step (False for a
             checkpoint copied elsewhere under another name).
     """
-    if not folder.is_dir():
-        return "not a checkpoint folder"
+    manifest = _named_manifest(folder, read_manifest, check_name=check_name)
+    if isinstance(manifest, str):
+        return manifest
+    return _files_problem(folder, {PAYLOAD_NAME: (manifest.size, manifest.sha256)}, verify=verify, follow=True)
+
+
+def read_dcp_manifest(folder: Path) -> DcpManifest:
+    """Read and type-check ``folder/manifest.json`` of a DCP step folder, with bounded effort.
+
+    Raises:
+        ResumeError: Missing, odd or mistyped; the message names the file and the field.
+    """
+    path = folder / MANIFEST_NAME
+    record = read_json_object(path, max_bytes=MAX_DCP_MANIFEST_BYTES)
+    version = record.get(VERSION)
+    if not is_int(version) or version != DCP_MANIFEST_VERSION or record.get(KIND) != KIND_DCP:
+        raise ResumeError(
+            f"manifest {path} is not a version-{DCP_MANIFEST_VERSION} DCP manifest (version "
+            f"{brief(version)}, kind {brief(record.get(KIND))}); load it with the release that wrote it"
+        )
+    step = record.get(STEP)
+    if not is_int(step) or step < 0:
+        raise ResumeError(f"manifest {path} field {STEP!r} must be an int >= 0, but got {brief(step)}")
+    raw_files = record.get(FILES)
+    if not isinstance(raw_files, dict) or not raw_files:
+        raise ResumeError(f"manifest {path} field {FILES!r} must be a non-empty object, but got {brief(raw_files)}")
+    files: dict[str, tuple[int, str]] = {}
+    for name, entry in raw_files.items():
+        if not plain_name(name):
+            raise ResumeError(f"manifest {path} names the file {brief(name)}, which is not a plain file name")
+        size = entry.get(SIZE) if isinstance(entry, dict) else None
+        sha256 = entry.get(SHA256) if isinstance(entry, dict) else None
+        if not (is_int(size) and size >= 0 and isinstance(sha256, str) and _SHA256_RE.match(sha256)):
+            raise ResumeError(
+                f"manifest {path} entry for {name!r} must be {{size: int >= 0, sha256: 64 hex digits}}, "
+                f"but got {brief(entry)}"
+            )
+        files[name] = (size, sha256)
+    if DCP_METADATA not in files:
+        raise ResumeError(f"manifest {path} lists no {DCP_METADATA}: not a complete DCP checkpoint")
+    payloads = record.get(PAYLOADS, [])
+    if not isinstance(payloads, list) or not all(isinstance(p, str) and p in files for p in payloads):
+        raise ResumeError(
+            f"manifest {path} field {PAYLOADS!r} must list files of the folder, but got {brief(payloads)}"
+        )
+    created = record.get(CREATED)
+    library = record.get(LIBRARY_VERSION)
+    return DcpManifest(
+        step=step,
+        files=files,
+        payloads=tuple(payloads),
+        # Informational only: a time that is not one (too large for a float, or for a date) is dropped.
+        created=float(created) if _is_time(created) else None,
+        library_version=library if isinstance(library, str) else None,
+    )
+
+
+def is_dcp_folder(folder: Path) -> bool:
+    """Whether ``folder`` looks like a DCP step folder: DCP's ``.metadata``, or a manifest of kind
+    ``dcp`` (a folder that lost its ``.metadata`` is still one, and is judged as one)."""
+    if (folder / DCP_METADATA).exists():
+        return True
     try:
-        manifest = read_manifest(folder)
+        return read_json_object(folder / MANIFEST_NAME, max_bytes=MAX_DCP_MANIFEST_BYTES).get(KIND) == KIND_DCP
+    except ResumeError:
+        return False
+
+
+def dcp_checkpoint_problem(folder: Path, *, verify: bool, check_name: bool = True) -> str | None:
+    """What is wrong with a DCP step folder, or None if it is complete (and, with ``verify``, every
+    file's sha256 matches the manifest). Never raises for anything found on disk.
+
+    Args:
+        verify: Also read every file and compare its sha256 (else sizes only).
+        check_name: Require the folder's ``step-N`` name to match the manifest's step.
+    """
+    manifest = _named_manifest(folder, read_dcp_manifest, check_name=check_name)
+    if isinstance(manifest, str):
+        return manifest
+    return _files_problem(folder, manifest.files, verify=verify, follow=False)
+
+
+def verify_payload(folder: Path, name: str) -> DcpManifest:
+    """Check the payload ``name`` of a DCP step folder against the folder's manifest (listed as a
+    payload, size and sha256), without reading the rest of the folder.
+
+    Returns:
+        The folder's manifest.
+
+    Raises:
+        ResumeError: ``cannot load FOLDER/NAME: ...`` naming what does not match.
+    """
+    try:
+        manifest = read_dcp_manifest(folder)
     except ResumeError as e:
-        return str(e)
-    if check_name and (problem := name_problem(folder, manifest.step)) is not None:
-        return problem
-    payload = folder / PAYLOAD_NAME
+        raise ResumeError(f"cannot load {folder / name}: {e}") from None
+    if name not in manifest.payloads:
+        raise ResumeError(
+            f"cannot load {folder / name}: the manifest lists no payload {name!r} (payloads: "
+            f"{list(manifest.payloads)}; DCP's own files load only with DCP)"
+        )
+    size, sha256 = manifest.files[name]
     try:
-        info = payload.stat()
-    except OSError:
-        return f"{PAYLOAD_NAME} is missing"
-    if not stat.S_ISREG(info.st_mode):
-        return f"{PAYLOAD_NAME} is not a regular file"
-    if info.st_size != manifest.size:
-        return f"{PAYLOAD_NAME} has {info.st_size} bytes but the manifest records {manifest.size} (truncated?)"
-    if verify:
-        try:
-            sha256, _ = file_digest(payload)
-        except OSError as e:
-            return f"{PAYLOAD_NAME} is unreadable: {e.strerror}"
-        if sha256 != manifest.sha256:
-            return f"checksum mismatch: {PAYLOAD_NAME} has sha256 {sha256}, manifest records {manifest.sha256}"
-    return None
+        actual, actual_size = file_digest(folder / name)
+    except OSError as e:
+        raise ResumeError(f"cannot load {folder / name}: {e.strerror}") from None
+    if (actual_size, actual) != (size, sha256):
+        raise ResumeError(
+            f"cannot load {folder / name}: it has {actual_size} bytes and sha256 {actual}, "
+            f"the manifest records {size} bytes and {sha256}"
+        )
+    return manifest

@@ -54,7 +54,7 @@ class ResumableBatchSampler(torch.utils.data.Sampler[list[int]]):
         batch_size: samples per batch on this rank.
         drop_last: drop the last partial batch.
         global_rng: the loader's ``global_rng`` mode.
-        sample_keys: yield :class:`~resumable_data.SampleKey` objects instead of ints.
+        sample_keys: yield :class:`~resumable_data.rng.SampleKey` objects instead of ints.
         main_fetch: batches are fetched in the main process (``num_workers=0``).
 
     Example:

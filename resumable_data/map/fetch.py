@@ -127,7 +127,7 @@ class BatchIndices(list[Any]):  # a plain list to everyone who reads it
     """One batch's dataset indices, and the key its fetch seeds the global RNGs with.
 
     Args:
-        indices: the batch's indices (ints, or :class:`~resumable_data.SampleKey` objects).
+        indices: the batch's indices (ints, or :class:`~resumable_data.rng.SampleKey` objects).
         key: the batch key (:func:`batch_keys`).
         seeding: the loader's ``global_rng`` mode.
         prefix: ``hash_ints(seed, epoch)``, from which ``global_rng="sample"`` keys each sample.

@@ -15,7 +15,8 @@ import numpy as np
 import pytest
 import torch
 
-from resumable_data import CheckpointLockedError, CheckpointManager, ResumeError
+from resumable_data import CheckpointManager, ResumeError
+from resumable_data.checkpoint import CheckpointLockedError
 from resumable_data.checkpoint import durable as _durable
 from resumable_data.testing import assert_same
 

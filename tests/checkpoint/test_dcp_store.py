@@ -23,9 +23,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from full_disk import fill, small_disk
-from resumable_data import CheckpointLockedError, CheckpointManager, DcpStore, ResumeError, dcp_errors
+from resumable_data import CheckpointManager, ResumeError
 from resumable_data.__main__ import main as cli
-from resumable_data.checkpoint.dcp import dcp_checkpoint_problem
+from resumable_data.checkpoint import CheckpointLockedError, DcpStore
+from resumable_data.checkpoint.manifest import dcp_checkpoint_problem
+from resumable_data.distributed import dcp_errors
 
 EXTRAS = "trainer.pt"
 
@@ -299,6 +301,22 @@ def test_a_fuzzed_dcp_manifest_field_is_either_valid_or_skipped_with_a_warning(
         assert any("skipping checkpoint" in str(w.message) for w in caught)
     else:  # the change left a manifest that still vouches for every file exactly
         assert dcp_checkpoint_problem(chosen, verify=True) is None
+
+
+@pytest.mark.parametrize(
+    "created", [10**400, 1e300, -1.0, "yesterday"], ids=["int-beyond-float", "beyond-9999", "negative", "string"]
+)
+def test_a_dcp_manifest_time_that_is_not_a_time_is_dropped_not_raised(
+    store: DcpStore, created: Any, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # The time is informational: an over-long int (no float holds it) or a date out of range
+    # once raised OverflowError from latest() and inspect; the files still vouch for the folder.
+    newest = store.directory / "step-00000006"
+    path = newest / "manifest.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), "created": created}))
+    assert store.latest() == newest
+    assert cli(["inspect", str(newest)]) == 0
+    assert "created" not in capsys.readouterr().out
 
 
 # -- a full disk, a second writer, inspect of a damaged folder (issue 36, item 15) ----------------------

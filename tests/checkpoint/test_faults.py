@@ -37,7 +37,8 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from resumable_data import CheckpointLockedError, CheckpointManager, ResumeError
+from resumable_data import CheckpointManager, ResumeError
+from resumable_data.checkpoint import CheckpointLockedError
 from resumable_data.testing import assert_same
 from trainer.data import prepare_data
 

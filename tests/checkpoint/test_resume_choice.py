@@ -15,7 +15,8 @@ import torch.distributed.checkpoint as dcp
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from resumable_data import CheckpointManager, DcpStore, ResumeError, choose_checkpoint
+from resumable_data import CheckpointManager, ResumeError
+from resumable_data.checkpoint import DcpStore, choose_checkpoint
 
 
 @pytest.fixture

@@ -13,7 +13,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from resumable_data import Permutation, ResumableSampler, ResumeError, ShardedIterable
+from resumable_data import ResumableSampler, ResumeError, ShardedIterable
+from resumable_data.core import Permutation
 from resumable_data.core.permutation import EXACT_MAX, FeistelPermutation, PiecewisePermutation
 
 EDGE_LENGTHS = [1, 2, 3] + [n for k in range(2, 21) for n in (2**k - 1, 2**k, 2**k + 1)]

@@ -54,7 +54,8 @@ def test_ranks_come_from_the_process_group_and_partition_the_epoch(tmp_path: Pat
 def _shared_data_main(rank: int, world_size: int, tmp: str) -> None:
     """Two ranks that are tensor-parallel peers: each is alone in its data-parallel group."""
     from dist_harness import finish, init_gloo
-    from resumable_data import DataLoaderState, ShardedIterable, StreamLoader, global_state
+    from resumable_data import ShardedIterable, StreamLoader
+    from resumable_data.distributed import DataLoaderState, global_state
     from streams_harness import MemoryShards
 
     init_gloo(rank, world_size, f"{tmp}/init_shared")

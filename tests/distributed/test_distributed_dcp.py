@@ -23,15 +23,8 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 from dist_harness import finish, init_gloo, results, spawn
-from resumable_data import (
-    DataLoaderState,
-    ResumableDataLoader,
-    ResumeError,
-    ShardedIterable,
-    StreamLoader,
-    dcp_errors,
-    global_state,
-)
+from resumable_data import ResumableDataLoader, ResumeError, ShardedIterable, StreamLoader
+from resumable_data.distributed import DataLoaderState, dcp_errors, global_state
 from streams_harness import MemoryShards
 
 LENGTH, BATCH, SEED = 36, 3, 11

@@ -14,7 +14,8 @@ from typing import Any
 import pytest
 import torch
 
-from resumable_data import ResumeError, decide_on_rank_zero, fail_together, torchrun
+from resumable_data import ResumeError, torchrun
+from resumable_data.distributed import decide_on_rank_zero, fail_together
 
 
 def _outcome(call: Callable[[], Any]) -> Any:

@@ -24,7 +24,8 @@ from accelerate.utils import DataLoaderConfiguration
 
 from harness import GlobalRandomAugment, checkpoint_roundtrip
 from integrations_harness import kill_and_resume
-from resumable_data import Permutation, ResumableDataLoader, ResumeError, wrap
+from resumable_data import ResumableDataLoader, ResumeError, wrap
+from resumable_data.core import Permutation
 from resumable_data.integrations.accelerate import skip_first_batches
 from resumable_data.testing import assert_same
 

@@ -9,13 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from resumable_data import (
-    ResumeError,
-    capture_rng_state,
-    rank_seed,
-    restore_rank_rng_state,
-    seed_everything,
-)
+from resumable_data import ResumeError, capture_rng_state, seed_everything
+from resumable_data.rng import rank_seed, restore_rank_rng_state
 from resumable_data.testing import assert_same
 
 

@@ -12,15 +12,8 @@ import pytest
 import torch
 
 from harness import assert_resumes_identically, checkpoint_roundtrip, take
-from resumable_data import (
-    RandomMap,
-    ResumableDataLoader,
-    ResumeError,
-    SampleKey,
-    capture_rng_state,
-    restore_rng_state,
-    sample_generator,
-)
+from resumable_data import ResumableDataLoader, ResumeError, capture_rng_state, restore_rng_state
+from resumable_data.rng import RandomMap, SampleKey, sample_generator
 
 
 def _draw() -> tuple[float, float, float, torch.Tensor]:

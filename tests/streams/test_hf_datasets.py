@@ -28,8 +28,8 @@ from harness import (  # noqa: E402
     consume,
     take,
 )
-from resumable_data import IterableSource, ParquetReader, ReplayWarning, ResumableDataLoader  # noqa: E402
-from resumable_data.streams import ShardedIterable, StreamLoader  # noqa: E402
+from resumable_data import ResumableDataLoader  # noqa: E402
+from resumable_data.streams import IterableSource, ParquetReader, ReplayWarning, ShardedIterable, StreamLoader  # noqa: E402
 
 ROWS = 53
 

@@ -27,8 +27,8 @@ from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 from harness import assert_resumes_identically, consume, json_roundtrip  # noqa: E402
-from resumable_data import ParquetReader, ResumeError  # noqa: E402
-from resumable_data.streams import ShardedIterable, Stream, StreamLoader, mix  # noqa: E402
+from resumable_data import ResumeError  # noqa: E402
+from resumable_data.streams import ParquetReader, ShardedIterable, Stream, StreamLoader, mix  # noqa: E402
 from streams_harness import assert_exactly_once_across_layout_change, ids  # noqa: E402
 
 ROW_GROUP = 5

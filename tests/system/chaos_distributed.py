@@ -41,7 +41,7 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from helpers.trainer_runs import text_corpus, tiny
 from resumable_data import DcpStore, ResumeError
-from resumable_data.checkpoint.dcp import dcp_checkpoint_problem
+from resumable_data.checkpoint.manifest import dcp_checkpoint_problem
 from trainer.checkpointing import DCP_FOLDER
 from trainer.config import TrainConfig
 from trainer.dcp_store import EXTRAS_NAME

@@ -28,7 +28,8 @@ from torch.distributed.checkpoint import stateful as torch_stateful
 
 import resumable_data
 from helpers.trainer_runs import TINY, final_checkpoint, text_corpus, tiny
-from resumable_data import CheckpointLockedError, CheckpointManager, ResumeError
+from resumable_data import CheckpointManager, ResumeError
+from resumable_data.checkpoint import CheckpointLockedError
 from resumable_data.testing import assert_same
 from system.verify import config_to_argv, verify_resume
 from trainer.__main__ import main

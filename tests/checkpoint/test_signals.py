@@ -9,7 +9,7 @@ import threading
 
 import pytest
 
-from resumable_data import GracefulStop
+from resumable_data.checkpoint import GracefulStop
 
 
 def test_a_signal_sets_the_reason_and_the_process_goes_on() -> None:
