@@ -40,7 +40,8 @@ import torch
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 from helpers.trainer_runs import text_corpus, tiny
-from resumable_data import DcpStore, ResumeError
+from resumable_data import ResumeError
+from resumable_data.checkpoint import DcpStore
 from resumable_data.checkpoint.manifest import dcp_checkpoint_problem
 from trainer.checkpointing import DCP_FOLDER
 from trainer.config import TrainConfig
