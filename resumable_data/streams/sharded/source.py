@@ -18,7 +18,7 @@ from ...errors import ResumeError
 from ..base import EPOCH, Key, Slot, Stream, fetch_grouped
 from ..positional import Positional
 from .checks import Reads, key_check, keys_check
-from .keys import DEALT, IDENTITIES, NUM_SHARDS, PENDING, POSITION, REMAINING, SLOT, WHAT
+from .keys import DEALT, IDENTITIES, NUM_SHARDS, NUM_SLOTS, PENDING, POSITION, REMAINING, SLOT, WHAT
 from .layout import NO_CURSOR, Dealt, Layout
 from .reading import COUNT, count_records, read_at, records_from
 from .rebalance import rebalance
@@ -407,8 +407,10 @@ class ShardedIterable(Stream):
     def with_identities(self, state: dict[str, Any]) -> dict[str, Any]:
         if not self._entered:
             return state
-        _, cursors, pending = self._reads(state)
-        held = {index for index, _ in pending}
+        # ``state`` is this source's own: its pending records (thousands after a layout change) need
+        # no check again, only their shards.
+        _, cursors, _ = self._reads({**state, PENDING: []})
+        held = {entry[0] for entry in state[PENDING]}
         saved = state.get(IDENTITIES, {})
         identities = {
             str(index): identity
@@ -430,7 +432,9 @@ class ShardedIterable(Stream):
         return {**state, IDENTITIES: {**saved, **added}} if added else state
 
     def saved_slots(self, state: Mapping[str, Any]) -> list[Slot]:
-        return [ShardState.parse(state, self._shards).slot]
+        # A checked state (check() parsed it whole): its slot fields are ints already; parsing it
+        # again would check thousands of pending records after a layout change once more.
+        return [(int(state[SLOT]), int(state[NUM_SLOTS]))]
 
     def appends(self, state: Mapping[str, Any]) -> bool:
         # The restored epoch's order takes the shards appended since as a new piece (ShardState.parse).
