@@ -19,12 +19,10 @@ from typing import Any, Protocol, runtime_checkable
 
 from ...core.state import check_int_arg
 from ...errors import ResumeError
+from .keys import COUNT, UNKNOWN
 from .shards import Shards
 
-__all__ = ["COUNT", "UNKNOWN", "RecordCounter", "count_records", "read_at", "records_from", "resolve_sizes"]
-
-COUNT = "count"  # sizes="count": ask the reader for the record counts (RecordCounter), or fail
-UNKNOWN = "unknown"  # sizes="unknown": read by per-shard cursors even when the reader could count
+__all__ = ["RecordCounter", "count_records", "read_at", "records_from", "resolve_sizes"]
 
 
 @runtime_checkable

@@ -17,7 +17,7 @@ from ...core.growth import ERROR
 from ...core.state import brief, require_int
 from ...errors import ResumeError
 from ..base import Slot, check_same
-from .keys import IDENTITIES, NUM_SHARDS, POSITION, SHARDS_DIGEST, SIZES_DIGEST, WHAT
+from .keys import COUNT, IDENTITIES, NUM_SHARDS, POSITION, SHARDS_DIGEST, SIZES_DIGEST, UNKNOWN, WHAT
 from .layout import Dealt, EpochOrder, Layout, dealing, shard_order, slot_layout
 
 __all__ = ["Shards"]
@@ -130,14 +130,14 @@ class Shards:
         if saved_sizes is not None and expected is None:
             raise ResumeError(
                 f"{WHAT} state was saved with the shards' sizes (its position needs them), but this pipeline has "
-                "none: build it with sizes=None and a reader that counts (RecordCounter), sizes='count', or the "
-                "checkpoint's sizes=[...], not sizes='unknown'"
+                f"none: build it with sizes=None and a reader that counts (RecordCounter), sizes={COUNT!r}, or the "
+                f"checkpoint's sizes=[...], not sizes={UNKNOWN!r}"
             )
         if saved_sizes != expected and self.counted and saved_sizes is not None:
             raise ResumeError(
                 f"{WHAT} shard sizes changed: the reader counted other record counts than the checkpoint's (sizes "
                 f"digest {brief(saved_sizes)}, now {brief(expected)}){self._changed(state)}; its position would mean "
-                "other records. Restore the shards the checkpoint read (a state saved with sizes='unknown', "
+                f"other records. Restore the shards the checkpoint read (a state saved with sizes={UNKNOWN!r}, "
                 "by cursors, reads on over changed shards with allow_changed_shards=True)"
             )
         check_same(
@@ -146,7 +146,7 @@ class Shards:
             saved_sizes,
             expected,
             "pass the checkpoint's sizes= (the same record count for every shard), or for a state saved by "
-            "cursors, sizes=None or 'unknown'",
+            f"cursors, sizes=None or {UNKNOWN!r}",
         )
         return saved_n
 

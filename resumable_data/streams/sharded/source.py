@@ -60,8 +60,8 @@ class ShardedIterable(Stream):
         allow_changed_shards: resume even when a partly read shard's identity (size and content
             digest) differs from the checkpoint's; records may then be skipped or repeated. With
             counted sizes this reads on over a shard rewritten with as many records; a shard
-            whose count changed is still refused (build with ``sizes="unknown"`` to read on over
-            that too: it must be the mode the checkpoint was saved in).
+            whose count changed is still refused (its position would mean other records): only a
+            state saved by cursors (``sizes="unknown"``) reads on over that too.
         growth: what a restore does with a checkpoint taken on fewer shards (shards appended to the
             list since; the checkpoint's list must be its prefix, by names and sizes): ``"error"``
             (default) refuses it; ``"next_epoch"`` finishes the restored epoch over the

@@ -26,6 +26,7 @@ from ...errors import ResumeError
 from ..base import EPOCH, MAX_COUNT, STREAM_STATE_VERSION, Slot, check_same, require_count, require_epoch
 from .checks import Reads, check_record
 from .keys import (
+    COUNT,
     DEALT,
     EPOCH_SHARDS,
     GROWN_STATE_VERSION,
@@ -38,10 +39,10 @@ from .keys import (
     SHARDS_DIGEST,
     SIZES_DIGEST,
     SLOT,
+    UNKNOWN,
     WHAT,
 )
 from .layout import NO_CURSOR, Dealt, EpochOrder, Layout
-from .reading import COUNT, UNKNOWN
 from .shards import Shards
 
 __all__ = ["ShardState", "held_identities"]
