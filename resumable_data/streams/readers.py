@@ -52,6 +52,30 @@ def _path_identity(shard: Any, what: str) -> str:
         raise ResumeError(f"{what} shard {path!r} is missing: {exc}") from exc
 
 
+def _npy_length(path: str, size: int) -> int | None:
+    """The length of the array in a ``.npy`` file of ``size`` bytes, from its header alone (None for
+    a format version other than 1.0 and 2.0, which numpy writes only for exotic dtypes).
+
+    Raises:
+        ValueError: the header is not one numpy reads, or the data is shorter than it says.
+    """
+    with open(path, "rb") as file:
+        version = np.lib.format.read_magic(file)
+        if version == (1, 0):
+            shape, _, dtype = np.lib.format.read_array_header_1_0(file)
+        elif version == (2, 0):
+            shape, _, dtype = np.lib.format.read_array_header_2_0(file)
+        else:
+            return None
+        data = file.tell()
+    if not shape:
+        raise ValueError("it holds a 0-d array, not a sequence of tokens")
+    needed = data + int(np.prod(shape)) * dtype.itemsize
+    if size < needed:
+        raise ValueError(f"its header needs {needed} bytes, the file holds {size}")
+    return int(shape[0])
+
+
 class TokenShardReader:
     """Fixed-length token windows from a ``.npy`` file or a raw ``.bin`` token file, via memmap.
 
@@ -122,8 +146,29 @@ class TokenShardReader:
             raise ResumeError(f"token shard {path!r} is unreadable or truncated: {exc}") from exc
 
     def num_records(self, shard: Any) -> int:
-        """Windows in the shard."""
-        return self._count(len(self.tokens(shard)))
+        """Windows in the shard, from its size (and a ``.npy`` file's header): the file is not mapped.
+
+        What a :class:`ShardedIterable` asks of every shard when it is built, so it costs one
+        ``stat`` per raw shard; the checks are those of mapping it (:meth:`tokens`).
+        """
+        path = os.fspath(shard)
+        try:
+            size = os.stat(path).st_size
+            if path.endswith(".npy"):
+                length = _npy_length(path, size)
+                return self._count(len(self.tokens(shard)) if length is None else length)
+        except FileNotFoundError as exc:
+            raise ResumeError(f"token shard {path!r} is missing: {exc}") from exc
+        except ResumeError:
+            raise
+        except ValueError as exc:  # a header numpy cannot read, as np.load would refuse it
+            raise ResumeError(f"token shard {path!r} is unreadable or truncated: {exc}") from exc
+        if size % self.dtype.itemsize:
+            raise ResumeError(
+                f"token shard {path!r} holds {size} bytes, not a multiple of {self.dtype.itemsize} "
+                f"({self.dtype}): it is truncated or written with another dtype"
+            )
+        return self._count(size // self.dtype.itemsize)
 
     def identity(self, shard: Any) -> str:
         """The shard's size and a digest of its first and last bytes (see :func:`file_identity`)."""

@@ -52,7 +52,7 @@ DAMAGES = {"same size": same_size_other_content, "truncated": truncate}
 
 def buffered(paths: list[Path], reader: Any, **options: Any) -> Stream:
     # Shards in list order: slot s of S reads shards s, s + S, ... so shard s is the first it finishes.
-    source = ShardedIterable(paths, read_shard=reader, shuffle=False, **options)
+    source = ShardedIterable(paths, read_shard=reader, shuffle=False, sizes="unknown", **options)
     return source.shuffle_buffer(BUFFER, seed=1)
 
 
@@ -112,6 +112,31 @@ def test_unchanged_shards_resume_identically_and_a_state_without_held_identities
         assert values(list(restored)) == expected
 
 
+def test_by_default_a_finished_shard_rewritten_under_the_buffer_is_refused_naming_it(tmp_path: Path) -> None:
+    # The reader counts, so the source's state is a position; the buffer still carries the identity
+    # of the finished shard it holds records of, and a same-count rewrite is refused on re-read.
+    paths, reader = token_shards(tmp_path, 2)
+
+    def make(**options: Any) -> Stream:
+        return ShardedIterable(paths, read_shard=reader, shuffle=False, **options).shuffle_buffer(BUFFER, seed=1)
+
+    stream = make()
+    records = iter(stream)
+    for _ in range(CUT):
+        next(records)
+    state = json_roundtrip(stream.state_dict())
+    assert "position" in state["source"] and "0" in state["source"]["identities"]
+    expected = values(list(records))
+    same_size_other_content(paths[0])
+    restored = make()
+    restored.load_state_dict(state)
+    with pytest.raises(ResumeError, match=rf"shard 0 '.*{paths[0].name}' \(read again by key .*\) changed since"):
+        list(restored)
+    allowed = make(allow_changed_shards=True)
+    allowed.load_state_dict(state)
+    assert len(list(allowed)) == len(expected)  # read as the shard is now
+
+
 def test_a_finished_shard_of_a_mixed_source_changed_under_the_buffer_is_refused(tmp_path: Path) -> None:
     (tmp_path / "a").mkdir()
     (tmp_path / "b").mkdir()
@@ -119,7 +144,7 @@ def test_a_finished_shard_of_a_mixed_source_changed_under_the_buffer_is_refused(
     prose, _ = token_shards(tmp_path / "b", 2)
 
     def make() -> Stream:
-        sources = [ShardedIterable(paths, read_shard=reader, shuffle=False) for paths in (code, prose)]
+        sources = [ShardedIterable(paths, read_shard=reader, shuffle=False, sizes="unknown") for paths in (code, prose)]
         return mix(sources, weights=[3, 1], seed=0).shuffle_buffer(BUFFER, seed=1)
 
     stream = make()

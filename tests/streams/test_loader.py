@@ -69,7 +69,9 @@ def test_resume_at_a_shard_boundary(tmp_path: Path) -> None:
     paths = write_token_shards(tmp_path, [8 * WINDOW] * 4)
 
     def make() -> StreamLoader:
-        return StreamLoader(ShardedIterable(paths, read_shard=TokenShardReader(WINDOW), seed=1), batch_size=4)
+        return StreamLoader(
+            ShardedIterable(paths, read_shard=TokenShardReader(WINDOW), seed=1, sizes="unknown"), batch_size=4
+        )
 
     loader = make()
     list(itertools.islice(iter(loader), 2))

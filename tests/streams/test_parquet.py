@@ -79,7 +79,9 @@ def test_rows_golden(shards: list[Path]) -> None:
 
 
 def unshuffled(paths: list[Path], **kwargs: Any) -> ShardedIterable:
-    return ShardedIterable(paths, read_shard=ParquetReader(["id", "tokens"], parse=as_tensors, **kwargs), shuffle=False)
+    return ShardedIterable(
+        paths, read_shard=ParquetReader(["id", "tokens"], parse=as_tensors, **kwargs), shuffle=False, sizes="unknown"
+    )
 
 
 @pytest.mark.parametrize(
@@ -215,10 +217,10 @@ def test_restore_reads_no_byte_of_an_earlier_row_group_and_at_most_one_group(tmp
         file.log = log
         return file
 
-    stream = ShardedIterable([path], read_shard=ParquetReader(["id"], parse=row_id))
+    stream = ShardedIterable([path], read_shard=ParquetReader(["id"], parse=row_id), sizes="unknown")
     items = iter(stream)
     [next(items) for _ in range(537)]  # row 537: row group 5, 37 rows in
-    restored = ShardedIterable([path], read_shard=ParquetReader(parse=row_id, opener=opener))
+    restored = ShardedIterable([path], read_shard=ParquetReader(parse=row_id, opener=opener), sizes="unknown")
     restored.load_state_dict(json_roundtrip(stream.state_dict()))
     assert next(iter(restored)) == 537
     touched = {g for g, (lo, hi) in enumerate(groups) for a, b in log if a < hi and lo < b}
@@ -260,7 +262,7 @@ def test_shuffle_buffer_restore_decodes_a_few_row_groups_not_one_per_row(
 
 # -- errors ----------------------------------------------------------------------------------------
 def after_three_rows(paths: list[Path]) -> tuple[ShardedIterable, dict[str, Any]]:
-    stream = ShardedIterable(paths, read_shard=ParquetReader(parse=row_id), shuffle=False)
+    stream = ShardedIterable(paths, read_shard=ParquetReader(parse=row_id), shuffle=False, sizes="unknown")
     items = iter(stream)
     [next(items) for _ in range(3)]
     return stream, stream.state_dict()
@@ -281,7 +283,7 @@ def test_missing_or_damaged_shard_is_named_and_consumes_nothing(shards: list[Pat
     stream, state = after_three_rows(shards)
     backup = shards[0].read_bytes()
     damage(shards[0])
-    restored = ShardedIterable(shards, read_shard=ParquetReader(parse=row_id), shuffle=False)
+    restored = ShardedIterable(shards, read_shard=ParquetReader(parse=row_id), shuffle=False, sizes="unknown")
     restored.load_state_dict(state)
     with pytest.raises(ResumeError, match=message):
         next(iter(restored))
@@ -293,11 +295,13 @@ def test_missing_or_damaged_shard_is_named_and_consumes_nothing(shards: list[Pat
 def test_shard_shorter_than_the_cursor_names_shard_and_row(shards: list[Path]) -> None:
     _, state = after_three_rows(shards)
     write_parquet_shards(shards[0].parent, [2, 10, 7])  # shard 0 rewritten with 2 rows
-    restored = ShardedIterable(shards, read_shard=ParquetReader(parse=row_id), shuffle=False)
+    restored = ShardedIterable(shards, read_shard=ParquetReader(parse=row_id), shuffle=False, sizes="unknown")
     restored.load_state_dict(state)
     with pytest.raises(ResumeError, match=r"train-00000-of-00003.parquet' \(cursor at offset 3\) changed since the"):
         next(iter(restored))
-    allowed = ShardedIterable(shards, read_shard=ParquetReader(parse=row_id), shuffle=False, allow_changed_shards=True)
+    allowed = ShardedIterable(
+        shards, read_shard=ParquetReader(parse=row_id), shuffle=False, sizes="unknown", allow_changed_shards=True
+    )
     allowed.load_state_dict(state)  # read as it is now: the reader finds the cursor past its end
     with pytest.raises(ResumeError, match=r"train-00000-of-00003.parquet' has 2 rows but the cursor is at row 3"):
         next(iter(allowed))

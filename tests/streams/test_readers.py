@@ -61,11 +61,11 @@ def test_token_stream_resumes_identically(tmp_path: Path, suffix: str) -> None:
 
 def test_restore_mid_shard_reads_no_record_before_the_cursor(tmp_path: Path) -> None:
     (path,) = write_token_shards(tmp_path, [1000])
-    stream = ShardedIterable([path], read_shard=TokenShardReader(5))
+    stream = ShardedIterable([path], read_shard=TokenShardReader(5), sizes="unknown")
     iterator = iter(stream)
     [next(iterator) for _ in range(150)]
     counting = CountingReader(TokenShardReader(5))
-    restored = ShardedIterable([path], read_shard=counting)
+    restored = ShardedIterable([path], read_shard=counting, sizes="unknown")
     restored.load_state_dict(stream.state_dict())
     assert next(iter(restored))[0].item() == 150 * 5
     assert counting.calls == [(str(path), 150)]
@@ -77,7 +77,7 @@ def test_shuffle_buffer_restore_rereads_at_most_the_buffer_size(tmp_path: Path) 
     size = 16
 
     def make(reader) -> Stream:
-        return ShardedIterable(paths, read_shard=reader, seed=1).shuffle_buffer(size, seed=2)
+        return ShardedIterable(paths, read_shard=reader, seed=1, sizes="unknown").shuffle_buffer(size, seed=2)
 
     stream = make(TokenShardReader(4))
     iterator = iter(stream)
@@ -125,7 +125,7 @@ def test_text_offset_inside_a_line_is_refused(tmp_path: Path) -> None:
 
 def after_three_records(tmp_path: Path, reader, make_files) -> tuple[ShardedIterable, list[Path]]:
     paths = make_files(tmp_path)
-    stream = ShardedIterable(paths, read_shard=reader, shuffle=False)
+    stream = ShardedIterable(paths, read_shard=reader, shuffle=False, sizes="unknown")
     iterator = iter(stream)
     [next(iterator) for _ in range(3)]
     return stream, paths
@@ -171,7 +171,7 @@ def test_missing_or_truncated_shard_names_shard_and_offset_and_consumes_nothing(
     state = stream.state_dict()
     backup = paths[0].read_bytes()
     damage(paths[0])
-    restored = ShardedIterable(paths, read_shard=reader, shuffle=False)
+    restored = ShardedIterable(paths, read_shard=reader, shuffle=False, sizes="unknown")
     restored.load_state_dict(state)
     with pytest.raises(ResumeError, match=message):
         next(iter(restored))

@@ -239,7 +239,9 @@ def test_failed_reread_changes_nothing_and_succeeds_once_the_shard_is_back(tmp_p
     paths = write_token_shards(tmp_path, [1000] * 3)
 
     def make() -> Stream:
-        return ShardedIterable(paths, read_shard=TokenShardReader(WINDOW), seed=0).shuffle_buffer(100, seed=1)
+        return ShardedIterable(paths, read_shard=TokenShardReader(WINDOW), seed=0, sizes="unknown").shuffle_buffer(
+            100, seed=1
+        )
 
     state, expected = state_and_continuation(make, 400, 10**6)
     # A finished shard that the buffer still holds records of (the source would report its own

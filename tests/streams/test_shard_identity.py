@@ -80,16 +80,73 @@ def _rewrite(path: Path, keep: int, shift: int = 0) -> None:
 
 @pytest.mark.parametrize("damage", [truncate, same_size_other_content], ids=["truncated", "same size"])
 @pytest.mark.parametrize("make", [token_shards, text_shards, parquet_shards], ids=["token", "text", "parquet"])
-def test_a_changed_shard_is_refused_naming_it(
+def test_a_changed_shard_is_refused_naming_it_with_cursors(
     tmp_path: Path, make: Callable[[Path], tuple[list[Path], Any]], damage: Callable[[Path], None]
 ) -> None:
     paths, reader = make(tmp_path)
-    stream = ShardedIterable(paths, read_shard=reader, shuffle=False)
+    stream = ShardedIterable(paths, read_shard=reader, shuffle=False, sizes="unknown")
     items = iter(stream)
     for _ in range(RECORDS // 2):  # half of shard 0: both damages leave it longer than the cursor
         next(items)
     state = json_roundtrip(stream.state_dict())
     damage(paths[0])
+    restored = ShardedIterable(paths, read_shard=reader, shuffle=False, sizes="unknown")
+    restored.load_state_dict(state)
+    with pytest.raises(ResumeError, match=rf"shard 0 '.*{paths[0].name}' \(cursor at offset \d+\) changed since"):
+        next(iter(restored))
+    assert restored.state_dict() == state  # nothing consumed
+    allowed = ShardedIterable(paths, read_shard=reader, shuffle=False, sizes="unknown", allow_changed_shards=True)
+    allowed.load_state_dict(state)
+    assert len(list(itertools.islice(iter(allowed), 3))) == 3  # read as the shard is now
+
+
+def test_with_cursors_an_unchanged_shard_resumes_and_a_shard_read_from_its_start_is_not_checked(tmp_path: Path) -> None:
+    paths, reader = token_shards(tmp_path)
+    stream = ShardedIterable(paths, read_shard=reader, shuffle=False, sizes="unknown")
+    items = iter(stream)
+    for _ in range(10):
+        next(items)
+    state = json_roundtrip(stream.state_dict())
+    assert list(state["identities"]) == ["0"]  # only the shard being read
+    truncate(paths[1])  # not read yet: read as it is when the stream gets there
+    restored = ShardedIterable(paths, read_shard=reader, shuffle=False, sizes="unknown")
+    restored.load_state_dict(state)
+    resumed, expected = itertools.islice(iter(restored), 5), itertools.islice(items, 5)
+    assert [w.tolist() for w in resumed] == [w.tolist() for w in expected]
+
+
+# -- the default: a reader that counts gives the sizes, so the state is a position ------------------
+@pytest.mark.parametrize("make", [token_shards, parquet_shards], ids=["token", "parquet"])
+def test_by_default_a_shard_whose_count_changed_is_refused_at_load_naming_it(
+    tmp_path: Path, make: Callable[[Path], tuple[list[Path], Any]]
+) -> None:
+    paths, reader = make(tmp_path)
+    stream = ShardedIterable(paths, read_shard=reader, shuffle=False)
+    items = iter(stream)
+    for _ in range(RECORDS // 2):
+        next(items)
+    state = json_roundtrip(stream.state_dict())
+    assert "position" in state  # the reader counted the sizes
+    truncate(paths[0])
+    for allow in (False, True):  # a position over other counts would mean other records: never read on
+        restored = ShardedIterable(paths, read_shard=reader, shuffle=False, allow_changed_shards=allow)
+        before = restored.state_dict()
+        with pytest.raises(ResumeError, match=rf"shard sizes changed.*shard 0 '.*{paths[0].name}' changed, it was"):
+            restored.load_state_dict(state)
+        assert restored.state_dict() == before  # a failed load changes nothing
+
+
+@pytest.mark.parametrize("make", [token_shards, parquet_shards], ids=["token", "parquet"])
+def test_by_default_a_shard_rewritten_with_as_many_records_is_refused_when_read_naming_it(
+    tmp_path: Path, make: Callable[[Path], tuple[list[Path], Any]]
+) -> None:
+    paths, reader = make(tmp_path)
+    stream = ShardedIterable(paths, read_shard=reader, shuffle=False)
+    items = iter(stream)
+    for _ in range(RECORDS // 2):
+        next(items)
+    state = json_roundtrip(stream.state_dict())
+    same_size_other_content(paths[0])
     restored = ShardedIterable(paths, read_shard=reader, shuffle=False)
     restored.load_state_dict(state)
     with pytest.raises(ResumeError, match=rf"shard 0 '.*{paths[0].name}' \(cursor at offset \d+\) changed since"):
@@ -100,16 +157,23 @@ def test_a_changed_shard_is_refused_naming_it(
     assert len(list(itertools.islice(iter(allowed), 3))) == 3  # read as the shard is now
 
 
-def test_an_unchanged_shard_resumes_and_a_shard_read_from_its_start_is_not_checked(tmp_path: Path) -> None:
+def test_by_default_a_shard_not_read_yet_whose_count_changed_is_refused_at_load(tmp_path: Path) -> None:
     paths, reader = token_shards(tmp_path)
     stream = ShardedIterable(paths, read_shard=reader, shuffle=False)
     items = iter(stream)
     for _ in range(10):
         next(items)
     state = json_roundtrip(stream.state_dict())
-    assert list(state["identities"]) == ["0"]  # only the shard being read
-    truncate(paths[1])  # not read yet: read as it is when the stream gets there
+    truncate(paths[1])  # with cursors it would be read as it is; a position would mean other records
     restored = ShardedIterable(paths, read_shard=reader, shuffle=False)
-    restored.load_state_dict(state)
-    resumed, expected = itertools.islice(iter(restored), 5), itertools.islice(items, 5)
-    assert [w.tolist() for w in resumed] == [w.tolist() for w in expected]
+    with pytest.raises(ResumeError, match=r"shard sizes changed.*a shard that is not being read changed"):
+        restored.load_state_dict(state)
+
+
+def test_by_default_a_missing_shard_fails_at_construction_naming_it(tmp_path: Path) -> None:
+    paths, reader = token_shards(tmp_path)
+    paths[1].unlink()
+    with pytest.raises(ResumeError, match=rf"cannot count the records of shard 1 '.*{paths[1].name}'.*is missing"):
+        ShardedIterable(paths, read_shard=reader)
+    stream = ShardedIterable(paths, read_shard=reader, sizes="unknown", shuffle=False)  # opens a shard to read it
+    assert len(list(itertools.islice(iter(stream), 3))) == 3

@@ -1,9 +1,10 @@
-"""A reader that counts its shards' records cheaply is asked for them (``sizes="count"``).
+"""A reader that counts its shards' records cheaply is asked for them, by default.
 
 ``TokenShardReader`` (a file size) and ``ParquetReader`` (a footer) are record counters: with
-``sizes="count"`` a ShardedIterable knows its sizes without the caller listing them, so its state is
-a position, ``shuffle_window`` reads by position, and a restore into another ``num_workers`` is
-accepted. A state saved without sizes still loads with ``sizes="count"`` and resumes exactly.
+``sizes=None`` (the default) or ``sizes="count"`` a ShardedIterable knows its sizes without the caller
+listing them, so its state is a position, ``shuffle_window`` reads by position, and a restore into
+another ``num_workers`` is accepted. ``sizes="unknown"`` keeps per-shard cursors. A state saved by
+cursors still loads with counted sizes and resumes exactly.
 """
 
 from __future__ import annotations
@@ -103,22 +104,25 @@ def test_shuffle_window_over_counted_sizes_reads_by_position_and_restores_into_o
     assert (head, rest) == (listed_head, listed_rest)
 
 
-def test_a_state_saved_without_sizes_loads_with_counted_sizes_and_resumes_exactly(tmp_path: Path) -> None:
+@pytest.mark.parametrize("sizes", [None, "count"])
+def test_a_state_saved_by_cursors_loads_with_counted_sizes_and_resumes_exactly(tmp_path: Path, sizes: Any) -> None:
     paths = write_token_shards(tmp_path, TOKEN_SIZES)
 
     def make(sizes: Any) -> StreamLoader:
         stream = ShardedIterable(paths, read_shard=TokenShardReader(WINDOW), seed=5, sizes=sizes)
         return StreamLoader(stream.shuffle_buffer(7, seed=2), batch_size=3)
 
-    uninterrupted = make(None)
+    uninterrupted = make("unknown")
     reference = [ids(list(uninterrupted)) for _ in range(2)]  # this epoch and the next
-    old = make(None)
+    old = make("unknown")
     head = ids(list(itertools.islice(iter(old), 5)))
     state = json.loads(json.dumps(old.state_dict()))
-    assert "sizes_digest" not in state["slots"]["0"]["source"]["source"]  # as today's main writes it
-    resumed = make("count")
+    assert "sizes_digest" not in state["slots"]["0"]["source"]["source"]  # as main before 0.2 wrote it
+    resumed = make(sizes)
     resumed.load_state_dict(state)
+    assert resumed.state_dict() == state  # read back as saved: cursors, bound to no sizes
     assert [head + ids(list(resumed)), ids(list(resumed))] == reference
+    assert make(sizes).state_dict()["slots"]["0"]["source"]["source"]["position"] == 0  # a fresh one counted
 
 
 def test_counted_sizes_refuse_a_state_whose_shards_were_counted_differently(tmp_path: Path) -> None:
@@ -130,7 +134,9 @@ def test_counted_sizes_refuse_a_state_whose_shards_were_counted_differently(tmp_
     write_token_shards(tmp_path, [TOKEN_SIZES[0] + WINDOW, *TOKEN_SIZES[1:]])  # shard 0 grew by a record
     fresh = ShardedIterable(paths, read_shard=TokenShardReader(WINDOW), seed=5, sizes="count")
     before = fresh.state_dict()
-    with pytest.raises(ResumeError, match=r"shard sizes \(digest\).*the reader counted different record counts"):
+    with pytest.raises(
+        ResumeError, match=r"shard sizes changed: the reader counted other record counts than the checkpoint's"
+    ):
         fresh.load_state_dict(state)
     assert fresh.state_dict() == before
 
@@ -142,5 +148,41 @@ def test_a_reader_that_cannot_count_is_refused_naming_what_to_pass(tmp_path: Pat
         ShardedIterable([text], read_shard=TextLineReader(), sizes="count")
     with pytest.raises(ResumeError, match=r"function has no num_records"):
         ShardedIterable(["a"], read_shard=lambda shard, start: iter([]), sizes="count")
-    with pytest.raises(ResumeError, match=r"sizes should be a list of record counts, 'count' or None"):
+    with pytest.raises(ResumeError, match=r"sizes should be a list of record counts, None, 'count' or 'unknown'"):
         ShardedIterable(["a"], read_shard=lambda shard, start: iter([]), sizes="all")
+
+
+def test_by_default_a_counting_reader_gives_the_sizes_and_any_other_reader_keeps_cursors(tmp_path: Path) -> None:
+    paths = write_token_shards(tmp_path, TOKEN_SIZES)
+    reader = TokenShardReader(WINDOW)
+    default = ShardedIterable(paths, read_shard=reader, seed=5)
+    assert default.sizes == [reader.num_records(p) for p in paths] == [size // WINDOW for size in TOKEN_SIZES]
+    assert "position" in default.state_dict()
+    cursors = ShardedIterable(paths, read_shard=reader, seed=5, sizes="unknown")
+    assert cursors.sizes is None and "remaining" in cursors.state_dict()
+    # The same records in the same order either way, over two epochs.
+    assert ids(list(itertools.islice(iter(default), 60))) == ids(list(itertools.islice(iter(cursors), 60)))
+    plain = ShardedIterable(paths, read_shard=lambda shard, start: reader(shard, start), seed=5)
+    assert plain.sizes is None and "remaining" in plain.state_dict()  # a function cannot count
+
+
+def test_a_position_state_is_refused_with_unknown_sizes_naming_what_to_pass(tmp_path: Path) -> None:
+    paths = write_token_shards(tmp_path, TOKEN_SIZES)
+    state = ShardedIterable(paths, read_shard=TokenShardReader(WINDOW), seed=5).state_dict()
+    cursors = ShardedIterable(paths, read_shard=TokenShardReader(WINDOW), seed=5, sizes="unknown")
+    with pytest.raises(
+        ResumeError, match=r"saved with the shards' sizes \(its position needs them\).*not sizes='unknown'"
+    ):
+        cursors.load_state_dict(state)
+
+
+@pytest.mark.parametrize("suffix", [".bin", ".npy"])
+def test_a_token_shard_is_counted_from_its_size_as_mapping_it_would_count_it(tmp_path: Path, suffix: str) -> None:
+    paths = write_token_shards(tmp_path, [0, 3, 4, 5, 11, 40], suffix=suffix)
+    reader = TokenShardReader(4, stride=3)
+    assert [reader.num_records(p) for p in paths] == [len(list(reader(p, 0))) for p in paths] == [0, 0, 1, 1, 3, 13]
+    paths[-1].write_bytes(paths[-1].read_bytes()[:-1])  # cut inside a token (or inside the .npy data)
+    with pytest.raises(ResumeError, match=r"is unreadable or truncated|not a multiple of 2"):
+        reader.num_records(paths[-1])
+    with pytest.raises(ResumeError, match=r"is unreadable or truncated|not a multiple of 2"):
+        reader.tokens(paths[-1])

@@ -31,7 +31,7 @@ SOURCES = {
 def windowed(paths: list[Path], reader: Any, known: bool, **options: Any) -> Stream:
     # 1.5 shards per window, shards in list order: the first window holds all of shard 0 (entered at
     # its start, so a window read from its source saves no identity for it) and half of shard 1.
-    sizes = [RECORDS] * len(paths) if known else None
+    sizes = [RECORDS] * len(paths) if known else "unknown"
     source = ShardedIterable(paths, read_shard=reader, shuffle=False, sizes=sizes, **options)
     return source.shuffle_window(3 * RECORDS // 2, seed=1)
 

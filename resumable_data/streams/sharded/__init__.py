@@ -25,11 +25,11 @@ The state grows with the number of shards, never with the number of records read
 Known sizes. Given the shards' record counts, a slot's state is one number instead of a list:
 ``"position"``, the records this slot has read in its shards' order, from which the current shard
 and its cursor are computed (prefix sums of the sizes), with ``"sizes_digest"`` to refuse other
-sizes. The state is then a few hundred bytes at any number of shards. The counts come from
-``sizes=[...]`` (an index file), or with ``sizes="count"`` from a reader that counts cheaply, asked
-once when the ShardedIterable is built (:class:`RecordCounter`:
-:class:`~resumable_data.streams.TokenShardReader` from the file size,
-:class:`~resumable_data.streams.ParquetReader` from the footers)::
+sizes. The state is then a few hundred bytes at any number of shards. By default the counts come
+from a reader that counts cheaply, asked once when the ShardedIterable is built
+(:class:`RecordCounter`: :class:`~resumable_data.streams.TokenShardReader` from the file size,
+:class:`~resumable_data.streams.ParquetReader` from the footers), or from ``sizes=[...]`` (an index
+file); ``sizes="unknown"`` keeps the cursors even with a counting reader::
 
     >>> sized = ShardedIterable(["a", "b"], read_shard=read, seed=0, sizes=[4, 3])
     >>> reading = iter(sized)
@@ -42,9 +42,11 @@ once when the ShardedIterable is built (:class:`RecordCounter`:
 After a layout change a slot reads the shards dealt to it (below); their order is computed
 from the old slots' positions, kept in ``"dealt"`` as ``[[old number of slots, [their positions]],
 ...]`` (one entry per layout change in the epoch), so the state is still a position: a few bytes
-per old slot, not a cursor per shard. A state saved without sizes (its ``"remaining"`` listed)
-still loads with ``sizes="count"``, and reads on from its cursors; its next epoch is read by
-position.
+per old slot, not a cursor per shard. A state saved by cursors (its ``"remaining"`` listed, no
+``"sizes_digest"``: cursors mean the same whatever the sizes) still loads with counted sizes, reads
+on from its cursors and is written back as it was; its next epoch is read by position. A state
+with a position is refused when the counts differ from the checkpoint's (naming the changed shard
+when the state holds its fingerprint).
 
 Shard identity. When a shard is opened at its start, a reader with ``identity(shard)`` (the
 ready-made ones: size plus a digest of the first and last 4 KiB, which holds a Parquet footer) is

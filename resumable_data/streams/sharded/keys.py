@@ -1,4 +1,5 @@
-"""The keys of a ShardedIterable slot state, declared once (see the package docstring for the schema)."""
+"""The keys of a ShardedIterable slot state, declared once (see the package docstring for the schema),
+and the named values of its ``sizes=`` argument."""
 
 from __future__ import annotations
 
@@ -17,3 +18,6 @@ DEALT = "dealt"  # with sizes, after layout changes: [[old number of slots, [old
 # only then, with GROWN_STATE_VERSION, so an older release refuses what it would misread.
 EPOCH_SHARDS = "epoch_shards"
 GROWN_STATE_VERSION = 3
+
+COUNT = "count"  # sizes="count": ask the reader for the record counts (RecordCounter), or fail
+UNKNOWN = "unknown"  # sizes="unknown": read by per-shard cursors even when the reader could count

@@ -7,7 +7,8 @@ A reader is ``read_shard(shard, start)`` (records from record offset ``start``),
 * ``read_records(shard, offsets)``: the records at those ascending offsets, one open per shard;
 * ``identity(shard)``: a short fingerprint of the shard as it is now (:class:`ShardedIterable`
   refuses a restore over a changed shard);
-* ``num_records(shard)``: the shard's record count, cheaply (:class:`RecordCounter`).
+* ``num_records(shard)``: the shard's record count, cheaply (:class:`RecordCounter`): asked for
+  every shard when a ShardedIterable is built, unless ``sizes=`` says otherwise.
 """
 
 from __future__ import annotations
@@ -18,20 +19,20 @@ from typing import Any, Protocol, runtime_checkable
 
 from ...core.state import check_int_arg
 from ...errors import ResumeError
+from .keys import COUNT, UNKNOWN
 from .shards import Shards
 
-__all__ = ["COUNT", "RecordCounter", "count_records", "read_at", "records_from"]
-
-COUNT = "count"  # sizes="count": ask the reader for the record counts (RecordCounter)
+__all__ = ["RecordCounter", "count_records", "read_at", "records_from", "resolve_sizes"]
 
 
 @runtime_checkable
 class RecordCounter(Protocol):
     """A reader that knows each shard's record count cheaply (a file size, a Parquet footer).
 
-    :class:`ShardedIterable` built with ``sizes="count"`` asks such a reader for the counts (once,
-    when it is built: one count per shard, before anything is read), so its state is a position
-    and :meth:`Stream.shuffle_window` reads by position without the caller listing the sizes. :class:`~resumable_data.streams.TokenShardReader` and
+    :class:`ShardedIterable` asks such a reader for the counts by default (once, when it is built:
+    one count per shard, before anything is read), so its state is a position and
+    :meth:`Stream.shuffle_window` reads by position without the caller listing the sizes.
+    :class:`~resumable_data.streams.TokenShardReader` and
     :class:`~resumable_data.streams.ParquetReader` are record counters; a reader that would have to
     read a whole shard to count it (:class:`~resumable_data.streams.TextLineReader`) is not one.
     The counts must be record offsets as ``read_shard(shard, start)`` takes them (record numbers).
@@ -42,26 +43,69 @@ class RecordCounter(Protocol):
         ...
 
 
+def counts(reader: Any) -> bool:
+    """Whether ``reader`` counts records cheaply, as record numbers (not offsets of its own)."""
+    return isinstance(reader, RecordCounter) and not hasattr(reader, "read_from")
+
+
+def resolve_sizes(
+    sizes: Sequence[int] | str | None, reader: Any, shards: Sequence[Any]
+) -> tuple[list[int] | None, bool]:
+    """The shard sizes ``ShardedIterable(sizes=...)`` stands for, and whether the reader counted them.
+
+    None counts with a reader that can (:func:`counts`) and leaves the sizes unknown otherwise;
+    ``"count"`` must count; ``"unknown"`` never does; a list is taken as given.
+
+    Raises:
+        ResumeError: ``sizes`` is none of those, a list of the wrong length or with a bad count, a
+            list or ``"count"`` with a reader whose offsets are its own, or counting fails.
+    """
+    if sizes is None:
+        return (count_records(reader, shards), True) if counts(reader) else (None, False)
+    if isinstance(sizes, str):
+        if sizes == UNKNOWN:
+            return None, False
+        if sizes == COUNT:
+            return count_records(reader, shards), True
+        raise ResumeError(
+            f"sizes should be a list of record counts, None, {COUNT!r} or {UNKNOWN!r}, but got sizes={sizes!r}"
+        )
+    listed = [check_int_arg("sizes[i]", size, minimum=0) for size in sizes]
+    if len(listed) != len(shards):
+        raise ResumeError(f"sizes must give one record count per shard: {len(shards)} shards but {len(listed)} sizes")
+    if hasattr(reader, "read_from"):
+        raise ResumeError(
+            f"sizes= needs a reader whose offsets are record numbers, but {type(reader).__name__} keeps "
+            f"its own offsets (bytes); leave sizes=None (or {UNKNOWN!r}) for it"
+        )
+    return listed, False
+
+
 def count_records(reader: Any, shards: Sequence[Any]) -> list[int]:
-    """The record count of each shard as ``reader`` gives it (``sizes="count"``).
+    """The record count of each shard as ``reader`` gives it.
 
     Raises:
         ResumeError: the reader cannot count (no ``num_records``, or offsets of its own:
             ``read_from``), a shard cannot be read (missing), or a count is not an int >= 0.
     """
-    if not isinstance(reader, RecordCounter) or hasattr(reader, "read_from"):
+    if not counts(reader):
         raise ResumeError(
             f"sizes={COUNT!r} needs a reader that counts a shard's records cheaply, num_records(shard), with "
             f"record numbers as offsets, but {type(reader).__name__} has "
             + ("its own offsets (bytes)" if hasattr(reader, "read_from") else "no num_records")
-            + "; pass sizes=[record count of each shard] (e.g. from an index file), or leave sizes=None"
+            + f"; pass sizes=[record count of each shard] (e.g. from an index file), or sizes={UNKNOWN!r} "
+            "(per-shard cursors)"
         )
     sizes = []
     for index, shard in enumerate(shards):
         try:
             count = reader.num_records(shard)
-        except OSError as exc:
-            raise ResumeError(f"cannot count the records of shard {index} {str(shard)!r}: {exc}") from exc
+        except (OSError, ResumeError) as exc:
+            raise ResumeError(
+                f"cannot count the records of shard {index} {str(shard)!r} (ShardedIterable asks a reader that "
+                f"counts for every shard's count when it is built; with sizes={UNKNOWN!r} it opens a shard only "
+                f"to read it): {exc}"
+            ) from exc
         sizes.append(check_int_arg(f"{type(reader).__name__}.num_records({str(shard)!r})", count, minimum=0))
     return sizes
 

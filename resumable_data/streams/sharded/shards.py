@@ -8,16 +8,16 @@ once per slot state, and each batch asks for its slot's.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
 
 from ...core.growth import ERROR
-from ...core.state import require_int
+from ...core.state import brief, require_int
 from ...errors import ResumeError
 from ..base import Slot, check_same
-from .keys import NUM_SHARDS, POSITION, SHARDS_DIGEST, SIZES_DIGEST, WHAT
+from .keys import COUNT, IDENTITIES, NUM_SHARDS, POSITION, SHARDS_DIGEST, SIZES_DIGEST, UNKNOWN, WHAT
 from .layout import Dealt, EpochOrder, Layout, dealing, shard_order, slot_layout
 
 __all__ = ["Shards"]
@@ -40,6 +40,8 @@ class Shards:
         growth: what a restore does with a checkpoint taken on fewer shards (``core.growth``).
         counted: whether the reader counted ``sizes`` (not the caller's ``sizes=``; see
             :meth:`check_list`).
+        identity: the reader's ``identity(shard)``, if it has one: names the shard whose count
+            changed when a restore refuses counted sizes.
     """
 
     def __init__(
@@ -51,6 +53,7 @@ class Shards:
         sizes: list[int] | None,
         growth: str,
         counted: bool = False,
+        identity: Callable[[Any], Any] | None = None,
     ) -> None:
         self.items = items
         self.names = [str(s) for s in items]
@@ -59,6 +62,7 @@ class Shards:
         self.shuffle = shuffle
         self.sizes = sizes
         self.counted = counted
+        self.identity = identity
         self.growth = growth
         self.digest = _digest("\n".join(self.names).encode())
         self.size_array = np.zeros(0, dtype=np.int64) if sizes is None else np.asarray(sizes, dtype=np.int64)
@@ -122,16 +126,47 @@ class Shards:
             # Saved without sizes (by a release that did not ask the reader to count): the state
             # lists its shards' cursors, which mean the same whatever the sizes are.
             return saved_n
+        expected = self._prefix_sizes_digest(saved_n)
+        if saved_sizes is not None and expected is None:
+            raise ResumeError(
+                f"{WHAT} state was saved with the shards' sizes (its position needs them), but this pipeline has "
+                f"none: build it with sizes=None and a reader that counts (RecordCounter), sizes={COUNT!r}, or the "
+                f"checkpoint's sizes=[...], not sizes={UNKNOWN!r}"
+            )
+        if saved_sizes != expected and self.counted and saved_sizes is not None:
+            raise ResumeError(
+                f"{WHAT} shard sizes changed: the reader counted other record counts than the checkpoint's (sizes "
+                f"digest {brief(saved_sizes)}, now {brief(expected)}){self._changed(state)}; its position would mean "
+                f"other records. Restore the shards the checkpoint read (a state saved with sizes={UNKNOWN!r}, "
+                "by cursors, reads on over changed shards with allow_changed_shards=True)"
+            )
         check_same(
             WHAT,
             "shard sizes (digest)",
             saved_sizes,
-            self._prefix_sizes_digest(saved_n),
-            "the reader counted different record counts: restore the shards the checkpoint read"
-            if self.counted
-            else "pass the checkpoint's sizes= (the same record count for every shard)",
+            expected,
+            "pass the checkpoint's sizes= (the same record count for every shard), or for a state saved by "
+            f"cursors, sizes=None or {UNKNOWN!r}",
         )
         return saved_n
+
+    def _changed(self, state: Mapping[str, Any]) -> str:
+        """Which shard partly read (or held) by ``state`` changed, by the fingerprints the state holds,
+        as a clause of the message refusing its sizes; else that the changed one is another."""
+        saved = state.get(IDENTITIES)
+        if self.identity is None or not isinstance(saved, Mapping):
+            return ": the reader gives no fingerprints to tell which shard changed"
+        for key, identity in saved.items():
+            index = int(key) if isinstance(key, str) and key.isascii() and key.isdigit() and len(key) < 20 else -1
+            if not 0 <= index < self.count:
+                continue  # a malformed state: parsing it would refuse it, naming the field
+            try:
+                now = str(self.identity(self.items[index]))
+            except (OSError, ResumeError) as exc:
+                return f": shard {index} {self.names[index]!r} cannot be read now ({exc})"
+            if now != identity:
+                return f": shard {index} {self.names[index]!r} changed, it was {brief(identity)}, it is {now} now"
+        return ": a shard that is not being read changed (the fingerprints in the state are unchanged)"
 
     def _prefix_digest(self, count: int) -> str:
         """The digest of the first ``count`` shard names (what a checkpoint with that many shards holds)."""

@@ -20,7 +20,7 @@ from ..positional import Positional
 from .checks import Reads, key_check, keys_check
 from .keys import DEALT, IDENTITIES, NUM_SHARDS, NUM_SLOTS, PENDING, POSITION, REMAINING, SLOT, WHAT
 from .layout import NO_CURSOR, Dealt, Layout
-from .reading import COUNT, count_records, read_at, records_from
+from .reading import read_at, records_from, resolve_sizes
 from .rebalance import rebalance
 from .shards import Shards
 from .state import ShardState
@@ -43,15 +43,26 @@ class ShardedIterable(Stream):
             shard once (both ready-made readers do).
         shuffle: shuffle the shard order each epoch.
         seed: seed of the shard order; only ``(seed, epoch)`` decide it.
-        sizes: the record count of each shard, when known (an index file), or ``"count"`` to ask
-            a reader that counts cheaply (:class:`RecordCounter`: :class:`TokenShardReader`,
-            :class:`ParquetReader`), once, here: the state is then a position, not a list of
-            cursors, and :meth:`Stream.shuffle_window` re-reads nothing but the records it hands
-            out (and restores into another ``num_workers``). A state saved with ``sizes=None``
-            still loads with ``"count"``. Needs a reader whose offsets are record numbers (not
+        sizes: the record count of each shard. By default (None) a reader that counts cheaply
+            (:class:`RecordCounter`: :class:`TokenShardReader` from the file size,
+            :class:`ParquetReader` from the footer) is asked, once, here; the state is then a
+            position, not a list of cursors, and :meth:`Stream.shuffle_window` re-reads nothing
+            but the records it hands out (and restores into another ``num_workers``). Since every
+            shard is counted here, a missing shard fails here, and a restore refuses a shard whose
+            count changed since the checkpoint (the positions would mean other records). Any other
+            reader reads by per-shard cursors. ``"count"`` requires counting (a ResumeError for a
+            reader that cannot); a list gives the counts (an index file); ``"unknown"`` reads by
+            per-shard cursors even with a counting reader: for shards that may change between a
+            checkpoint and its resume (a cursor keeps its meaning when a later shard grows), or
+            that are too many or too remote to count at start. A state saved by cursors loads
+            with counted sizes (and reads on from its cursors); a state saved with sizes (a
+            position) needs them. Sizes need a reader whose offsets are record numbers (not
             :class:`TextLineReader`'s bytes).
         allow_changed_shards: resume even when a partly read shard's identity (size and content
-            digest) differs from the checkpoint's; records may then be skipped or repeated.
+            digest) differs from the checkpoint's; records may then be skipped or repeated. With
+            counted sizes this reads on over a shard rewritten with as many records; a shard
+            whose count changed is still refused (its position would mean other records): only a
+            state saved by cursors (``sizes="unknown"``) reads on over that too.
         growth: what a restore does with a checkpoint taken on fewer shards (shards appended to the
             list since; the checkpoint's list must be its prefix, by names and sizes): ``"error"``
             (default) refuses it; ``"next_epoch"`` finishes the restored epoch over the
@@ -99,24 +110,7 @@ class ShardedIterable(Stream):
             raise ResumeError("ShardedIterable needs at least one shard, but got an empty shard list")
         if not callable(read_shard) and not hasattr(read_shard, "read_from"):
             raise TypeError(f"read_shard must be callable, got {type(read_shard).__name__}")
-        counted = isinstance(sizes, str) and sizes == COUNT
-        if counted:
-            self.sizes: list[int] | None = count_records(read_shard, self.shards)
-        elif isinstance(sizes, str):
-            raise ResumeError(f"sizes should be a list of record counts, {COUNT!r} or None, but got sizes={sizes!r}")
-        elif sizes is not None:
-            self.sizes = [check_int_arg("sizes[i]", size, minimum=0) for size in sizes]
-            if len(self.sizes) != len(self.shards):
-                raise ResumeError(
-                    f"sizes must give one record count per shard: {len(self.shards)} shards but {len(self.sizes)} sizes"
-                )
-            if hasattr(read_shard, "read_from"):
-                raise ResumeError(
-                    f"sizes= needs a reader whose offsets are record numbers, but {type(read_shard).__name__} keeps "
-                    "its own offsets (bytes); leave sizes=None for it"
-                )
-        else:
-            self.sizes = None
+        self.sizes, counted = resolve_sizes(sizes, read_shard, self.shards)
         self.allow_changed_shards = bool(allow_changed_shards)
         self.growth = check_growth(growth)
         self.read_shard = read_shard
@@ -129,6 +123,7 @@ class ShardedIterable(Stream):
             sizes=self.sizes,
             growth=self.growth,
             counted=counted,
+            identity=getattr(read_shard, "identity", None),
         )
         self._identity = getattr(read_shard, "identity", None)
         self._identities: dict[int, str] = {}

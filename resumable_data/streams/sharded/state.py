@@ -27,6 +27,7 @@ from ..base import EPOCH, MAX_COUNT, STREAM_STATE_VERSION, Slot, check_same, req
 from ..pending import parse_pending
 from .checks import Reads, check_record
 from .keys import (
+    COUNT,
     DEALT,
     EPOCH_SHARDS,
     GROWN_STATE_VERSION,
@@ -39,6 +40,7 @@ from .keys import (
     SHARDS_DIGEST,
     SIZES_DIGEST,
     SLOT,
+    UNKNOWN,
     WHAT,
 )
 from .layout import NO_CURSOR, Dealt, EpochOrder, Layout
@@ -108,9 +110,10 @@ class ShardState:
         }
         if grown:
             state[EPOCH_SHARDS] = list(self.pieces)
-        if shards.sizes_digest is not None:
-            state[SIZES_DIGEST] = shards.sizes_digest
         if self.position is not None:
+            # Cursors mean the same whatever the sizes: only a position is bound to them (a state
+            # saved by cursors and loaded with counted sizes reads back as it was saved).
+            state[SIZES_DIGEST] = shards.sizes_digest
             state[POSITION] = self.position
             if self.dealt:
                 state[DEALT] = [[num_slots, list(positions)] for num_slots, positions in self.dealt]
@@ -191,7 +194,9 @@ def _positioned(state: Mapping[str, Any], shards: Shards, where: ShardState) -> 
     """``where`` with the state's position and layout changes, checked against the slot's shards."""
     if shards.sizes is None:
         raise ResumeError(
-            f"{WHAT} state holds a {POSITION!r}, which needs the shards' sizes; pass the checkpoint's sizes="
+            f"{WHAT} state holds a {POSITION!r}, which needs the shards' sizes: build it with sizes=None and a "
+            f"reader that counts (RecordCounter), sizes={COUNT!r}, or the checkpoint's sizes=[...], not "
+            f"sizes={UNKNOWN!r}"
         )
     position = require_count(state, POSITION, WHAT)
     dealt = _require_dealt(state.get(DEALT, []))
