@@ -23,6 +23,7 @@ __all__ = [
     "NO_RECORDS",
     "as_records",
     "held_by",
+    "int_rows",
     "keys_as_records",
     "listed_records",
     "parse_pending",
@@ -40,21 +41,29 @@ def as_records(array: np.ndarray) -> np.ndarray:
 NO_RECORDS = as_records(np.empty((0, 2), dtype=np.int64))
 
 
+def int_rows(rows: Sequence[Any], width: int) -> np.ndarray | None:
+    """``rows`` as an ``(n, width)`` int64 array when each is a list or tuple of ``width`` plain ints
+    that fit; else None (the caller goes row by row, to name what it refuses)."""
+    if not rows:
+        return np.empty((0, width), dtype=np.int64)
+    if not set(map(type, rows)) <= {list, tuple} or set(map(len, rows)) != {width}:
+        return None
+    flat = list(itertools.chain.from_iterable(rows))
+    if set(map(type, flat)) != {int}:
+        return None
+    try:
+        return np.fromiter(flat, dtype=np.int64, count=len(flat)).reshape(-1, width)
+    except OverflowError:
+        return None
+
+
 def parse_pending(raw: list[Any], num_shards: int, cursors: np.ndarray, no_cursor: int) -> np.ndarray | None:
     """``raw`` as records (:func:`as_records`) when every entry passes the per-entry checks of a
     source state (two plain ints, a shard below ``num_shards``, an offset read already: below the
     shard's cursor in ``cursors`` unless that is ``no_cursor``, no record twice); else None, and the
     caller's per-entry loop names the first entry to refuse (or accepts what only it accepts)."""
-    if not raw:
-        return NO_RECORDS
-    if not set(map(type, raw)) <= {list, tuple} or set(map(len, raw)) != {2}:
-        return None
-    flat = list(itertools.chain.from_iterable(raw))
-    if set(map(type, flat)) != {int}:
-        return None
-    try:
-        entries = np.fromiter(flat, dtype=np.int64, count=len(flat)).reshape(-1, 2)
-    except OverflowError:
+    entries = int_rows(raw, 2)
+    if entries is None:
         return None
     index, offset = entries[:, 0], entries[:, 1]
     if not ((index >= 0) & (index < num_shards) & (offset >= 0)).all():
@@ -81,18 +90,8 @@ def held_by(identities: Mapping[int, str], records: np.ndarray) -> dict[int, str
 def keys_as_records(keys: Sequence[Key], epoch: int) -> np.ndarray | None:
     """The ``[shard index, offset]`` of ``keys`` when each is three plain ints ``(epoch, index,
     offset)`` of epoch ``epoch`` that fit in int64; else None (the caller checks key by key)."""
-    if not keys:
-        return NO_RECORDS
-    if set(map(len, keys)) != {3}:
-        return None
-    flat = list(itertools.chain.from_iterable(keys))
-    if set(map(type, flat)) != {int}:
-        return None
-    try:
-        array = np.fromiter(flat, dtype=np.int64, count=len(flat)).reshape(-1, 3)
-    except OverflowError:
-        return None
-    if not (array[:, 0] == epoch).all():
+    array = int_rows(keys, 3)
+    if array is None or not (array[:, 0] == epoch).all():
         return None
     return as_records(array[:, 1:])
 
