@@ -25,8 +25,8 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from tqdm import tqdm
 
 import resumable_data
-from resumable_data.rng import rank_seed, restore_rank_rng_state
 from resumable_data.checkpoint import GracefulStop
+from resumable_data.rng import rank_seed, restore_rank_rng_state
 
 from . import checkpointing as ckpt
 from . import parallel

@@ -20,6 +20,7 @@ from .map import Map
 from .mix import Mix, mix
 from .pack import Pack, cu_seqlens
 from .parquet import ParquetReader
+from .positional import Positional
 from .readers import TextLineReader, TokenShardReader
 from .repeat import Repeat
 from .shard_index import ShardEntry, ShardIndex
@@ -40,6 +41,7 @@ __all__ = [
     "Mix",
     "Pack",
     "ParquetReader",
+    "Positional",
     "RecordCounter",
     "Repeat",
     "ReplayWarning",

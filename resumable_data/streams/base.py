@@ -49,32 +49,34 @@ through these public methods of :class:`Stream`, which a custom stage implements
 * :meth:`~Stream.with_identities` ``(state)`` -- an earlier state of this stage that a restore reads
   forward from again, with the identities of the shards entered since (so they are checked);
 * :meth:`~Stream.with_held` ``(state, shards)`` -- a state of this stage with the identities of the
-  shards whose records a stage above holds and re-reads by key on restore (a shuffle buffer's).
+  shards whose records a stage above holds and re-reads by key on restore (a shuffle buffer's);
+* :meth:`~Stream.positional` -- an optional capability: records addressed by position
+  (:mod:`~resumable_data.streams.positional`), what the shuffles' fast paths use;
+* :attr:`~Stream.POSITION_KEYS` -- the fields of the stage's own state that say where it stands.
 
-A one-source stage subclasses :class:`Wrapper`, which forwards all of them to its source and nests
-the state; it then overrides only what it changes (and :meth:`Wrapper.expected_source_epoch` when
-its epochs are not its source's).
+A one-source stage subclasses :class:`~resumable_data.streams.wrapper.Wrapper`, which forwards all
+of them to its source and nests the state; it then overrides only what it changes (and
+``Wrapper.expected_source_epoch`` when its epochs are not its source's).
 """
 
 from __future__ import annotations
 
 import itertools
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 from ..core.state import (
     EPOCH,
     INT64_MAX,
-    VERSION,
     brief,
     check_int_arg,
-    check_version,
     is_int,
-    keys_of,
     require_int,
-    require_mapping,
 )
 from ..errors import ResumeError
+
+if TYPE_CHECKING:
+    from .positional import Positional
 
 __all__ = ["Key", "Slot", "Stream"]
 
@@ -127,6 +129,10 @@ class Stream:
     #: (map, filter, take; a source reads its shards in order): records appended after the
     #: source's end then come after everything it yielded before (see :func:`growth_reorders`).
     in_order: bool = False
+    #: The fields of this stage's own state that say where it stands (every other field says what
+    #: the stage is: seeds, sizes, the shard list). Each stage declares its own; a loader merging
+    #: the states of several ranks compares the rest (:func:`position_keys`).
+    POSITION_KEYS: ClassVar[frozenset[str]] = frozenset({EPOCH})
     # load_state_dict happened and no record was drawn since: set_epoch of its epoch keeps it.
     _restore_pending: bool = False
 
@@ -286,6 +292,12 @@ class Stream:
         """
         return state
 
+    def positional(self) -> Positional | None:
+        """This stage's records addressed by position (see :mod:`~resumable_data.streams.positional`),
+        or None (the default): what ``shuffle_window`` and ``shuffle_buffer`` ask their source for
+        to read by position instead of in order."""
+        return None
+
     # -- public behaviour shared by all stages -------------------------------------------------
     @property
     def epoch(self) -> int:
@@ -396,167 +408,17 @@ class Stream:
         return Repeat(self, times)
 
 
-class Wrapper(Stream):
-    """A stage with one source whose state is its own fields plus the source's under ``"source"``.
-
-    Subclasses list their own state fields through :meth:`_own_state` / :meth:`_check_own`.
-    """
-
-    def __init__(self, source: Stream) -> None:
-        super().__init__()
-        if not isinstance(source, Stream):
-            raise TypeError(f"{type(self).__name__} wraps a Stream, got {type(source).__name__}")
-        self.source = source
-        self.depth = source.depth + 1
-        self._epoch = source.epoch
-        self.keyed = source.keyed
-        self.fetchable = source.fetchable
-
-    def _what(self) -> str:
-        return type(self).__name__
-
-    def _own_state(self) -> dict[str, Any]:
-        return {}
-
-    def _check_own(self, state: Mapping[str, Any]) -> Callable[[], None]:
-        """Validate this stage's own fields; return the thunk that applies them."""
-        return lambda: None
-
-    def _reset_own(self) -> None:
-        """Clear this stage's per-epoch fields."""
-
-    def reset(self, epoch: int, slot: Slot | None) -> None:
-        self._epoch = epoch
-        self._reset_own()
-        self.source.reset(epoch, slot)
-
-    def state_dict(self) -> dict[str, Any]:
-        return {
-            VERSION: STREAM_STATE_VERSION,
-            EPOCH: self._epoch,
-            **self._own_state(),
-            SOURCE: self.source.state_dict(),
-        }
-
-    def _own_update(self) -> dict[str, Any]:
-        """This stage's own fields for :meth:`state_update` (by default its whole own state)."""
-        return self._own_state()
-
-    def state_update(self) -> dict[str, Any]:
-        return {
-            VERSION: STREAM_STATE_VERSION,
-            EPOCH: self._epoch,
-            **self._own_update(),
-            SOURCE: self.source.state_update(),
-        }
-
-    def apply_update(self, previous: dict[str, Any], update: dict[str, Any]) -> dict[str, Any]:
-        state = dict(update)
-        state[SOURCE] = self.source.apply_update(previous[SOURCE], update[SOURCE])
-        return state
-
-    def check(self, state: Any) -> Callable[[], None]:
-        state = require_mapping(state, self._what())
-        check_version(state, STREAM_STATE_VERSION, self._what())
-        epoch = require_epoch(state, self._what())
-        if SOURCE not in state:
-            raise ResumeError(f"{self._what()} state is missing the key {SOURCE!r}; got keys {keys_of(state)}")
-        # The source first: the own fields (a shuffle buffer's keys) are checked against its state.
-        apply_source = self.source.check(state[SOURCE])
-        apply_own = self._check_own(state)
-        source_epoch = state[SOURCE].get(EPOCH) if isinstance(state[SOURCE], Mapping) else None
-        expected = self.expected_source_epoch(epoch, state)
-        if isinstance(source_epoch, int) and source_epoch != expected:
-            raise ResumeError(
-                f"{self._what()} state is in epoch {epoch} but its source's state is in epoch {brief(source_epoch)} "
-                f"(expected {expected}); pass a state_dict() of this pipeline unchanged"
-            )
-
-        def apply() -> None:
-            self._epoch = epoch
-            apply_own()
-            apply_source()
-
-        return apply
-
-    def fetch(self, key: Key) -> Any:
-        return self.source.fetch(key)
-
-    def fetch_many(self, keys: Sequence[Key]) -> list[Any]:
-        return self.source.fetch_many(keys)
-
-    def expect_rereads(self, branch: tuple[int, ...] = ()) -> None:
-        self.source.expect_rereads(branch)
-
-    def with_identities(self, state: dict[str, Any]) -> dict[str, Any]:
-        return {**state, SOURCE: self.source.with_identities(state[SOURCE])}
-
-    def with_held(self, state: dict[str, Any], shards: Iterable[Key]) -> dict[str, Any]:
-        return {**state, SOURCE: self.source.with_held(state[SOURCE], shards)}
-
-    def key_checker(self, state: Mapping[str, Any] | None) -> Callable[[Key], None]:
-        return self.source.key_checker(None if state is None else state[SOURCE])
-
-    def keys_checker(self, state: Mapping[str, Any] | None) -> Callable[[Sequence[Key]], None]:
-        # A stage whose keys are its source's (map, filter) hands the bulk check on; one with a
-        # key_checker of its own (shuffle_buffer, mix, repeat, ...) checks key by key through it.
-        if type(self).key_checker is Wrapper.key_checker:
-            return self.source.keys_checker(None if state is None else state[SOURCE])
-        return super().keys_checker(state)
-
-    def saved_slots(self, state: Mapping[str, Any]) -> list[Slot]:
-        return self.source.saved_slots(state[SOURCE])
-
-    def appends(self, state: Mapping[str, Any]) -> bool:
-        return self.source.appends(state[SOURCE])
-
-    def expected_source_epoch(self, epoch: int, state: Mapping[str, Any]) -> int:
-        """The epoch the source's state must be in when this stage's (checked) state is in ``epoch``.
-
-        Part of the stage protocol: a stage that runs several source epochs per epoch of its own
-        (``repeat``) overrides it.
-        """
-        return epoch
-
-    def rebalance(
-        self, states: Sequence[Mapping[str, Any]], num_slots: int, pending: list[Key]
-    ) -> list[dict[str, Any]]:
-        sources = self.source.rebalance([s[SOURCE] for s in states], num_slots, pending)
-        return [
-            {VERSION: STREAM_STATE_VERSION, EPOCH: states[0][EPOCH], **self._own_state_fresh(), SOURCE: s}
-            for s in sources
-        ]
-
-    def _own_state_fresh(self) -> dict[str, Any]:
-        """This stage's own fields at the start of an epoch (used after a rebalance)."""
-        return {}
-
-
-def growth_reorders(stream: Stream, state: Mapping[str, Any]) -> bool:
-    """Whether loading the (checked) ``state`` over records appended since (``growth="append"``)
-    changes what ``stream`` yields from it before the old data's end: a stage between the grown
-    source and ``stream`` reacts to where the source ended (a mix's draws, a shuffle buffer's
-    draining, a window's last short window), so a window re-read from ``state`` would read other
-    records than it held."""
-    while stream.appends(state):
-        if not stream.in_order:
-            return True
-        if not isinstance(stream, Wrapper):
-            return False
-        stream, state = stream.source, state[SOURCE]
-    return False
-
-
-def check_reread_growth(what: str, source: Stream, start: Mapping[str, Any]) -> None:
-    """Refuse to re-read an open window from its ``start`` (its source's checked state) where the
-    source grew since in a way that changes what it yields from there (:func:`growth_reorders`)."""
-    if growth_reorders(source, start):
-        raise ResumeError(
-            f"{what} state has a window open, which a restore re-reads from its start; over shards appended "
-            "since (growth='append'), the stages before it (mix, shuffle_buffer, shuffle_window) yield other "
-            "records from there, so some would be read twice and others never. Build the ShardedIterable "
-            "with growth='next_epoch' (the new shards join at the next epoch), or save the state between windows"
-        )
+def position_keys() -> frozenset[str]:
+    """The :attr:`Stream.POSITION_KEYS` of every stage class defined so far (the library's are all
+    imported with :mod:`resumable_data.streams`): the fields a state's position is made of, wherever
+    they are nested."""
+    keys: set[str] = set()
+    classes: list[type[Stream]] = [Stream]
+    while classes:
+        cls = classes.pop()
+        keys |= cls.POSITION_KEYS
+        classes.extend(cls.__subclasses__())
+    return frozenset(keys)
 
 
 def fetch_grouped(keys: Sequence[Key], field: int, fetch: Callable[[int, list[int]], list[Any]]) -> list[Any]:

@@ -8,7 +8,8 @@ from typing import Any
 from torch.utils.data import default_collate
 
 from ..core.state import check_int_arg
-from .base import Key, Stream, Wrapper
+from .base import Key, Stream
+from .wrapper import Wrapper
 
 __all__ = ["Batch"]
 

@@ -5,8 +5,9 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from .base import Key, Stream, Wrapper, record_key
+from .base import Key, Stream, record_key
 from .record_rngs import RECORD, check_record_rng, per_record_salt, seeded_call
+from .wrapper import Wrapper
 
 __all__ = ["Filter"]
 

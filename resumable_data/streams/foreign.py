@@ -43,6 +43,8 @@ class IterableSource(Stream):
         stream.load_state_dict(saved)  # warns: replays N records
     """
 
+    POSITION_KEYS = frozenset({EPOCH, CONSUMED})
+
     fetchable = False
 
     def __init__(self, iterable: Iterable[Any], *, name: str | None = None) -> None:

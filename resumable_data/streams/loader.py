@@ -74,19 +74,10 @@ from ..core.state import (
     require_mapping,
 )
 from ..errors import ResumeError
-from .base import DRAWS, EPOCH, Stream, require_count
+from .base import EPOCH, Stream, position_keys, require_count
 from .batch import Batch
-from .foreign import CONSUMED
 from .ledger import SlotLedger, batch_counts, slot_states
-from .mix import EXHAUSTED
-from .pack import CARRY, CARRY_OFFSETS
-from .repeat import ROUND
-from .sharded import DEALT, IDENTITIES, PENDING, POSITION, REMAINING, SLOT
-from .shuffle import BUFFER
 from .slots import Seeding, SlotDataset, slot_batches, slot_loader
-from .take import TAKEN
-from .token_batch import RECORDS
-from .window import COUNT, POSITIONAL, WINDOW
 
 __all__ = ["StreamLoader"]
 
@@ -98,12 +89,6 @@ NEXT_WORKER = "next_worker"
 SLOTS = "slots"
 BATCHES = "batches"  # batches each slot has yielded in the epoch: what seeds the global RNGs for the next
 _BATCH_SALT = 0x73747265616D  # "stream": the global-RNG keys must not coincide with other keys
-# Fields of a pipeline state that say where it stands; every other field says what the pipeline
-# is (seeds, shard list, sizes, weights, the number of slots), which all ranks must agree on.
-POSITION_FIELDS = frozenset(
-    {EPOCH, REMAINING, PENDING, POSITION, IDENTITIES, SLOT, DRAWS, BUFFER, ROUND, TAKEN, EXHAUSTED, CONSUMED}
-    | {WINDOW, COUNT, POSITIONAL, DEALT, CARRY, CARRY_OFFSETS, RECORDS}
-)
 # DataLoader arguments the loader decides itself.
 _OWNED = ("batch_size", "shuffle", "sampler", "batch_sampler", "generator", "collate_fn")
 
@@ -442,16 +427,22 @@ def _max_slots(state: Mapping[str, Any]) -> int:
     return require_int(state, WORLD_SIZE, _WHAT, minimum=1) * max(1, require_int(state, NUM_WORKERS, _WHAT, minimum=0))
 
 
-def pipeline_fields(state: Any, path: str = "") -> dict[str, Any]:
-    """What a pipeline state says the pipeline is: ``{"source.seed": 0, ...}``, positions left out."""
+def pipeline_fields(state: Any, path: str = "", positions: frozenset[str] | None = None) -> dict[str, Any]:
+    """What a pipeline state says the pipeline is: ``{"source.seed": 0, ...}``, positions left out.
+
+    A position is a field that a stage declares in its :attr:`Stream.POSITION_KEYS` (``positions``:
+    all of them, :func:`position_keys`); every other field says what the pipeline is (seeds, shard
+    list, sizes, weights, the number of slots), which all ranks must agree on.
+    """
+    positions = position_keys() if positions is None else positions
     fields: dict[str, Any] = {}
     if isinstance(state, Mapping):
         for key, value in state.items():
-            if key not in POSITION_FIELDS:
-                fields.update(pipeline_fields(value, f"{path}.{key}" if path else str(key)))
+            if key not in positions:
+                fields.update(pipeline_fields(value, f"{path}.{key}" if path else str(key), positions))
     elif isinstance(state, list) and any(isinstance(item, Mapping) for item in state):  # mix's sources
         for i, item in enumerate(state):
-            fields.update(pipeline_fields(item, f"{path}[{i}]"))
+            fields.update(pipeline_fields(item, f"{path}[{i}]", positions))
     else:
         fields[path] = state
     return fields
@@ -464,9 +455,10 @@ def _check_same_pipeline(slots: Mapping[int, Any], local: int) -> None:
     pipelines would read some records twice and others never.
     """
     order = sorted(slots)
-    reference = pipeline_fields(slots[order[0]])
+    positions = position_keys()
+    reference = pipeline_fields(slots[order[0]], positions=positions)
     for g in order[1:]:
-        fields = pipeline_fields(slots[g])
+        fields = pipeline_fields(slots[g], positions=positions)
         if fields != reference:
             differ = sorted(
                 k for k in set(fields) | set(reference) if fields.get(k, "<absent>") != reference.get(k, "<absent>")

@@ -10,8 +10,10 @@ import torch
 from ..core.hash import hash_ints
 from ..core.state import SEED, check_int_arg
 from ..rng.sample import sample_generator
-from .base import Key, Stream, Wrapper, check_same, record_key
+from .base import Key, Stream, check_same, record_key
+from .positional import PassThrough, Positional
 from .record_rngs import RECORD, check_record_rng, per_record_salt, seeded_call
+from .wrapper import Wrapper
 
 __all__ = ["Map"]
 
@@ -75,6 +77,12 @@ class Map(Wrapper):
             return
         for key, value in self.source.iter_keyed():
             yield key, self._call(key, value)
+
+    def positional(self) -> Positional | None:
+        # The source's keys, order and position are this stage's: a positional source stays one,
+        # its records fetched through fetch_many below (the function applied as on a re-read).
+        inner = self.source.positional()
+        return None if inner is None else PassThrough(self, inner)
 
     def fetch(self, key: Key) -> Any:
         return self._call(key, self.source.fetch(key))

@@ -20,7 +20,7 @@ in the restored epoch, also when the mix had found it exhausted: a restore marks
 and takes back the draw that found it ended. Every unread record of the epoch and every appended
 one is then drawn once, as from a source that grew without a mix around it.
 
-State: ``{"epoch", "seed", "weights", "draws", "exhausted": [bool, ...], "sources": [state, ...]}``:
+State: ``{"version": 2, "epoch", "seed", "weights", "draws", "exhausted": [bool, ...], "sources": [state, ...]}``:
 the per-source positions plus two small counters; ``"weights"`` is the fixed weights, the
 schedule's pieces, or None for a function (which a state cannot check). A record's key gets its
 source index inserted after the epoch, ``(epoch, source, *where)``, so records of different
@@ -154,6 +154,8 @@ class Mix(Stream):
         # A schedule: code off for the first 10_000 records drawn, then at 1:3.
         warmup = mix([code, prose], weights=[(0, [0, 1]), (10_000, [1, 3])], seed=0)
     """
+
+    POSITION_KEYS = frozenset({EPOCH, DRAWS, EXHAUSTED})
 
     def __init__(self, streams: Sequence[Stream], weights: Weights | None = None, *, seed: int = 0) -> None:
         super().__init__()

@@ -10,6 +10,8 @@ the rest of the record the last window ended in, so the state is that record's k
 of its tokens were handed out::
 
     {
+        "version": 2,
+        "epoch": 0,
         "block_size": 2048,
         "eos": 0,
         "pad_id": None,
@@ -55,11 +57,11 @@ from .base import (
     STREAM_STATE_VERSION,
     Key,
     Stream,
-    Wrapper,
     check_same,
     record_key,
     require_key,
 )
+from .wrapper import Wrapper
 
 __all__ = ["Pack", "cu_seqlens", "token_array"]
 
@@ -118,6 +120,8 @@ class Pack(Wrapper):
         >>> [w.tolist() for w in resumed]  # re-reads that one record; the short last window is dropped
         [[5, 0, 6, 7, 8]]
     """
+
+    POSITION_KEYS = frozenset({EPOCH, CARRY, CARRY_OFFSETS})
 
     def __init__(
         self,

@@ -7,7 +7,8 @@ from typing import Any
 
 from ..core.state import brief, check_int_arg
 from ..errors import ResumeError
-from .base import EPOCH, SOURCE, Key, Slot, Stream, Wrapper, check_same, require_count
+from .base import EPOCH, SOURCE, Key, Slot, Stream, check_same, require_count
+from .wrapper import Wrapper
 
 __all__ = ["Repeat"]
 
@@ -32,6 +33,8 @@ class Repeat(Wrapper):
 
         mixed = mix([web.repeat(), books.repeat()], weights=[0.7, 0.3], seed=0)
     """
+
+    POSITION_KEYS = frozenset({EPOCH, ROUND})
 
     def __init__(self, source: Stream, times: int | None = None) -> None:
         super().__init__(source)

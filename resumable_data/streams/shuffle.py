@@ -5,7 +5,7 @@ buffered one chosen at random and put the new one in its place; drain the buffer
 Choice number ``d`` of epoch ``e`` is ``hash_ints(seed, e, d) % len(buffer)``: a pure function of
 the state, so no RNG state needs saving.
 
-State: ``{"epoch", "seed", "size", "draws", "buffer": [[key...], ...], "source": {...}}``. On restore
+State: ``{"version": 2, "epoch", "seed", "size", "draws", "buffer": [[key...], ...], "source": {...}}``. On restore
 the buffered records are re-read by key into the same buffer slots, so the stream continues
 bitwise identically.
 
@@ -43,10 +43,11 @@ grouped reads instead of one (a few more shard opens). A missing or truncated sh
 (a ResumeError naming it) by the read that needs one of its records. A read happens before the draw
 and before the source moves, so a failed one leaves the state as it was.
 
-Filling by key. Over a :class:`ShardedIterable` with known sizes whose reader reads by offset
-(``read_records``), an empty (or short) buffer fills with the keys of the source's next records,
-computed from its position (:meth:`ShardedIterable.take_keys`), and reads each record like a
-restored one, ahead of the draws that pick it. An epoch's start, or a restore to it, then reads
+Filling by key. Over a positional source (:mod:`~resumable_data.streams.positional`: a
+:class:`ShardedIterable` with known sizes whose reader reads by offset, ``read_records``, possibly
+behind ``map``), an empty (or short) buffer fills with the keys of the source's next records,
+computed from its position (``take_keys``), and reads each record like a restored one, ahead of
+the draws that pick it. An epoch's start, or a restore to it, then reads
 the records of its first 64 draws before its first batch instead of ``size``; the keys, the draws
 and what is yielded are those of a fill that reads the records in order. Other sources fill by
 reading.
@@ -70,13 +71,12 @@ from .base import (
     Key,
     PlainKeys,
     Stream,
-    Wrapper,
     check_same,
     record_key,
     require_count,
     require_key,
 )
-from .sharded import ShardedIterable
+from .wrapper import Wrapper
 
 __all__ = ["ShuffleBuffer"]
 
@@ -109,6 +109,8 @@ class ShuffleBuffer(Wrapper):
         state = shuffled.state_dict()  # 10_000 keys, not 10_000 samples
         shuffled.load_state_dict(state)
     """
+
+    POSITION_KEYS = frozenset({EPOCH, DRAWS, BUFFER})
 
     def __init__(self, source: Stream, size: int, *, seed: int = 0) -> None:
         super().__init__(source)
@@ -177,8 +179,8 @@ class ShuffleBuffer(Wrapper):
         (see "Filling by key" above), each record read ahead of the draw that picks it, as a
         restored buffer's are. The keys, the draws and so what is yielded are those of the
         records read in order."""
-        source = self.source
-        keys = source.take_keys(self.size - len(self._buffer)) if isinstance(source, ShardedIterable) else None
+        view = self.source.positional()
+        keys = None if view is None else view.take_keys(self.size - len(self._buffer))
         if not keys:
             return
         self._buffer.extend(zip(keys, itertools.repeat(_Unread)))

@@ -7,7 +7,8 @@ from typing import Any
 
 from ..core.state import check_int_arg
 from ..errors import ResumeError
-from .base import Key, Stream, Wrapper, check_same, require_count
+from .base import EPOCH, Key, Stream, check_same, require_count
+from .wrapper import Wrapper
 
 __all__ = ["Take"]
 
@@ -26,6 +27,8 @@ class Take(Wrapper):
         for record in stream.take(1000):  # a quick validation pass
             ...
     """
+
+    POSITION_KEYS = frozenset({EPOCH, TAKEN})
 
     in_order = True
 

@@ -39,9 +39,10 @@ from ..core.hash import hash_ints
 from ..core.permutation import Permutation
 from ..core.state import SEED, brief, check_int_arg, require_bool
 from ..errors import ResumeError
-from .base import SOURCE, Key, Stream, Wrapper, check_reread_growth, check_same, record_key, require_count
+from .base import EPOCH, SOURCE, Key, Stream, check_same, record_key, require_count
 from .pack import CARRY, carried_keys
 from .window import COUNT, TAKEN, WINDOW, take_records
+from .wrapper import Wrapper, check_reread_growth
 
 __all__ = ["BatchByTokens", "BucketedBatchByTokens"]
 
@@ -88,6 +89,8 @@ class BatchByTokens(Wrapper):
         >>> list(resumed)
         [[[5, 6]], [[7, 8, 9, 10]]]
     """
+
+    POSITION_KEYS = frozenset({EPOCH, CARRY})
 
     def __init__(
         self,
@@ -223,6 +226,8 @@ class BucketedBatchByTokens(BatchByTokens):
     is refused while a window is open (the state must be taken between windows), as for
     ``shuffle_window`` over sources of unknown size.
     """
+
+    POSITION_KEYS = BatchByTokens.POSITION_KEYS | {WINDOW, COUNT, TAKEN, RECORDS}
 
     def __init__(self, source: Stream, max_tokens: int, *, bucket: int, seed: int = 0, **options: Any) -> None:
         super().__init__(source, max_tokens, **options)

@@ -6,25 +6,29 @@ must re-read them. ``shuffle_window(size, seed=...)`` cuts the stream into conse
 of ``Permutation(len(window), hash_ints(seed, w), e)``. What it holds is then a few integers: the
 window's number, its length and how many of its records were handed out.
 
-Two ways to read a window, chosen per window:
+Three ways to read a window, chosen per window:
 
-* **By position** when the source is a :class:`ShardedIterable` with known ``sizes`` (and is
-  reading its own shards in order, i.e. not right after a layout change): a record's key follows
-  from its position in the slot's shards, so the window is never read as a whole. Each record is
-  fetched by key when the permutation reaches it (a batch's worth per grouped read); the source
-  state is its position after the window. A restore reads only the records it hands out.
-* **By reading** otherwise (text shards, ``map``/``filter``/``mix`` sources): the window's records are
-  read from the source into memory; the state holds the source's state at the window's start,
-  and a restore re-reads that one window.
+* **By position** when the source is positional (:mod:`~resumable_data.streams.positional`: a
+  :class:`ShardedIterable` with known ``sizes``, possibly behind ``map``) and reads its own shards
+  in order: a record's key follows from its position in the slot's shards, so the window is
+  never read as a whole. Each record is fetched by key when the permutation reaches it (a batch's
+  worth per grouped read); the source state is its position after the window. A restore reads
+  only the records it hands out.
+* **By pending keys** when such a source has pending records (right after a layout change): a
+  window of them, whose keys the source lists; each record is fetched by key as above. The state
+  holds the source's state at the window's start (its first pending records are the window's).
+* **By reading** otherwise (text shards, ``filter``/``mix`` sources): the window's records are read
+  from the source into memory; the state holds the source's state at the window's start, and a
+  restore re-reads that one window.
 
-State: ``{"seed", "size", "window": windows begun this epoch, "count": records in the open
-window (0: none open), "taken": records of it handed out, "positional": how it is read, "source":
-{...}}``. A layout change (another ``num_workers`` or world size) is exact for windows read by
-position: the open window's records not handed out yet go back to the sources as pending records,
-which each new slot reads first, as windows of their own (by reading), and then its dealt shards
-by position again. Such a window of pending records is split the same way at a later change (its
-records are the first pending ones of the state at its start), so changes chain (2 -> 1 -> 2
-ranks). Any other window read by reading cannot be split; the state then must be taken between
+State: ``{"version": 2, "epoch", "seed", "size", "window": windows begun this epoch, "count":
+records in the open window (0: none open), "taken": records of it handed out, "positional": how it
+is read, "source": {...}}``. A layout change (another ``num_workers`` or world size) is exact for
+windows read by position: the open window's records not handed out yet go back to the sources as
+pending records, which each new slot reads first, as windows of their own (by pending keys), and
+then its dealt shards by position again. Such a window of pending records is split the same way at
+a later change (its records are the first pending ones of the state at its start), so changes chain
+(2 -> 1 -> 2 ranks). A window read by reading cannot be split; the state then must be taken between
 windows.
 """
 
@@ -37,10 +41,11 @@ import numpy as np
 
 from ..core.hash import hash_ints
 from ..core.permutation import Permutation
-from ..core.state import SEED, brief, check_int_arg, is_int, require_bool
+from ..core.state import SEED, VERSION, brief, check_int_arg, require_bool
 from ..errors import ResumeError
-from .base import EPOCH, SOURCE, Key, Stream, Wrapper, check_reread_growth, check_same, record_key, require_count
-from .sharded import PENDING, POSITION, ShardedIterable
+from .base import EPOCH, SOURCE, STREAM_STATE_VERSION, Key, Stream, check_same, record_key, require_count
+from .positional import Positional
+from .wrapper import Wrapper, check_reread_growth
 
 __all__ = ["ShuffleWindow"]
 
@@ -67,6 +72,8 @@ class ShuffleWindow(Wrapper):
         stream.load_state_dict(state)  # reads only the records it hands out next
     """
 
+    POSITION_KEYS = frozenset({EPOCH, WINDOW, COUNT, TAKEN, POSITIONAL})
+
     def __init__(self, source: Stream, size: int, *, seed: int = 0) -> None:
         super().__init__(source)
         if not source.keyed:
@@ -81,23 +88,18 @@ class ShuffleWindow(Wrapper):
         self._count = 0  # records in the open window; 0: none open
         self._taken = 0
         self._positional = False
-        self._start: dict[str, Any] | None = None  # read windows: the source state at the window's start
+        self._start: dict[str, Any] | None = None  # read and pending windows: the source state at their start
+        self._keys: list[Key] | None = None  # pending windows: their records' keys (None: take them again)
         self._records: list[tuple[Key, Any]] | None = None  # read windows: its records (None: re-read them)
         self._permutation: tuple[tuple[int, int, int, int], Permutation] | None = None  # the open window's order
 
-    def _positional_source(self) -> ShardedIterable | None:
-        source = self.source
-        if isinstance(source, ShardedIterable) and source.slot_length() is not None:
-            return source
-        return None
-
-    def _read_size(self) -> int:
-        """Records of the next window read by reading: a sharded source with sizes that has pending
-        records (held at a layout change) reads them as windows of their own, then by position."""
-        source = self.source
-        if isinstance(source, ShardedIterable) and source.position is not None and source.pending_count:
-            return min(self.size, source.pending_count)
-        return self.size
+    def _pending_view(self, count: int) -> Positional | None:
+        """The source's positional view when it has at least ``count`` pending records (and at least
+        one) to read as a window by key, else None."""
+        view = self.source.positional()
+        if view is None or view.position is None or not 0 < count <= view.pending_count:
+            return None
+        return view
 
     def _order(self, start: int, stop: int) -> np.ndarray:
         """Positions inside the open window of its ``start``-th to ``stop``-th records handed out."""
@@ -115,30 +117,43 @@ class ShuffleWindow(Wrapper):
         records: Iterator[tuple[Key | None, Any]] | None = None  # the source's, for read windows
         while True:
             if self._taken >= self._count:  # open the next window
-                positional = self._positional_source()
-                if positional is not None:
-                    position, length = positional.position or 0, positional.slot_length() or 0
+                view = self.source.positional()
+                length = None if view is None else view.slot_length()
+                self._start, self._records, self._keys = None, None, None
+                if view is not None and length is not None:
+                    position = view.position or 0
                     count = min(self.size, length - position)
                     if count <= 0:
                         return
-                    positional.seek(position + count)
-                    self._start, self._records = None, None
+                    view.seek(position + count)
                 else:
+                    # Saved with the identities of the shards the window entered: a restore reads it
+                    # again from there and checks them (computed once, when the window is opened).
                     start = self.source.state_dict()
-                    records = self.source.iter_keyed() if records is None else records
-                    window = [(record_key(k, _WHAT), v) for k, v in take_records(records, self._read_size())]
-                    if not window:
-                        return
-                    # Saved with the identities of the shards the window entered: a restore re-reads it
-                    # from there and checks them (computed once: the window is read whole here).
-                    count, self._start, self._records = len(window), self.source.with_identities(start), window
+                    pending = None if view is None else self._pending_view(min(self.size, view.pending_count))
+                    if pending is not None:
+                        self._keys = pending.take_pending(min(self.size, pending.pending_count))
+                        count = len(self._keys)
+                    else:
+                        records = self.source.iter_keyed() if records is None else records
+                        self._records = [(record_key(k, _WHAT), v) for k, v in take_records(records, self.size)]
+                        count = len(self._records)
+                        if not count:
+                            return
+                    self._start = self.source.with_identities(start)
                 self._window, self._count, self._taken, self._positional = (
                     self._window + 1,
                     count,
                     0,
-                    positional is not None,
+                    length is not None,
                 )
-            if self._positional:
+            if not self._positional and self._records is None and self._keys is None:
+                # Restored: the source stands at the window's start; its first pending records are the
+                # window's when it has enough (a window of them), else the window is read again.
+                pending = self._pending_view(self._count)
+                if pending is not None:
+                    self._keys = pending.take_pending(self._count)
+            if self._positional or self._keys is not None:
                 yield from self._fetched()
             else:
                 if self._records is None:  # restored: the source stands at the window's start
@@ -158,15 +173,19 @@ class ShuffleWindow(Wrapper):
                         yield window_records[p]
 
     def _fetched(self) -> Iterator[tuple[Key | None, Any]]:
-        """The open positional window's records from ``taken`` on, fetched a chunk at a time."""
-        source = self.source
-        if not isinstance(source, ShardedIterable) or source.position is None:
-            raise ResumeError(f"{_WHAT}: a window read by position needs a ShardedIterable with sizes=")
-        first = source.position - self._count
+        """The open window's records from ``taken`` on, read by position or by pending keys, fetched a
+        chunk at a time."""
+        view = self.source.positional()
+        if view is None or view.position is None:
+            raise ResumeError(
+                f"{_WHAT}: a window read by position needs a positional source (ShardedIterable with sizes=)"
+            )
+        first, held = view.position - self._count, self._keys
         while self._taken < self._count:
             stop = min(self._count, self._taken + FETCH_AHEAD)
-            keys = source.keys_at(self._order(self._taken, stop) + first)
-            for key, record in zip(keys, source.fetch_many(keys), strict=True):
+            order = self._order(self._taken, stop)
+            keys = view.keys_at(order + first) if held is None else [held[p] for p in order.tolist()]
+            for key, record in zip(keys, view.fetch_many(keys), strict=True):
                 self._taken += 1
                 yield key, record
 
@@ -187,10 +206,12 @@ class ShuffleWindow(Wrapper):
         }
 
     def state_dict(self) -> dict[str, Any]:
-        state = super().state_dict()
         if self._open() and not self._positional and self._start is not None:
-            state[SOURCE] = self._start  # a read window restores from its start and re-reads it
-        return state
+            # A window read in full or by pending keys restores from its start and reads it again; the
+            # source's state now is not asked for (after a layout change it lists thousands of
+            # pending records, and a loader takes a state after every batch).
+            return {VERSION: STREAM_STATE_VERSION, EPOCH: self._epoch, **self._own_state(), SOURCE: self._start}
+        return super().state_dict()
 
     # Whole states (Stream's default, not Wrapper's change to the source's state): a few ints and
     # the source's state, itself small with known sizes, so there is no change to send.
@@ -212,24 +233,26 @@ class ShuffleWindow(Wrapper):
                 f"{_WHAT} state has {brief(taken)} of {brief(count)} records taken from window {brief(window)} "
                 f"with size {self.size}; pass a state_dict() of this pipeline unchanged"
             )
-        source_position = state[SOURCE].get(POSITION)
-        if count and positional and not (isinstance(self.source, ShardedIterable) and is_int(source_position)):
-            raise ResumeError(
-                f"{_WHAT} state reads its window by position, but its source is not a ShardedIterable with sizes=; "
-                "build the pipeline as the checkpoint's"
-            )
-        if count and positional and source_position < count:
-            raise ResumeError(
-                f"{_WHAT} state has a window of {count} records ending at position {source_position}; "
-                "pass a state_dict() of this pipeline unchanged"
-            )
+        view = self.source.positional()
+        source_position = None if view is None else view.saved_position(state[SOURCE])
+        if count and positional:
+            if source_position is None:
+                raise ResumeError(
+                    f"{_WHAT} state reads its window by position, but its source is not positional (a "
+                    "ShardedIterable with sizes=, possibly behind map); build the pipeline as the checkpoint's"
+                )
+            if source_position < count:
+                raise ResumeError(
+                    f"{_WHAT} state has a window of {count} records ending at position {source_position}; "
+                    "pass a state_dict() of this pipeline unchanged"
+                )
         start = dict(state[SOURCE]) if count and not positional else None
         if start is not None:
             check_reread_growth(_WHAT, self.source, start)
 
         def apply() -> None:
             self._window, self._count, self._taken, self._positional = window, count, taken, positional
-            self._start, self._records = start, None
+            self._start, self._records, self._keys = start, None, None
 
         return apply
 
@@ -244,27 +267,28 @@ class ShuffleWindow(Wrapper):
         # The open window's records not handed out yet go back to the sources as pending records.
         held: list[Key] = []
         split: list[Mapping[str, Any]] = []
-        sharded = self.source if isinstance(self.source, ShardedIterable) else None
+        view = self.source.positional()
         for state in states:
             count, taken, source = state[COUNT], state[TAKEN], state[SOURCE]
             if count:
                 permutation = Permutation(count, hash_ints(self.seed, state[WINDOW] - 1) >> 1, state[EPOCH])
                 order = permutation(np.arange(taken, count, dtype=np.int64))
-                sized = sharded is not None and POSITION in source
-                if sharded is not None and sized and state[POSITIONAL]:
-                    held.extend(sharded.keys_at(order + (source[POSITION] - count), source))
-                elif sized and count <= len(source[PENDING]):
-                    # A window read from the records held back at an earlier layout change: the first
-                    # ``count`` pending records of the state at its start (see _read_size).
-                    pending_records = source[PENDING]
-                    held.extend((state[EPOCH], *pending_records[p]) for p in order.tolist())
-                    state = {**state, SOURCE: {**source, PENDING: pending_records[count:]}}
+                position = None if view is None else view.saved_position(source)
+                first_pending = None if view is None or position is None else view.split_pending(source, count)
+                if view is not None and position is not None and state[POSITIONAL]:
+                    held.extend(view.keys_at(order + (position - count), source))
+                elif first_pending is not None:
+                    # A window of the records held back at an earlier layout change: the first
+                    # ``count`` pending records of the state at its start (read by pending keys).
+                    keys, rest = first_pending
+                    held.extend(keys[p] for p in order.tolist())
+                    state = {**state, SOURCE: rest}
                 else:
                     raise ResumeError(
                         f"{_WHAT}: a window read from its source cannot be split over another number of workers or "
-                        "ranks; only shuffle_window directly over a ShardedIterable with sizes= can (its windows are "
-                        "read by position). Resume with the checkpoint's num_workers and world_size, or build the "
-                        "pipeline so (map after the shuffle)"
+                        "ranks; only shuffle_window over a positional source (a ShardedIterable with sizes=, possibly "
+                        "behind map) can (its windows are read by position). Resume with the checkpoint's num_workers "
+                        "and world_size, or build the pipeline so (filter after the shuffle)"
                     )
             split.append(state)
         return super().rebalance(split, num_slots, pending + held)

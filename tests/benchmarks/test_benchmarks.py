@@ -132,6 +132,20 @@ def test_bench_streams_quick(tmp_path: Path) -> None:
     assert "## 4. Elastic" in text and "## 5. Mixing" in text
 
 
+def test_bench_elastic_quick(tmp_path: Path) -> None:
+    # Each case checks once that the records before the state and after the restore are the epoch's, once each.
+    _run_quick("bench_elastic.py", tmp_path)
+    rows = _rows(tmp_path, "bench_elastic", "case")
+    assert {row["case"] for row in rows} == {
+        "2 workers -> 2 workers (same layout)",
+        "0 workers -> 0 workers (same layout)",
+        "2 workers -> 0 workers",
+        "0 workers -> 2 workers, warm start",
+        "0 workers -> 2 workers, no warm start",
+    }
+    assert all(row["exact"] == "ok" for row in rows), rows
+
+
 def test_bench_checkpoint_quick(tmp_path: Path) -> None:
     _run_quick("bench_checkpoint.py", tmp_path)
     rows = [row for row in _rows(tmp_path, "bench_checkpoint", "mode") if "restored" in row]

@@ -3,14 +3,16 @@
 Specification: a ``shuffle_window`` over a ``ShardedIterable`` with ``sizes=`` may be resumed on
 another number of ranks or workers, again and again within one epoch (2 -> 1 -> 2 ranks, ...),
 wherever each checkpoint falls (inside a window of records held back at the previous change
-too): every record of the epoch is handed out exactly once. Over a source whose windows cannot be
-split the refusal names what to do, not sizes= when sizes are given.
+too): every record of the epoch is handed out exactly once, behind a ``map`` too (it keeps the
+positional reading). Over a source whose windows cannot be split (a ``filter``) the refusal names
+what to do, not sizes= when sizes are given.
 """
 
 from __future__ import annotations
 
 import json
 from collections import Counter
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -29,7 +31,17 @@ def windowed(shards: MemoryShards) -> Stream:
     return ShardedIterable(shards.names, read_shard=shards, seed=5, sizes=SIZES).shuffle_window(6, seed=6)
 
 
-def run_through(layouts: list[Layout], cuts: list[int]) -> list[int]:
+def plus_one(record: int) -> int:
+    return record + 1
+
+
+def mapped_windowed(shards: MemoryShards) -> Stream:
+    return ShardedIterable(shards.names, read_shard=shards, seed=5, sizes=SIZES).map(plus_one).shuffle_window(6, seed=6)
+
+
+def run_through(
+    layouts: list[Layout], cuts: list[int], build: Callable[[MemoryShards], Stream] = windowed
+) -> list[int]:
     """Records handed out by an epoch that changes layout at each checkpoint: the ranks of
     ``layouts[i]`` take ``cuts[i]`` batches each (the last layout: to the end)."""
     shards = MemoryShards(SIZES)
@@ -38,7 +50,7 @@ def run_through(layouts: list[Layout], cuts: list[int]) -> list[int]:
     for i, (world, workers) in enumerate(layouts):
         timeout = {"timeout": 60} if workers else {}  # a stuck worker fails the test
         ranks = [
-            StreamLoader(windowed(shards), batch_size=2, rank=r, world_size=world, num_workers=workers, **timeout)
+            StreamLoader(build(shards), batch_size=2, rank=r, world_size=world, num_workers=workers, **timeout)
             for r in range(world)
         ]
         if merged is not None:
@@ -77,19 +89,25 @@ def test_chains_of_layout_changes_with_workers_consume_every_record_exactly_once
     assert Counter(seen) == Counter(MemoryShards(SIZES).all_records())
 
 
-def test_a_window_read_through_a_map_refuses_a_layout_change_naming_the_stage() -> None:
+@pytest.mark.parametrize("cuts", [[1, 1], [3, 1], [5, 4]])
+def test_a_window_read_through_a_map_is_split_over_layout_changes_exactly_once(cuts: list[int]) -> None:
+    seen = run_through([(2, 0), (1, 0), (2, 0)], cuts, mapped_windowed)
+    assert Counter(seen) == Counter(plus_one(r) for r in MemoryShards(SIZES).all_records())
+
+
+def test_a_window_read_through_a_filter_refuses_a_layout_change_naming_the_stage() -> None:
     shards = MemoryShards(SIZES)
 
     def make(world: int) -> list[StreamLoader]:
         source = ShardedIterable(shards.names, read_shard=shards, seed=5, sizes=SIZES)
         return [
-            StreamLoader(source.map(lambda x: x).shuffle_window(6), batch_size=2, rank=r, world_size=world)
+            StreamLoader(source.filter(lambda x: True).shuffle_window(6), batch_size=2, rank=r, world_size=world)
             for r in range(world)
         ]
 
     before = make(1)
     next(iter(before[0]))
     state = before[0].state_dict()
-    with pytest.raises(ResumeError, match="shuffle_window directly over a ShardedIterable with sizes=") as raised:
+    with pytest.raises(ResumeError, match="only shuffle_window over a positional source") as raised:
         make(2)[0].load_state_dict(state)
     assert "unknown sizes" not in str(raised.value)

@@ -16,10 +16,11 @@ import numpy as np
 from ...core.growth import APPEND, ERROR, check_growth
 from ...core.state import check_int_arg, require_int
 from ...errors import ResumeError
-from ..base import Key, Slot, Stream, fetch_grouped
+from ..base import EPOCH, Key, Slot, Stream, fetch_grouped
+from ..positional import Positional
 from ..shard_index import ShardIndex
 from .checks import Reads, key_check, keys_check
-from .keys import IDENTITIES, NUM_SHARDS, WHAT
+from .keys import DEALT, IDENTITIES, NUM_SHARDS, NUM_SLOTS, PENDING, POSITION, REMAINING, SLOT, WHAT
 from .layout import NO_CURSOR, Dealt, Layout
 from .reading import read_at, records_from, resolve_sizes
 from .rebalance import rebalance
@@ -89,6 +90,8 @@ class ShardedIterable(Stream):
         >>> list(fresh)
         [2, 3]
     """
+
+    POSITION_KEYS = frozenset({EPOCH, SLOT, REMAINING, POSITION, DEALT, PENDING, IDENTITIES})
 
     in_order = True  # a slot's appended shards come after every shard it had (see growth)
 
@@ -224,9 +227,28 @@ class ShardedIterable(Stream):
     def _layout(self) -> Layout:
         return self._shards.layout((self._epoch, self._pieces), self._slot, self._dealt)
 
-    def positional(self) -> ShardedIterable | None:
-        """This source as its own positional view when its shard sizes are known, else None."""
-        return self if self.slot_length() is not None else None
+    # -- the positional capability (streams.positional.Positional): the shuffles' fast paths ---------
+    def positional(self) -> Positional | None:
+        """This source as its own positional view when its shard sizes are known, else None (see
+        :meth:`slot_length` for when a position can be used: not while pending records come first)."""
+        return self if self.sizes is not None else None
+
+    def take_pending(self, count: int) -> list[Key]:
+        """The keys of the next ``count`` pending records, moved past unread (a window fetches them)."""
+        taken = [self._pending.popleft() for _ in range(min(count, len(self._pending)))]
+        return [(self._epoch, index, offset) for index, offset in taken]
+
+    def saved_position(self, state: Mapping[str, Any]) -> int | None:
+        """The position of a checked ``state``; None when it lists cursors."""
+        position = state.get(POSITION)
+        return None if position is None else int(position)
+
+    def split_pending(self, state: Mapping[str, Any], count: int) -> tuple[list[Key], dict[str, Any]] | None:
+        """The keys of a checked ``state``'s first ``count`` pending records and the state without them."""
+        pending = state[PENDING]
+        if len(pending) < count:
+            return None
+        return [(state[EPOCH], index, offset) for index, offset in pending[:count]], {**state, PENDING: pending[count:]}
 
     def slot_length(self) -> int | None:
         """Records this slot reads from its shards in the current epoch, when the sizes are known and
@@ -412,8 +434,10 @@ class ShardedIterable(Stream):
     def with_identities(self, state: dict[str, Any]) -> dict[str, Any]:
         if not self._entered:
             return state
-        _, cursors, pending = self._reads(state)
-        held = {index for index, _ in pending}
+        # ``state`` is this source's own: its pending records (thousands after a layout change) need
+        # no check again, only their shards.
+        _, cursors, _ = self._reads({**state, PENDING: []})
+        held = {entry[0] for entry in state[PENDING]}
         saved = state.get(IDENTITIES, {})
         identities = {
             str(index): identity
@@ -435,7 +459,9 @@ class ShardedIterable(Stream):
         return {**state, IDENTITIES: {**saved, **added}} if added else state
 
     def saved_slots(self, state: Mapping[str, Any]) -> list[Slot]:
-        return [ShardState.parse(state, self._shards).slot]
+        # A checked state (check() parsed it whole): its slot fields are ints already; parsing it
+        # again would check thousands of pending records after a layout change once more.
+        return [(int(state[SLOT]), int(state[NUM_SLOTS]))]
 
     def appends(self, state: Mapping[str, Any]) -> bool:
         # The restored epoch's order takes the shards appended since as a new piece (ShardState.parse).

@@ -24,6 +24,7 @@ from ...core.state import (
 )
 from ...errors import ResumeError
 from ..base import EPOCH, MAX_COUNT, STREAM_STATE_VERSION, Slot, check_same, require_count, require_epoch
+from ..pending import parse_pending
 from .checks import Reads, check_record
 from .keys import (
     COUNT,
@@ -234,7 +235,10 @@ def _remaining(raw: list[Any], shards: Shards, saved_n: int) -> list[list[int]]:
 
 def _pending(raw: list[Any], cursor_of: np.ndarray, saved_n: int) -> list[list[int]]:
     """Read the ``"pending"`` field (a list): ``[[shard index, offset], ...]`` of records already read."""
-    pending: list[list[int]] = []
+    bulk = parse_pending(raw, saved_n, cursor_of, NO_CURSOR)  # thousands after a layout change
+    if bulk is not None:
+        return bulk
+    pending: list[list[int]] = []  # something to refuse (or only these checks accept): entry by entry
     for entry in raw:
         if not (isinstance(entry, (list, tuple)) and len(entry) == 2 and all(is_int(v) for v in entry)):
             raise ResumeError(f"{WHAT} state: a pending record must be [shard index, offset], got {brief(entry)}")
