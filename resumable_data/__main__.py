@@ -20,6 +20,7 @@ import torch
 
 from .checkpoint.inspect import inspect_checkpoint
 from .errors import ResumeError
+from .streams.write import SHARD_NAME, jsonl_documents, write_token_shards
 
 DESCRIPTION = "Inspect resumable_data checkpoints, write token shards, or watch a loader resume exactly (demo)."
 
@@ -49,8 +50,6 @@ def write_shards(args: argparse.Namespace) -> int:
     Returns:
         0 when the shards and their index are written, 1 otherwise (nothing indexed then).
     """
-    from .streams.write import jsonl_documents, write_token_shards
-
     tokenize = (lambda text: list(str(text).encode())) if args.bytes else None  # UTF-8 bytes as tokens
     documents = jsonl_documents(args.input, field=args.field, tokenize=tokenize)
     try:
@@ -142,7 +141,7 @@ def _add_write_shards(commands: Any) -> None:
         action="store_true",
         help="the field is text: its UTF-8 bytes are the tokens (0..255; e.g. --eos 256, as the reference trainer)",
     )
-    command.add_argument("--name", default="shard-{index:05d}", help="shard file name pattern, without suffix")
+    command.add_argument("--name", default=SHARD_NAME, help="shard file name pattern, without suffix")
     command.add_argument("--overwrite", action="store_true", help="replace the dataset in --dest")
 
 

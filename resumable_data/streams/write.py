@@ -166,8 +166,8 @@ def write_token_shards(
         documents: token arrays (lists, numpy arrays, CPU tensors of ints), or with ``column``,
             mappings holding them (a tokenized Hugging Face ``datasets.Dataset`` row,
             :func:`jsonl_documents` records).
-        dest: a local folder (created if missing) or a URL (``s3://bucket/tokens``,
-            ``file:///...``: through fsspec, the ``remote`` extra).
+        dest: a local folder (created if missing) or a URL (``s3://bucket/tokens``: through
+            fsspec, the ``remote`` extra; a ``file://`` URL is written as the local folder it names).
         shard_tokens: tokens per shard; a multiple of the reader's window reads every token.
         shard_bytes: or the size of a shard file in bytes (a multiple of the dtype's size);
             give one of the two.
@@ -181,7 +181,7 @@ def write_token_shards(
         storage_options: passed to fsspec for a URL (credentials, endpoint).
 
     Returns:
-        The location (path or URL) of the index file written.
+        The location of the index file written: a path (also for a ``file://`` URL) or a URL.
 
     Raises:
         ValueError: a bad argument, a document that is not a 1-D sequence of integers or holds a
@@ -214,7 +214,7 @@ def write_token_shards(
     size = check_int_arg("shard_tokens", shard_tokens, minimum=1)
     if eos is not None:
         _check_fits(check_int_arg("eos", eos, minimum=0), eos, "eos is", token_type)
-    names = _names(name, format)
+    _check_name(name, format)
     folder = _Folder(os.fspath(dest), storage_options)
     if folder.exists(INDEX_NAME):
         if not overwrite:
@@ -224,7 +224,7 @@ def write_token_shards(
     entries: list[ShardEntry] = []
 
     def flush(tokens: np.ndarray) -> None:
-        shard = next(names)
+        shard = f"{name.format(index=len(entries))}.{format}"
         parts = _shard_parts(tokens, format)
         folder.write(shard, parts)
         digest = _sha256(parts)
@@ -255,8 +255,8 @@ def write_token_shards(
     return folder.index
 
 
-def _names(pattern: str, fmt: str) -> Iterator[str]:
-    """Shard file names from the pattern, refused when it does not name each shard apart."""
+def _check_name(pattern: str, fmt: str) -> None:
+    """Refuse a shard name pattern that does not name each shard apart, as a plain file name."""
     try:
         first, second = pattern.format(index=0), pattern.format(index=1)
     except (KeyError, IndexError, ValueError) as exc:
@@ -267,10 +267,6 @@ def _names(pattern: str, fmt: str) -> Iterator[str]:
         raise ValueError(
             f"name should be a file name pattern with an {{index}} field, like {SHARD_NAME!r}, but got {pattern!r}"
         )
-    index = 0
-    while True:
-        yield f"{pattern.format(index=index)}.{fmt}"
-        index += 1
 
 
 def _sha256(parts: Sequence[bytes | memoryview]) -> str:

@@ -27,6 +27,7 @@ import torch
 
 from harness import assert_resumes_identically
 from resumable_data import ResumeError
+from resumable_data.__main__ import main
 from resumable_data.streams import (
     ShardedIterable,
     ShardIndex,
@@ -177,10 +178,16 @@ def test_a_token_that_does_not_fit_the_dtype_is_refused_naming_it(tmp_path: Path
         ({"shard_tokens": 0}, "shard_tokens should be an integer >= 1"),
     ],
 )
-def test_bad_arguments_are_refused_naming_them(tmp_path: Path, kwargs: dict[str, Any], message: str) -> None:
+def test_bad_arguments_are_refused_before_anything_is_read_or_written(
+    tmp_path: Path, kwargs: dict[str, Any], message: str
+) -> None:
+    def unread() -> Iterator[list[int]]:
+        raise AssertionError("a document was read before the arguments were checked")
+        yield [1, 2]
+
     with pytest.raises(ValueError, match=message):
-        write_token_shards([[1, 2]], tmp_path, **kwargs)
-    assert not (tmp_path / "index.json").exists()
+        write_token_shards(unread(), tmp_path / "out", **kwargs)
+    assert not (tmp_path / "out").exists()
 
 
 def test_shard_bytes_gives_the_shard_size_in_bytes(tmp_path: Path) -> None:
@@ -239,31 +246,30 @@ def test_a_tokenized_hf_dataset_column_and_jsonl_are_written_as_their_token_list
     assert files(tmp_path / "hf") == files(tmp_path / "lists") == files(tmp_path / "jsonl")
 
 
-def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "resumable_data", "write-shards", *args], capture_output=True, text=True, timeout=60
-    )
+def cli(*args: str) -> list[str]:
+    return ["write-shards", *args]
 
 
-def test_the_cli_writes_jsonl_token_ids_and_text_bytes(tmp_path: Path) -> None:
+def test_the_cli_writes_jsonl_token_ids_and_text_bytes(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     docs = [d.tolist() for d in documents()]
     texts = ["héllo", "", "résumé exact", "x" * 30]
     (tmp_path / "ids.jsonl").write_text("".join(json.dumps({"input_ids": d}) + "\n" for d in docs))
     (tmp_path / "text.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
-    ids = run_cli("--input", str(tmp_path / "ids.jsonl"), "--field", "input_ids", "--dest", str(tmp_path / "ids"),
+    command = cli("--input", str(tmp_path / "ids.jsonl"), "--field", "input_ids", "--dest", str(tmp_path / "ids"),
                   "--shard-tokens", str(SHARD_TOKENS), "--eos", str(EOS))  # fmt: skip
+    ids = subprocess.run([sys.executable, "-m", "resumable_data", *command], capture_output=True, text=True, timeout=60)
     assert (ids.returncode, ids.stdout.strip()) == (0, str(tmp_path / "ids" / "index.json")), ids.stderr
     stream = ShardedIterable.from_index(tmp_path / "ids", read_shard=TokenShardReader(WINDOW), shuffle=False)
     assert_same(expected_windows(docs, SHARD_TOKENS, WINDOW, EOS), list(stream), "windows written by the CLI")
 
-    text = run_cli("--input", str(tmp_path / "text.jsonl"), "--field", "text", "--bytes", "--dest",
-                   str(tmp_path / "text"), "--shard-tokens", "8", "--eos", "256", "--format", "npy")  # fmt: skip
-    assert text.returncode == 0, text.stderr
+    # In this process from here on (the same main()): text as UTF-8 bytes, then a refusal.
+    assert main(cli("--input", str(tmp_path / "text.jsonl"), "--field", "text", "--bytes", "--dest",
+                    str(tmp_path / "text"), "--shard-tokens", "8", "--eos", "256", "--format", "npy")) == 0  # fmt: skip
     tokens = np.concatenate([np.load(p) for p in ShardIndex.load(tmp_path / "text").locations])
     assert tokens.tolist() == [b for t in texts for b in [*t.encode(), 256]]
-
-    bad = run_cli("--input", str(tmp_path / "ids.jsonl"), "--field", "input_ids", "--dest", str(tmp_path / "bad"),
-                  "--shard-tokens", "8", "--dtype", "uint8")  # fmt: skip
-    assert bad.returncode == 1 and bad.stderr.startswith("error: document "), bad.stderr
-    assert "does not fit dtype=uint8" in bad.stderr and "Traceback" not in bad.stderr
-    assert not (tmp_path / "bad" / "index.json").exists()
+    capsys.readouterr()
+    assert main(cli("--input", str(tmp_path / "ids.jsonl"), "--field", "input_ids", "--dest", str(tmp_path / "bad"),
+                    "--shard-tokens", "8", "--dtype", "uint8")) == 1  # fmt: skip
+    error = capsys.readouterr().err
+    assert error.startswith("error: document ") and "does not fit dtype=uint8" in error and error.endswith("\n")
+    assert error.count("\n") == 1 and not (tmp_path / "bad" / "index.json").exists()
