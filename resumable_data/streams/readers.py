@@ -174,6 +174,11 @@ class TokenShardReader:
         """The shard's size and a digest of its first and last bytes (see :func:`file_identity`)."""
         return _path_identity(shard, "token")
 
+    def count_windows(self, n_tokens: int) -> int:
+        """Records in a shard of ``n_tokens`` tokens: how an index file's token counts give the sizes
+        (:meth:`ShardedIterable.from_index`) without opening a shard."""
+        return self._count(n_tokens)
+
     def _count(self, n_tokens: int) -> int:
         return 0 if n_tokens < self.window else (n_tokens - self.window) // self.stride + 1
 

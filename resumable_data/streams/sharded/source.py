@@ -6,6 +6,7 @@ the key checks and the layout change live in the sibling modules.
 
 from __future__ import annotations
 
+import os
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
@@ -17,6 +18,7 @@ from ...core.state import check_int_arg, require_int
 from ...errors import ResumeError
 from ..base import EPOCH, Key, Slot, Stream, fetch_grouped
 from ..positional import Positional
+from ..shard_index import ShardIndex
 from .checks import Reads, key_check, keys_check
 from .keys import DEALT, IDENTITIES, NUM_SHARDS, NUM_SLOTS, PENDING, POSITION, REMAINING, SLOT, WHAT
 from .layout import NO_CURSOR, Dealt, Layout
@@ -140,6 +142,36 @@ class ShardedIterable(Stream):
         self._remaining: list[list[int]] = []
         self._pending: deque[list[int]] = deque()  # handed out from the left: O(1) each
         self.reset(0, None)
+
+    @classmethod
+    def from_index(
+        cls,
+        index: str | os.PathLike[str] | ShardIndex,
+        *,
+        read_shard: Any,
+        storage_options: Mapping[str, Any] | None = None,
+        **kwargs: Any,
+    ) -> ShardedIterable:
+        """The shards an index file lists (as :func:`~resumable_data.streams.write_token_shards` writes
+        it), with their sizes from its token counts: no shard is opened here, and the state is a
+        position, as with counted sizes (see ``sizes``).
+
+        Args:
+            index: the index file, its folder, a URL (through fsspec), or a loaded :class:`ShardIndex`.
+            read_shard: a :class:`TokenShardReader` (its window and stride turn token counts into
+                record counts; for ``.bin`` shards its dtype must be the index's).
+            storage_options: passed to fsspec to read an index at a URL.
+            **kwargs: the other arguments of ShardedIterable (``seed``, ``shuffle``, ``growth``, ...).
+
+        Raises:
+            ResumeError: the index is missing or malformed, or does not fit the reader.
+
+        Example::
+
+            stream = ShardedIterable.from_index("tokens/", read_shard=TokenShardReader(1025), seed=0)
+        """
+        loaded = ShardIndex.load(index, storage_options=storage_options)
+        return cls(loaded.locations, read_shard=read_shard, sizes=loaded.records(read_shard), **kwargs)
 
     # -- order and reading ---------------------------------------------------------------------
     def shard_order(self, epoch: int) -> list[int]:
