@@ -57,12 +57,14 @@ import os
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, BinaryIO, Literal
 
-from resumable_data.errors import ResumeError
+from ..core.state import check_int_arg
+from ..errors import ResumeError
+from .locks import flocked, held, remove, try_exclusive
 
 __all__ = ["CacheCounters", "CachedShard", "RemoteShard", "ShardCache"]
 
@@ -85,6 +87,11 @@ class RemoteShard:
     size: int
     identity: str
 
+    def __post_init__(self) -> None:
+        if not isinstance(self.url, str) or not isinstance(self.identity, str):
+            raise ValueError(f"RemoteShard url and identity should be str, but got {self.url!r}, {self.identity!r}")
+        check_int_arg("RemoteShard size", self.size, minimum=0)
+
 
 @dataclass
 class CacheCounters:
@@ -102,7 +109,7 @@ class CachedShard:
     Used as a context manager it gives the path and closes on exit.
     """
 
-    def __init__(self, shard: RemoteShard, path: str, file: Any) -> None:
+    def __init__(self, shard: RemoteShard, path: str, file: BinaryIO) -> None:
         self.shard = shard
         self.path = path
         self._file = file  # holds a shared flock on the shard file while open
@@ -128,37 +135,6 @@ class _Entry:
 
 def _key(text: str, length: int) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:length]
-
-
-@contextlib.contextmanager
-def _flocked(path: str, operation: int) -> Iterator[int]:
-    """Hold ``flock(operation)`` on ``path`` (created if absent); closing the file releases it."""
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-    try:
-        fcntl.flock(fd, operation)
-        yield fd
-    finally:
-        os.close(fd)
-
-
-def _held(path: str) -> bool:
-    """Whether some open file holds a lock on ``path`` (another process, or another open file of ours)."""
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except FileNotFoundError:
-        return False
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        return True
-    finally:
-        os.close(fd)
-    return False
-
-
-def _remove(path: str) -> None:
-    with contextlib.suppress(FileNotFoundError):
-        os.unlink(path)
 
 
 class ShardCache:
@@ -195,13 +171,10 @@ class ShardCache:
         workers: int = 2,
         policy: Policy = "next-use",
     ) -> None:
-        if cache_limit is not None and (isinstance(cache_limit, bool) or not isinstance(cache_limit, int)):
-            raise ValueError(f"cache_limit should be an int number of bytes or None, but got {cache_limit!r}")
-        if cache_limit is not None and cache_limit < 1:
-            raise ValueError(f"cache_limit should be at least 1 byte, but got cache_limit={cache_limit}")
-        for name, value, minimum in (("prefetch", prefetch, 0), ("workers", workers, 1)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-                raise ValueError(f"{name} should be an int >= {minimum}, but got {name}={value!r}")
+        if cache_limit is not None:
+            check_int_arg("cache_limit", cache_limit, minimum=1)
+        check_int_arg("prefetch", prefetch, minimum=0)
+        check_int_arg("workers", workers, minimum=1)
         if policy not in POLICIES:
             raise ValueError(f"policy should be one of {POLICIES}, but got policy={policy!r}")
         if not callable(download):
@@ -255,8 +228,8 @@ class ShardCache:
             self._pool.shutdown(wait=True, cancel_futures=True)
             self._pool = None
         with self._accounting():
-            _remove(self._plan_path)
-            _remove(self._plan_lock)
+            remove(self._plan_path)
+            remove(self._plan_lock)
             os.close(self._plan_fd)
             self._plan_fd = None
 
@@ -334,7 +307,7 @@ class ShardCache:
         """Download ``shard`` unless some process has it, and give it held. A prefetch (``horizon``: how
         many steps ahead the shard is planned) gives None when there is no room for it."""
         url_key = _key(shard.url, 32)
-        with _flocked(os.path.join(self.cache_dir, "locks", url_key), fcntl.LOCK_EX):
+        with flocked(os.path.join(self.cache_dir, "locks", url_key), fcntl.LOCK_EX):
             handle = self._open_cached(shard)  # whoever held the lock before us may have downloaded it
             if handle is not None:
                 self._count(hits=int(horizon is None))
@@ -350,7 +323,7 @@ class ShardCache:
                 identity = self._download_fn(shard.url, partial)
                 self._check(shard, partial, identity)
             except BaseException:
-                _remove(partial)
+                remove(partial)
                 raise
             self._count(downloads=1, bytes=shard.size)
             with self._accounting():
@@ -373,7 +346,7 @@ class ShardCache:
 
     # -- accounting and eviction (under the accounting lock) ----------------------------------------
     def _accounting(self) -> contextlib.AbstractContextManager[int]:
-        return _flocked(os.path.join(self.cache_dir, ".lock"), fcntl.LOCK_EX)
+        return flocked(os.path.join(self.cache_dir, ".lock"), fcntl.LOCK_EX)
 
     def _scan(self, own_key: str | None) -> list[_Entry]:
         """The cached shards, with the downloads in flight as entries that cannot be evicted; deletes
@@ -383,8 +356,8 @@ class ShardCache:
         for item in os.scandir(partial_dir):
             url_key, _, size, _ = item.name.split(".")
             # We hold own_key's download lock: its partial files are a dead writer's.
-            if url_key == own_key or not _held(os.path.join(self.cache_dir, "locks", url_key)):
-                _remove(item.path)
+            if url_key == own_key or not held(os.path.join(self.cache_dir, "locks", url_key)):
+                remove(item.path)
             else:
                 entries.append(_Entry(item.path, url_key, int(size), -1))
         for item in os.scandir(os.path.join(self.cache_dir, "shards")):
@@ -422,18 +395,10 @@ class ShardCache:
 
     def _evict(self, path: str) -> bool:
         """Delete a cached shard unless some reader holds it; whether it was deleted."""
-        try:
-            fd = os.open(path, os.O_RDONLY)
-        except FileNotFoundError:
-            return False
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            os.unlink(path)  # under the exclusive lock: a reader that opened it sees it unlinked
-            return True
-        except BlockingIOError:
-            return False
-        finally:
-            os.close(fd)
+        with try_exclusive(path) as taken:
+            if taken:
+                os.unlink(path)  # under the exclusive lock: a reader that opened it sees it unlinked
+            return bool(taken)
 
     def _next_uses(self) -> dict[str, int]:
         """URL key -> steps until its next planned use, the soonest over the live slots' plans; deletes
@@ -444,9 +409,9 @@ class ShardCache:
             if not item.name.endswith(".lock"):
                 continue
             stem = item.path[: -len(".lock")]
-            if not _held(item.path):
-                _remove(stem + ".plan")
-                _remove(item.path)
+            if not held(item.path):
+                remove(stem + ".plan")
+                remove(item.path)
                 continue
             try:
                 with open(stem + ".plan", "rb") as plan:

@@ -259,14 +259,19 @@ def test_a_forked_copy_reads_through_the_same_cache_with_its_own_plan(tmp_path: 
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        ({"cache_limit": 0}, "cache_limit should be at least 1 byte, but got cache_limit=0"),
-        ({"cache_limit": "1GB"}, "cache_limit should be an int number of bytes or None, but got '1GB'"),
-        ({"prefetch": -1}, "prefetch should be an int >= 0, but got prefetch=-1"),
-        ({"workers": 0}, "workers should be an int >= 1, but got workers=0"),
+        ({"cache_limit": 0}, "cache_limit should be an integer >= 1, but got cache_limit=0"),
+        ({"cache_limit": "1GB"}, "cache_limit should be an integer >= 1, but got cache_limit='1GB'"),
+        ({"prefetch": -1}, "prefetch should be an integer >= 0, but got prefetch=-1"),
+        ({"workers": 0}, "workers should be an integer >= 1, but got workers=0"),
         ({"policy": "fifo"}, "policy should be one of"),
     ],
 )
-def test_bad_arguments_are_named(tmp_path: Path, kwargs: dict, message: str) -> None:
+def test_bad_arguments_are_named_with_what_was_expected(tmp_path: Path, kwargs: dict, message: str) -> None:
     arguments = {"cache_limit": None, **kwargs}
     with pytest.raises(ValueError, match=message):
         ShardCache(tmp_path, arguments.pop("cache_limit"), download=lambda url, dest: "", **arguments)
+
+
+def test_a_bad_remote_shard_is_named() -> None:
+    with pytest.raises(ValueError, match="RemoteShard size should be an integer >= 0, but got RemoteShard size=-1"):
+        RemoteShard("s3://bucket/a.bin", -1, "1:etag")
