@@ -36,7 +36,7 @@ class FolderRemote:
         root: the folder that plays the server.
         log: each download appends its URL here, before copying.
         delay: seconds each download takes (to make downloads overlap).
-        fail: names whose download raises OSError.
+        fail: names whose next download raises OSError (once each: a transient fault).
         hang: a name whose download writes half, creates ``marker`` and sleeps (to be SIGKILLed).
         usage_log: after each copy, the cache's disk usage is appended here (the moments it peaks).
     """
@@ -47,12 +47,12 @@ class FolderRemote:
         log: str | Path,
         *,
         delay: float = 0.0,
-        fail: frozenset[str] = frozenset(),
+        fail: set[str] | None = None,
         hang: str | None = None,
         marker: str | Path | None = None,
         usage_log: str | Path | None = None,
     ) -> None:
-        self.root, self.log, self.delay, self.fail = Path(root), Path(log), delay, fail
+        self.root, self.log, self.delay, self.fail = Path(root), Path(log), delay, set(fail or ())
         self.hang, self.marker, self.usage_log = hang, marker, usage_log
 
     def shard(self, name: str) -> RemoteShard:
@@ -68,6 +68,7 @@ class FolderRemote:
         with open(self.log, "a") as log:
             log.write(url + "\n")
         if name in self.fail:
+            self.fail.remove(name)
             raise OSError(f"injected failure reading {url}")
         data = (self.root / name).read_bytes()
         with open(dest, "wb") as out:

@@ -6,6 +6,7 @@ processes that share a cache are real processes (tests/storage/cache_child.py), 
 
 from __future__ import annotations
 
+import fcntl
 import json
 import multiprocessing
 import os
@@ -15,6 +16,7 @@ import subprocess
 import sys
 import time
 from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -153,6 +155,29 @@ def test_a_read_exceeds_the_limit_only_by_the_shards_in_use(tmp_path: Path) -> N
     assert cache.counters.evictions == 2
 
 
+def test_a_shard_evicted_while_a_reader_opens_it_is_downloaded_again(tmp_path: Path) -> None:
+    names = make_remote(tmp_path / "remote", 1, 4096)
+    remote = FolderRemote(tmp_path / "remote", tmp_path / "downloads.log")
+    shard = remote.shard(names[0])
+    cache = ShardCache(tmp_path / "cache", None, download=remote)
+    with cache.use(shard) as path:
+        pass
+    evictor = os.open(path, os.O_RDONLY)  # this test plays an eviction in another process
+    fcntl.flock(evictor, fcntl.LOCK_EX)
+    with ThreadPoolExecutor(1) as pool:
+        reading = pool.submit(cache.use, shard)
+        # Once the reader has the file open, it waits for our lock.
+        deadline = time.monotonic() + TIMEOUT
+        while sum(os.path.realpath(f"/proc/self/fd/{fd}") == path for fd in os.listdir("/proc/self/fd")) < 2:
+            assert time.monotonic() < deadline and not reading.done(), "the reader never opened the shard"
+            time.sleep(0.001)
+        os.unlink(path)
+        os.close(evictor)
+        with reading.result(timeout=TIMEOUT) as again:
+            assert Path(again).read_bytes() == (tmp_path / "remote" / names[0]).read_bytes()
+    assert cache.counters.downloads == 2
+
+
 def _downloaded_bytes(tmp_path: Path, policy: str, prefetch: int, plan: list[RemoteShard], remote: FolderRemote) -> int:
     cache = ShardCache(
         tmp_path / f"cache-{policy}-{prefetch}", 16 * 4096, download=remote, prefetch=prefetch, policy=policy
@@ -207,14 +232,13 @@ def test_a_changed_object_is_refused_and_a_rewritten_one_downloaded_again(tmp_pa
 
 def test_a_prefetch_error_surfaces_at_the_read_of_that_shard(tmp_path: Path) -> None:
     names = make_remote(tmp_path / "remote", 3, 4096)
-    remote = FolderRemote(tmp_path / "remote", tmp_path / "downloads.log", fail=frozenset({names[1]}))
+    remote = FolderRemote(tmp_path / "remote", tmp_path / "downloads.log", fail={names[1]})
     shards = [remote.shard(name) for name in names]
     cache = ShardCache(tmp_path / "cache", None, download=remote, prefetch=2)
     cache.plan(shards + shards)  # prefetches shards 0 and 1 (fails) in the background
     cache.use(shards[0]).close()  # and now shard 2
     with pytest.raises(OSError, match=f"injected failure reading folder://{names[1]}"):
-        cache.use(shards[1])
-    remote.fail = frozenset()
+        cache.use(shards[1])  # the prefetch's error, though downloading it now would work
     cache.use(shards[1]).close()  # read again: downloaded now
     cache.use(shards[2]).close()
     assert (cache.counters.hits, cache.counters.downloads) == (2, 3)  # 0 and 2 were prefetched
