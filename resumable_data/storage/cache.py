@@ -232,6 +232,7 @@ class ShardCache:
             remove(self._plan_lock)
             os.close(self._plan_fd)
             self._plan_fd = None
+        self._keys, self._shards = [], []
 
     def __enter__(self) -> ShardCache:
         return self
@@ -289,14 +290,16 @@ class ShardCache:
         return os.path.join(self.cache_dir, "shards", f"{_key(shard.url, 32)}.{_key(shard.identity, 16)}")
 
     def _open_cached(self, shard: RemoteShard) -> CachedShard | None:
-        """The cached shard under a shared lock, or None when absent (or evicted while we opened it)."""
+        """The cached shard under a shared lock, or None when absent (or evicted while we opened it, or
+        cut short by a machine that went down before writing it back)."""
         path = self._entry_path(shard)
         try:
             file = open(path, "rb")  # noqa: SIM115 -- the CachedShard closes it
         except FileNotFoundError:
             return None
         fcntl.flock(file.fileno(), fcntl.LOCK_SH)  # waits only while an eviction holds it
-        if os.fstat(file.fileno()).st_nlink == 0:  # evicted between the open and the lock
+        stat = os.fstat(file.fileno())
+        if stat.st_nlink == 0 or stat.st_size != shard.size:  # evicted between the open and the lock
             file.close()
             return None
         now = time.time_ns()
@@ -321,7 +324,7 @@ class ShardCache:
                 open(partial, "xb").close()  # its name reserves shard.size bytes from here on
             try:
                 identity = self._download_fn(shard.url, partial)
-                self._check(shard, partial, identity)
+                self._verify(shard, partial, identity)
             except BaseException:
                 remove(partial)
                 raise
@@ -331,7 +334,7 @@ class ShardCache:
                 # Held before the accounting lock is released, so that no eviction comes between.
                 return self._open_cached(shard)
 
-    def _check(self, shard: RemoteShard, partial: str, identity: object) -> None:
+    def _verify(self, shard: RemoteShard, partial: str, identity: object) -> None:
         if not isinstance(identity, str):
             raise TypeError(f"download() should return the object's identity as a str, but got {identity!r}")
         if identity != shard.identity:
@@ -340,9 +343,11 @@ class ShardCache:
                 f"the download has {identity!r}: it was rewritten since it was listed or checkpointed; to "
                 f"read it as it is now, list it again and pass its current identity"
             )
-        size = os.path.getsize(partial)
-        if size != shard.size:
-            raise OSError(f"download of {shard.url!r} wrote {size} bytes, but the object has {shard.size}")
+        with open(partial, "rb") as written:
+            size = os.fstat(written.fileno()).st_size
+            if size != shard.size:
+                raise OSError(f"download of {shard.url!r} wrote {size} bytes, but the object has {shard.size}")
+            os.fsync(written.fileno())  # on disk before its name says complete: a preempted VM keeps its disk
 
     # -- accounting and eviction (under the accounting lock) ----------------------------------------
     def _accounting(self) -> contextlib.AbstractContextManager[int]:

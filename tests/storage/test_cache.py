@@ -260,6 +260,19 @@ def test_a_resumed_job_reads_the_cache_it_left_without_downloading(tmp_path: Pat
     assert len(remote.downloads()) == 4
 
 
+def test_a_cached_file_cut_short_is_downloaded_again(tmp_path: Path) -> None:
+    # What a machine that went down before writing the file back could leave (the cache fsyncs a
+    # download before naming it complete; this is the check behind that).
+    names = make_remote(tmp_path / "remote", 1, 4096)
+    remote = FolderRemote(tmp_path / "remote", tmp_path / "downloads.log")
+    cache = ShardCache(tmp_path / "cache", None, download=remote)
+    with cache.use(remote.shard(names[0])) as path:
+        os.truncate(path, 100)
+    with cache.use(remote.shard(names[0])) as path:
+        assert Path(path).read_bytes() == (tmp_path / "remote" / names[0]).read_bytes()
+    assert cache.counters.downloads == 2
+
+
 def _use_in_fork(cache: ShardCache, shard: RemoteShard) -> None:
     cache.plan([shard])
     cache.use(shard).close()
