@@ -18,7 +18,9 @@ plan). The directory holds::
     .lock                               the accounting lock: eviction, reservations, renames, plans
 
 Crash safety. A download writes to ``partial/`` and is renamed into ``shards/`` only after its size
-and identity were checked, so a process killed mid-download leaves a partial file that nothing reads;
+and identity were checked and it was fsynced, so a process killed mid-download leaves a partial file
+that nothing reads (and a cached file of the wrong size, what a machine that went down could leave, is
+fetched again);
 partial files whose download lock is free (their writer died) are deleted by the next scan. A reader
 holds a shared lock on the shard file it uses (:class:`CachedShard`) and an eviction takes an
 exclusive lock without waiting, so a shard in use in any process is never evicted.
@@ -45,7 +47,8 @@ Integration (what a reader does)::
         data = np.memmap(local_path, dtype=np.uint16, mode="r")
 
 ``download(url, dest_path)`` writes the object to ``dest_path`` and returns the identity it read (from
-the same response, so it names the bytes written).
+the same response, so it names the bytes written). One thread per slot calls :meth:`ShardCache.plan`
+and :meth:`ShardCache.use`; the background downloads run in the cache's own threads.
 """
 
 from __future__ import annotations
