@@ -133,7 +133,8 @@ def test_the_limit_holds_with_two_processes_over_three_epochs(tmp_path: Path) ->
     _run_together(tmp_path, [{**config, "names": slot_order(seed)} for seed in (1, 2)])
     usages = [int(line) for line in usage_log.read_text().split()]
     # Measured by each download when its copy is complete (the moments the cache peaks). Each slot
-    # holds one shard at a time, so with room for five nothing forces a read past the limit.
+    # holds one shard in use and at most one more prefetch in flight besides the one it waits for, so
+    # with room for five nothing forces a read past the limit.
     assert len(usages) >= count and max(usages) <= limit, (max(usages), limit)
     assert disk_usage(tmp_path / "cache") <= limit
 
