@@ -127,7 +127,7 @@ class Remote:
         fs, path = self.resolve(url)
         with self._failing(url, "a ranged read of"):
             blocks = fs.cat_ranges([path] * len(starts), list(starts), list(ends), on_error="raise")
-        for start, end, block in zip(starts, ends, blocks):
+        for start, end, block in zip(starts, ends, blocks, strict=True):
             if len(block) != end - start:
                 raise StorageError(
                     f"a ranged read of {url!r} returned {len(block)} bytes for [{start}, {end}): the object is "

@@ -291,7 +291,7 @@ class TokenShardReader:
         step, span = self.stride * dtype.itemsize, self.window * dtype.itemsize
         starts = [base + run[0] * step for run in runs]
         blocks = self._remote.read_ranges(url, starts, [base + run[-1] * step + span for run in runs])
-        for run, block in zip(runs, blocks):
+        for run, block in zip(runs, blocks, strict=True):
             yield from self._windows(np.frombuffer(block, dtype=dtype), [offset - run[0] for offset in run])
 
     def _remote_windows(self, url: str, base: int, dtype: np.dtype, offsets: range) -> Iterator[torch.Tensor]:

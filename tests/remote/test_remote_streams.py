@@ -99,7 +99,9 @@ def test_remote_pipeline_stopped_mid_epoch_resumes_as_the_local_run(data: Data, 
 
 def test_each_remote_record_is_read_exactly_once_per_epoch_and_across_a_worker_change(data: Data) -> None:
     every = [(s * 1000 + 8 * i) for s, n in enumerate(A_SHARDS) for i in range(n // 8)]
-    loader = StreamLoader(data.source("a", 8, True, seed=6).shuffle_window(20, seed=7), batch_size=5, num_workers=2, timeout=60)
+    loader = StreamLoader(
+        data.source("a", 8, True, seed=6).shuffle_window(20, seed=7), batch_size=5, num_workers=2, timeout=60
+    )
     assert Counter(ids(list(loader))) == Counter(every)
     assert_exactly_once_across_layout_change(
         lambda: data.source("a", 8, True, seed=6).shuffle_buffer(6, seed=7), every, (1, 2), (1, 1), [4]
@@ -138,5 +140,9 @@ def test_remote_parquet_rows_resume_as_the_local_run(s3_server: Any, tmp_path: P
         return ShardedIterable(shards, read_shard=reader, seed=4).shuffle_window(9, seed=5)
 
     reference = list(make(False))
-    assert ShardedIterable(f"s3://{bucket}/pq/*", read_shard=ParquetReader(storage_options=options)).sizes == [23, 7, 31]
+    assert ShardedIterable(f"s3://{bucket}/pq/*", read_shard=ParquetReader(storage_options=options)).sizes == [
+        23,
+        7,
+        31,
+    ]
     assert_same(reference, resumed_run(lambda: make(True), 30), "remote parquet rows")
