@@ -16,6 +16,7 @@ import numpy as np
 from ...core.growth import APPEND, ERROR, check_growth
 from ...core.state import check_int_arg, require_int
 from ...errors import ResumeError
+from ...storage.files import expand_shards
 from ..base import EPOCH, Key, Slot, Stream, fetch_grouped
 from ..positional import Positional
 from ..shard_index import ShardIndex
@@ -34,9 +35,12 @@ class ShardedIterable(Stream):
     """Records of many shards, shard order shuffled per epoch, restorable in O(1) per shard.
 
     Args:
-        shards: paths or any keys, one per shard; ``str(shard)`` names it in the state and in
-            errors. The list (and its order) must be the same when resuming, so if the data may
-            move to another mount point, pass paths relative to a root that ``read_shard`` joins.
+        shards: paths, URLs (``s3://bucket/prefix/x.bin``; see :mod:`resumable_data.storage`) or
+            any keys, one per shard; ``str(shard)`` names it in the state and in errors. One string
+            with a glob character (``"s3://bucket/tokens/*.bin"``, ``"data/*.jsonl"``) stands for
+            the files it matches, in sorted order. The list (and its order) must be the same when
+            resuming, so if the data may move to another mount point, pass paths relative to a
+            root that ``read_shard`` joins.
         read_shard: ``read_shard(shard, start)`` returns an iterator over the shard's records from
             record offset ``start``. A reader with a ``read_from(shard, start)`` method yielding
             ``(next offset, record)`` pairs keeps its own offsets instead (byte offsets for
@@ -71,6 +75,9 @@ class ShardedIterable(Stream):
             checkpoint's shards and reads the new ones from the next epoch; ``"append"`` deals the
             new shards, shuffled, to the slots after the shards they still have, so they are read
             in the rest of this epoch. Shards removed, renamed or reordered are always refused.
+        storage_options: fsspec's options for listing a URL pattern in ``shards`` (credentials, an
+            endpoint); by default the reader's ``storage_options`` (the ready-made readers take
+            them for reading).
 
     Example:
         With files, ``shards`` is e.g. ``sorted(glob("data/*.bin"))`` and ``read_shard`` a
@@ -97,7 +104,7 @@ class ShardedIterable(Stream):
 
     def __init__(
         self,
-        shards: Iterable[Any],
+        shards: Iterable[Any] | str,
         *,
         read_shard: Callable[[Any, int], Iterator[Any]],
         shuffle: bool = True,
@@ -105,9 +112,12 @@ class ShardedIterable(Stream):
         sizes: Sequence[int] | str | None = None,
         allow_changed_shards: bool = False,
         growth: str = ERROR,
+        storage_options: dict[str, Any] | None = None,
     ) -> None:
         super().__init__()
-        self.shards = list(shards)
+        if storage_options is None:
+            storage_options = getattr(read_shard, "storage_options", None)
+        self.shards = expand_shards(shards, storage_options)
         if not self.shards:
             raise ResumeError("ShardedIterable needs at least one shard, but got an empty shard list")
         if not callable(read_shard) and not hasattr(read_shard, "read_from"):
