@@ -1,9 +1,11 @@
-"""Command line: ``inspect PATH`` and ``demo``.
+"""Command line: ``inspect PATH``, ``write-shards`` and ``demo``.
 
 ``inspect`` verifies a checkpoint (manifest, size, sha256) and prints its step, data position (epoch,
 position, world size) and sizes; it loads with ``torch.load(weights_only=True)`` only, so nothing in
 the file is ever executed, and a bad input gives one ``error:`` line and exit code 1, never a
-traceback. ``demo`` shows a loader stopped mid-epoch and resumed exactly.
+traceback. ``write-shards`` writes JSONL documents as token shards and their index
+(:func:`~resumable_data.streams.write_token_shards`). ``demo`` shows a loader stopped mid-epoch
+and resumed exactly.
 """
 
 from __future__ import annotations
@@ -12,13 +14,15 @@ import argparse
 import json
 import os
 import sys
+from typing import Any
 
 import torch
 
 from .checkpoint.inspect import inspect_checkpoint
 from .errors import ResumeError
+from .streams.write import SHARD_NAME, jsonl_documents, write_token_shards
 
-DESCRIPTION = "Inspect resumable_data checkpoints, or watch a loader resume exactly (demo)."
+DESCRIPTION = "Inspect resumable_data checkpoints, write token shards, or watch a loader resume exactly (demo)."
 
 
 def inspect(path: str, *, as_json: bool = False) -> int:
@@ -37,6 +41,32 @@ def inspect(path: str, *, as_json: bool = False) -> int:
         print(f"error: {path}: the state nests too deeply to print", file=sys.stderr)
         return 1
     print(text)
+    return 0
+
+
+def write_shards(args: argparse.Namespace) -> int:
+    """Write the ``--input`` JSONL files' documents as token shards in ``--dest``; one error line if bad.
+
+    Returns:
+        0 when the shards and their index are written, 1 otherwise (nothing indexed then).
+    """
+    tokenize = (lambda text: list(str(text).encode())) if args.bytes else None  # UTF-8 bytes as tokens
+    documents = jsonl_documents(args.input, field=args.field, tokenize=tokenize)
+    try:
+        index = write_token_shards(
+            documents,
+            args.dest,
+            shard_tokens=args.shard_tokens,
+            dtype=args.dtype,
+            format=args.format,
+            eos=args.eos,
+            name=args.name,
+            overwrite=args.overwrite,
+        )
+    except (ValueError, ImportError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    print(index)
     return 0
 
 
@@ -81,9 +111,38 @@ def main(argv: list[str] | None = None) -> int:
         "path", metavar="PATH", help="a step-N checkpoint folder (CheckpointManager or DcpStore) or a state.pt file"
     )
     inspect_parser.add_argument("--json", action="store_true", help="print the report as JSON")
+    _add_write_shards(commands)
     commands.add_parser("demo", help="stop a loader mid-epoch and resume it exactly")
     args = parser.parse_args(argv)
-    return inspect(args.path, as_json=args.json) if args.command == "inspect" else demo()
+    if args.command == "inspect":
+        return inspect(args.path, as_json=args.json)
+    return write_shards(args) if args.command == "write-shards" else demo()
+
+
+def _add_write_shards(commands: Any) -> None:
+    command = commands.add_parser(
+        "write-shards",
+        help="write JSONL documents as token shards and their index file",
+        description="Write the documents of JSONL files as token shards of --shard-tokens tokens each (a "
+        "document may span two shards), then an index.json that ShardedIterable.from_index reads. A "
+        "folder whose writing stopped part way has no index. Prints the index's location.",
+    )
+    command.add_argument("--input", nargs="+", required=True, metavar="FILE", help="JSONL files, read in order")
+    command.add_argument(
+        "--field", required=True, help="the field holding each document's token ids (or its text, with --bytes)"
+    )
+    command.add_argument("--dest", required=True, help="a folder, or a URL through fsspec (the remote extra)")
+    command.add_argument("--shard-tokens", type=int, required=True, metavar="N", help="tokens per shard")
+    command.add_argument("--eos", type=int, default=None, metavar="ID", help="a token appended after each document")
+    command.add_argument("--dtype", choices=("uint8", "uint16", "uint32", "int32", "int64"), default="uint16")
+    command.add_argument("--format", choices=("bin", "npy"), default="bin")
+    command.add_argument(
+        "--bytes",
+        action="store_true",
+        help="the field is text: its UTF-8 bytes are the tokens (0..255; e.g. --eos 256, as the reference trainer)",
+    )
+    command.add_argument("--name", default=SHARD_NAME, help="shard file name pattern, without suffix")
+    command.add_argument("--overwrite", action="store_true", help="replace the dataset in --dest")
 
 
 if __name__ == "__main__":

@@ -14,7 +14,11 @@ needs exactly the keys it saved: a state keyed by rank (``dp_rank_3``) fails wit
 :class:`DataLoaderState` therefore writes the global state as one JSON string under fixed keys,
 the same on every rank and at every world size::
 
-    {"version": 1, "state_json": "{\\"epoch\\": 0, \\"position\\": 96, ...}"}
+    >>> from resumable_data import ResumableDataLoader
+    >>> loader = ResumableDataLoader(torch.arange(10), batch_size=4, seed=0)
+    >>> state = DataLoaderState(loader).state_dict()  # without a process group: this process's state
+    >>> sorted(state), state["version"], json.loads(state["state_json"]) == loader.state_dict()
+    (['state_json', 'version'], 1, True)
 
 Trust. DCP stores non-tensor values with ``torch.save`` and loads them with full unpickling
 (``weights_only=False``), and it reads its ``.metadata`` file with ``pickle``. A DCP checkpoint can

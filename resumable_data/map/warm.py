@@ -1,7 +1,7 @@
 """Warm start: the main process serves the first batches of a pass while the workers start.
 
 Starting worker processes takes a while (forking workers that hold torch, then their first batch;
-benchmarks/README.md has the figures), and a DataLoader pays it at every restore and, without
+benchmarks/results/bench_resume.md has the figures), and a DataLoader pays it at every restore and, without
 persistent workers, at every epoch start.
 
 With warm start the first batch of a pass is fetched by the main process, without waiting for any

@@ -23,11 +23,13 @@ from .parquet import ParquetReader
 from .positional import Positional
 from .readers import TextLineReader, TokenShardReader
 from .repeat import Repeat
+from .shard_index import ShardEntry, ShardIndex
 from .sharded import RecordCounter, ShardedIterable
 from .shuffle import ShuffleBuffer
 from .take import Take
 from .token_batch import BatchByTokens, BucketedBatchByTokens
 from .window import ShuffleWindow
+from .write import jsonl_documents, write_token_shards
 
 __all__ = [
     "Batch",
@@ -43,6 +45,8 @@ __all__ = [
     "RecordCounter",
     "Repeat",
     "ReplayWarning",
+    "ShardEntry",
+    "ShardIndex",
     "ShardedIterable",
     "ShuffleBuffer",
     "ShuffleWindow",
@@ -52,5 +56,7 @@ __all__ = [
     "TextLineReader",
     "TokenShardReader",
     "cu_seqlens",
+    "jsonl_documents",
     "mix",
+    "write_token_shards",
 ]

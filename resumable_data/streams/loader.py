@@ -16,11 +16,21 @@ With 0 workers the pipeline is this process's own and stops right after each bat
 the state after the batch handed out: the loader reads it from there (the slot ledger, see
 :mod:`.ledger`, keeps what a state one batch back needs).
 With 0 workers (and no ``pin_memory``) no DataLoader iterates the pipeline either (see :mod:`.slots`).
-The state::
+The state holds the pipeline state of each of this rank's slots under ``"slots"`` (keyed by global
+slot number), here of a 0-worker loader after one batch::
 
-    {"version": 1, "epoch": 2, "epoch_done": False, "world_size": 2, "num_workers": 2,
-     "next_worker": {"0": 1}, "slots": {"0": {...pipeline state...}, "1": {...}},
-     "batches": {"0": 7, "1": 6}}
+    >>> from resumable_data.streams import ShardedIterable, StreamLoader
+    >>> records = {"a": [0, 1, 2, 3], "b": [4, 5, 6]}
+    >>> stream = ShardedIterable(["a", "b"], read_shard=lambda shard, start: iter(records[shard][start:]), seed=0)
+    >>> loader = StreamLoader(stream, batch_size=2)
+    >>> next(iter(loader))
+    tensor([4, 5])
+    >>> state = loader.state_dict()
+    >>> {key: value for key, value in state.items() if key != "slots"}
+    {'version': 1, 'epoch': 0, 'epoch_done': False, 'world_size': 1, 'num_workers': 0,
+     'next_worker': {'0': 0}, 'batches': {'0': 1}}
+    >>> state["slots"]["0"]["source"]["remaining"]  # slot 0: the batch stage's state, its source's under "source"
+    [[1, 'b', 2], [0, 'a', 0]]
 
 ``batches`` counts what each slot has yielded in the epoch: with ``global_rng="batch"`` (the
 default) slot ``g``'s ``n``-th batch is pulled through the pipeline with the global RNGs seeded from

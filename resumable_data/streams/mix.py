@@ -20,11 +20,23 @@ in the restored epoch, also when the mix had found it exhausted: a restore marks
 and takes back the draw that found it ended. Every unread record of the epoch and every appended
 one is then drawn once, as from a source that grew without a mix around it.
 
-State: ``{"version": 2, "epoch", "seed", "weights", "draws", "exhausted": [bool, ...], "sources": [state, ...]}``:
-the per-source positions plus two small counters; ``"weights"`` is the fixed weights, the
-schedule's pieces, or None for a function (which a state cannot check). A record's key gets its
-source index inserted after the epoch, ``(epoch, source, *where)``, so records of different
-sources never share a key.
+State: the per-source positions (``"sources"``, one state per source) plus two small counters,
+the draws made and which sources are exhausted; ``"weights"`` is the fixed weights, the
+schedule's pieces, or None for a function (which a state cannot check)::
+
+    >>> from resumable_data.streams import ShardedIterable, mix
+    >>> records = {"code": [0, 1, 2], "prose": [10, 11, 12, 13]}
+    >>> def source(shard):
+    ...     return ShardedIterable([shard], read_shard=lambda shard, start: iter(records[shard][start:]))
+    >>> mixed = mix([source("code"), source("prose")], weights=[1, 3], seed=0)
+    >>> reading = iter(mixed)
+    >>> [next(reading) for _ in range(3)]
+    [0, 10, 1]
+    >>> {key: value for key, value in mixed.state_dict().items() if key != "sources"}
+    {'version': 2, 'epoch': 0, 'seed': 0, 'weights': [1.0, 3.0], 'draws': 3, 'exhausted': [False, False]}
+
+A record's key gets its source index inserted after the epoch, ``(epoch, source, *where)``, so
+records of different sources never share a key.
 """
 
 from __future__ import annotations

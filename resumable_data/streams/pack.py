@@ -6,20 +6,20 @@ it into consecutive windows; a record longer than a window spans several, and a 
 ends inside a record whose rest starts the next window.
 
 State: a position, never tokens. Between two windows the only tokens read but not handed out are
-the rest of the record the last window ended in, so the state is that record's key plus how many
-of its tokens were handed out::
+the rest of the record the last window ended in, so the state is that record's key (``carry``,
+``[epoch, shard, offset]``) and how many of its tokens were handed out (``carry_offsets``), with
+the source's state under ``"source"``::
 
-    {
-        "version": 2,
-        "epoch": 0,
-        "block_size": 2048,
-        "eos": 0,
-        "pad_id": None,
-        "boundaries": False,
-        "carry": [[epoch, shard, offset]],
-        "carry_offsets": [1500],
-        "source": {...},
-    }
+    >>> from resumable_data.streams import ShardedIterable
+    >>> documents = {"a": [[1, 2, 3], [4, 5]], "b": [[6, 7, 8, 9]]}
+    >>> def read(shard, start):
+    ...     return iter(documents[shard][start:])
+    >>> windows = ShardedIterable(["a", "b"], read_shard=read, shuffle=False).pack(5, eos=0)
+    >>> next(iter(windows)).tolist()  # [1, 2, 3], its eos, and 1 token of record 1 of shard "a"
+    [1, 2, 3, 0, 4]
+    >>> {key: value for key, value in windows.state_dict().items() if key != "source"}
+    {'version': 2, 'epoch': 0, 'block_size': 5, 'eos': 0, 'pad_id': None, 'boundaries': False,
+     'carry': [[0, 0, 1]], 'carry_offsets': [1]}
 
 A restore re-reads the carried record by key (:meth:`~Stream.fetch_many`, through the stages
 before ``pack``: a ``map`` tokenizer runs again on it) and goes on from its offset: one record,

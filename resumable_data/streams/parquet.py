@@ -23,11 +23,15 @@ from typing import IO, Any
 
 from ..core.state import check_int_arg
 from ..errors import ResumeError
+from ..storage.files import Remote, is_url
 
 __all__ = ["ParquetReader"]
 
 # Most rows converted to Python objects at a time: bounds the memory of the Python copy of a group.
 _CONVERT_ROWS = 1024
+# Read-ahead of a remote Parquet file: pyarrow asks for the footer and for whole column chunks, so
+# a larger block would only fetch bytes it does not ask for.
+_PARQUET_BLOCK = 1 << 20
 
 
 def _pyarrow_parquet() -> Any:
@@ -51,13 +55,16 @@ class ParquetReader:
     Args:
         columns: columns to read (all when None); only these are decoded.
         parse: applied to each row dict (e.g. to make tensors); the dict itself when None.
-        opener: ``opener(shard)`` returns a binary file object to read the shard from (e.g.
-            ``lambda url: fsspec.open(url, "rb").open()`` for remote storage); pyarrow opens the
-            path itself when None.
+        opener: ``opener(shard)`` returns a binary file object to read the shard from; when None,
+            a URL (``s3://bucket/train-0.parquet``) is opened through fsspec with
+            ``storage_options`` (the footer and each row group by ranged reads; the identity is
+            the object's size and ETag) and pyarrow opens a local path itself.
         cache_row_groups: decoded row groups kept (least recently used dropped first) for the
             single-row re-reads of a shuffle buffer's restore; set it to at least the number of
             row groups a buffer spans (about ``buffer size / rows per group + 1``) so each is
             decoded once. 0 disables the cache. Each entry holds one row group's columns in memory.
+        storage_options: for URLs, the filesystem's options as fsspec takes them (see
+            :mod:`resumable_data.storage`).
 
     Example::
 
@@ -74,6 +81,7 @@ class ParquetReader:
         parse: Callable[[dict[str, Any]], Any] | None = None,
         opener: Callable[[Any], IO[bytes]] | None = None,
         cache_row_groups: int = 4,
+        storage_options: dict[str, Any] | None = None,
     ) -> None:
         if isinstance(columns, str):
             raise TypeError(f"columns must be a list of column names, got the string {columns!r}; pass [{columns!r}]")
@@ -82,6 +90,8 @@ class ParquetReader:
             raise TypeError(f"parse must be callable, got {type(parse).__name__}")
         self.parse = parse
         self.opener = opener
+        self._remote = Remote(storage_options)
+        self.storage_options = self._remote.storage_options
         self.cache_row_groups = check_int_arg("cache_row_groups", cache_row_groups, minimum=0)
         self._cache: OrderedDict[tuple[Any, ...], Any] = OrderedDict()
         _pyarrow_parquet()  # fail at construction, not in a worker, when pyarrow is missing
@@ -99,8 +109,7 @@ class ParquetReader:
         name = str(shard)
         try:
             # Closed with close(force=True): the file is ours whether pyarrow or the opener opened it.
-            source = os.fspath(shard) if self.opener is None else self.opener(shard)
-            parquet = pq.ParquetFile(source)
+            parquet = pq.ParquetFile(self._source(shard))
         except FileNotFoundError as exc:
             raise ResumeError(f"parquet shard {name!r} is missing: {exc}") from exc
         except (OSError, ValueError) as exc:  # pyarrow's ArrowInvalid is a ValueError
@@ -115,12 +124,22 @@ class ParquetReader:
                 raise ResumeError(f"parquet shard {name!r} lacks the column(s) {missing}; its columns are {names}")
         return parquet
 
+    def _source(self, shard: Any) -> Any:
+        """What pyarrow reads the shard from: the opener's file, a remote file, or the local path."""
+        if self.opener is not None:
+            return self.opener(shard)
+        if is_url(shard):
+            return self._remote.open(shard, block_size=_PARQUET_BLOCK)
+        return os.fspath(shard)
+
     def identity(self, shard: Any) -> str:
         """``"size:digest"`` of the file's size and its footer (the row groups' sizes, offsets and
         statistics): what a restore already reads, and no byte of a row group. Through ``opener``
-        when given."""
+        when given; for a URL without one, the object's size and ETag (one HEAD request)."""
         name = str(shard)
         try:
+            if self.opener is None and is_url(shard):
+                return self._remote.identity(shard)
             with open(os.fspath(shard), "rb") if self.opener is None else self.opener(shard) as file:
                 size = file.seek(0, os.SEEK_END)
                 if size < 12:

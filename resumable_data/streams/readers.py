@@ -2,7 +2,8 @@
 
 Both raise :class:`~resumable_data.ResumeError` naming the shard and the offset when a shard is
 missing, or shorter than a saved cursor (truncated or replaced since the checkpoint), before
-yielding anything.
+yielding anything. Both read URLs (``s3://bucket/x.bin``, see :mod:`resumable_data.storage`): token
+windows by ranged reads, text lines by seeking in the remote file; local paths are read as files.
 """
 
 from __future__ import annotations
@@ -19,12 +20,19 @@ import torch
 
 from ..core.state import check_int_arg
 from ..errors import ResumeError
+from ..storage.files import Remote, is_url
 
 __all__ = ["TextLineReader", "TokenShardReader", "file_identity"]
 
 _EDGE = 4096  # bytes read at each end of a shard for its identity
 _MAPPED_SHARDS = 64  # token shards a reader keeps mapped
 _CHUNK = 32  # windows a reader makes at a time (see TokenShardReader._windows)
+# Remote token shards: windows closer than _GAP bytes are fetched in one ranged read, of at most
+# _RANGE bytes (a request costs a round trip; reading a small gap costs less than a second request).
+_GAP = 64 << 10
+_RANGE = 8 << 20
+_NPY_HEAD = 64 << 10  # bytes fetched to read a remote .npy header (numpy's are far smaller)
+_TEXT_BLOCK = 2 << 20  # read-ahead of a remote text file: a restore fetches one block, not the file
 
 
 def file_identity(file: BinaryIO) -> str:
@@ -43,37 +51,39 @@ def file_identity(file: BinaryIO) -> str:
     return f"{size}:{digest.hexdigest()}"
 
 
-def _path_identity(shard: Any, what: str) -> str:
-    path = os.fspath(shard)
+def _path_identity(shard: Any, what: str, remote: Remote) -> str:
+    """The identity of a local file (:func:`file_identity`) or of a remote object (size and ETag)."""
     try:
-        with open(path, "rb") as file:
+        if is_url(shard):
+            return remote.identity(shard)
+        with open(os.fspath(shard), "rb") as file:
             return file_identity(file)
     except FileNotFoundError as exc:
-        raise ResumeError(f"{what} shard {path!r} is missing: {exc}") from exc
+        raise ResumeError(f"{what} shard {str(shard)!r} is missing: {exc}") from exc
 
 
-def _npy_length(path: str, size: int) -> int | None:
-    """The length of the array in a ``.npy`` file of ``size`` bytes, from its header alone (None for
-    a format version other than 1.0 and 2.0, which numpy writes only for exotic dtypes).
+def _npy_header(file: BinaryIO, size: int) -> tuple[int, int, np.dtype] | None:
+    """Where the data of the ``.npy`` file of ``size`` bytes starts, its length and dtype, from its
+    header alone (None for a format version other than 1.0 and 2.0, which numpy writes only for
+    exotic dtypes).
 
     Raises:
         ValueError: the header is not one numpy reads, or the data is shorter than it says.
     """
-    with open(path, "rb") as file:
-        version = np.lib.format.read_magic(file)
-        if version == (1, 0):
-            shape, _, dtype = np.lib.format.read_array_header_1_0(file)
-        elif version == (2, 0):
-            shape, _, dtype = np.lib.format.read_array_header_2_0(file)
-        else:
-            return None
-        data = file.tell()
+    version = np.lib.format.read_magic(file)
+    if version == (1, 0):
+        shape, _, dtype = np.lib.format.read_array_header_1_0(file)
+    elif version == (2, 0):
+        shape, _, dtype = np.lib.format.read_array_header_2_0(file)
+    else:
+        return None
+    data = file.tell()
     if not shape:
         raise ValueError("it holds a 0-d array, not a sequence of tokens")
     needed = data + int(np.prod(shape)) * dtype.itemsize
     if size < needed:
         raise ValueError(f"its header needs {needed} bytes, the file holds {size}")
-    return int(shape[0])
+    return data, int(shape[0]), dtype
 
 
 class TokenShardReader:
@@ -81,12 +91,19 @@ class TokenShardReader:
 
     Record ``i`` of a shard is ``tokens[i * stride : i * stride + window]`` as an int64 tensor; a
     tail shorter than ``window`` is not a record. Seeking to record ``i`` is a slice of the memmap:
-    O(1), and only the pages of the records actually read are touched.
+    O(1), and only the pages of the records actually read are touched. A shard named by a URL
+    (``s3://bucket/x.bin``) is read by ranged requests instead: a window is one byte range, records
+    read in order come a few MiB per request, and neighbouring offsets of :meth:`read_records`
+    share one request; its count comes from the object's size (and a ``.npy`` header), its
+    identity from its size and ETag.
 
     Args:
         window: tokens per record (e.g. ``block_size + 1`` for next-token targets).
         stride: tokens between record starts (default ``window``: non-overlapping windows).
         dtype: element type of raw ``.bin`` files (``.npy`` files carry their own).
+        storage_options: for URLs, the filesystem's options as fsspec takes them (credentials,
+            ``{"client_kwargs": {"endpoint_url": ...}}`` for an S3-compatible server); see
+            :mod:`resumable_data.storage`.
 
     Example::
 
@@ -95,10 +112,19 @@ class TokenShardReader:
         window = next(iter(stream))  # torch.int64 tensor of 1025 tokens
     """
 
-    def __init__(self, window: int, *, stride: int | None = None, dtype: Any = np.uint16) -> None:
+    def __init__(
+        self,
+        window: int,
+        *,
+        stride: int | None = None,
+        dtype: Any = np.uint16,
+        storage_options: dict[str, Any] | None = None,
+    ) -> None:
         self.window = check_int_arg("window", window, minimum=1)
         self.stride = window if stride is None else check_int_arg("stride", stride, minimum=1)
         self.dtype = np.dtype(dtype)
+        self._remote = Remote(storage_options)
+        self.storage_options = self._remote.storage_options
         self._mapped: OrderedDict[tuple[str, int, int], np.ndarray] = OrderedDict()
 
     def __getstate__(self) -> dict[str, Any]:
@@ -151,41 +177,80 @@ class TokenShardReader:
         What a :class:`ShardedIterable` asks of every shard when it is built, so it costs one
         ``stat`` per raw shard; the checks are those of mapping it (:meth:`tokens`).
         """
+        if is_url(shard):
+            return self._count(self._remote_layout(shard)[1])
         path = os.fspath(shard)
         try:
             size = os.stat(path).st_size
             if path.endswith(".npy"):
-                length = _npy_length(path, size)
-                return self._count(len(self.tokens(shard)) if length is None else length)
+                with open(path, "rb") as file:
+                    header = _npy_header(file, size)
+                return self._count(len(self.tokens(shard)) if header is None else header[1])
         except FileNotFoundError as exc:
             raise ResumeError(f"token shard {path!r} is missing: {exc}") from exc
         except ResumeError:
             raise
         except ValueError as exc:  # a header numpy cannot read, as np.load would refuse it
             raise ResumeError(f"token shard {path!r} is unreadable or truncated: {exc}") from exc
-        if size % self.dtype.itemsize:
-            raise ResumeError(
-                f"token shard {path!r} holds {size} bytes, not a multiple of {self.dtype.itemsize} "
-                f"({self.dtype}): it is truncated or written with another dtype"
-            )
+        self._check_size(path, size)
         return self._count(size // self.dtype.itemsize)
 
+    def _check_size(self, name: str, size: int) -> None:
+        if size % self.dtype.itemsize:
+            raise ResumeError(
+                f"token shard {name!r} holds {size} bytes, not a multiple of {self.dtype.itemsize} "
+                f"({self.dtype}): it is truncated or written with another dtype"
+            )
+
+    def _remote_layout(self, url: str) -> tuple[int, int, np.dtype]:
+        """Where a remote shard's tokens start, how many it holds and their dtype: one HEAD request,
+        and for a ``.npy`` file one ranged read of its header."""
+        try:
+            size, _ = self._remote.size_and_tag(url)
+            if not url.endswith(".npy"):
+                self._check_size(url, size)
+                return 0, size // self.dtype.itemsize, self.dtype
+            with self._remote.open(url, block_size=_NPY_HEAD) as file:
+                header = _npy_header(file, size)
+        except FileNotFoundError as exc:
+            raise ResumeError(f"token shard {url!r} is missing: {exc}") from exc
+        except ValueError as exc:
+            raise ResumeError(f"token shard {url!r} is unreadable or truncated: {exc}") from exc
+        if header is None:
+            raise ResumeError(
+                f"token shard {url!r} is a .npy file of a format version other than 1.0 or 2.0, which is read "
+                "only from a local path; write it with np.save of a plain integer array"
+            )
+        return header
+
     def identity(self, shard: Any) -> str:
-        """The shard's size and a digest of its first and last bytes (see :func:`file_identity`)."""
-        return _path_identity(shard, "token")
+        """The shard's size and a digest of its first and last bytes (see :func:`file_identity`), or for
+        a URL its size and ETag."""
+        return _path_identity(shard, "token", self._remote)
+
+    def count_windows(self, n_tokens: int) -> int:
+        """Records in a shard of ``n_tokens`` tokens: how an index file's token counts give the sizes
+        (:meth:`ShardedIterable.from_index`) without opening a shard."""
+        return self._count(n_tokens)
 
     def _count(self, n_tokens: int) -> int:
         return 0 if n_tokens < self.window else (n_tokens - self.window) // self.stride + 1
 
     def __call__(self, shard: Any, start: int) -> Iterator[torch.Tensor]:
         """Windows from record offset ``start``."""
-        tokens = self.tokens(shard)
-        n = self._count(len(tokens))
+        if is_url(shard):
+            base, n_tokens, dtype = self._remote_layout(shard)
+            n = self._count(n_tokens)
+        else:
+            tokens = self.tokens(shard)
+            n = self._count(len(tokens))
         if start > n:
             raise ResumeError(
-                f"token shard {os.fspath(shard)!r} has {n} windows but the cursor is at offset {start}: "
+                f"token shard {str(shard)!r} has {n} windows but the cursor is at offset {start}: "
                 "the shard is shorter than when the checkpoint was written (truncated or replaced?)"
             )
+        if is_url(shard):
+            return self._remote_windows(shard, base, dtype, range(start, n))
         return self._windows(tokens.view(np.ndarray), range(start, n))
 
     def read_records(self, shard: Any, offsets: Sequence[int]) -> list[torch.Tensor]:
@@ -195,15 +260,49 @@ class TokenShardReader:
         open and one slice each, not one open each. Each window gets its own tensor storage, as
         from :meth:`__call__`.
         """
+        if is_url(shard):
+            base, n_tokens, dtype = self._remote_layout(shard)
+            self._check_offsets(shard, self._count(n_tokens), offsets)
+            runs = list(self._runs(offsets, dtype.itemsize))
+            return list(self._run_windows(shard, base, dtype, runs))
         tokens = self.tokens(shard)
-        n = self._count(len(tokens))
+        self._check_offsets(shard, self._count(len(tokens)), offsets)
+        return list(self._windows(tokens.view(np.ndarray), offsets))
+
+    @staticmethod
+    def _check_offsets(shard: Any, n: int, offsets: Sequence[int]) -> None:
         if offsets and (offsets[0] < 0 or offsets[-1] >= n):
             bad = offsets[-1] if offsets[-1] >= n else offsets[0]
             raise ResumeError(
-                f"token shard {os.fspath(shard)!r} has {n} windows but the checkpoint needs the one at "
+                f"token shard {str(shard)!r} has {n} windows but the checkpoint needs the one at "
                 f"offset {bad}: the shard is shorter than when the checkpoint was written (truncated or replaced?)"
             )
-        return list(self._windows(tokens.view(np.ndarray), offsets))
+
+    def _runs(self, offsets: Iterable[int], itemsize: int) -> Iterator[list[int]]:
+        """Ascending record offsets grouped into runs that one ranged read fetches: windows less than
+        ``_GAP`` bytes apart, at most ``_RANGE`` bytes a run."""
+        step, span = self.stride * itemsize, self.window * itemsize
+        run: list[int] = []
+        for offset in offsets:
+            if run and ((offset - run[-1]) * step - span > _GAP or (offset - run[0]) * step + span > _RANGE):
+                yield run
+                run = []
+            run.append(offset)
+        if run:
+            yield run
+
+    def _run_windows(self, url: str, base: int, dtype: np.dtype, runs: list[list[int]]) -> Iterator[torch.Tensor]:
+        """The windows of ``runs``, each run fetched by one ranged read (all of them concurrently)."""
+        step, span = self.stride * dtype.itemsize, self.window * dtype.itemsize
+        starts = [base + run[0] * step for run in runs]
+        blocks = self._remote.read_ranges(url, starts, [base + run[-1] * step + span for run in runs])
+        for run, block in zip(runs, blocks, strict=True):
+            yield from self._windows(np.frombuffer(block, dtype=dtype), [offset - run[0] for offset in run])
+
+    def _remote_windows(self, url: str, base: int, dtype: np.dtype, offsets: range) -> Iterator[torch.Tensor]:
+        """Windows at ``offsets`` in order, a run (a few MiB) per request as the iteration reaches it."""
+        for run in self._runs(offsets, dtype.itemsize):
+            yield from self._run_windows(url, base, dtype, [run])
 
     def _windows(self, tokens: np.ndarray, offsets: Iterable[int]) -> Iterator[torch.Tensor]:
         # ``tokens`` is a plain ndarray view of the memmap: slicing the np.memmap subclass itself
@@ -224,11 +323,14 @@ class TextLineReader:
 
     Each line (without its newline) is decoded and passed to ``parse`` (e.g. ``json.loads``).
     Offsets are bytes: a restore checks that the saved offset is at a line start of the file and
-    ``seek``\\ s there.
+    ``seek``\\ s there. A shard named by a URL is read through a seekable fsspec file (ranged
+    requests of a few MiB each), so a restore fetches the block it seeks to, not the file.
 
     Args:
         parse: applied to each decoded line; the line string itself when None.
         encoding: text encoding of the file.
+        storage_options: for URLs, the filesystem's options as fsspec takes them (see
+            :mod:`resumable_data.storage`).
 
     Example::
 
@@ -236,17 +338,26 @@ class TextLineReader:
         stream.state_dict()["remaining"]  # [[shard index, name, byte offset], ...]
     """
 
-    def __init__(self, parse: Callable[[str], Any] | None = None, *, encoding: str = "utf-8") -> None:
+    def __init__(
+        self,
+        parse: Callable[[str], Any] | None = None,
+        *,
+        encoding: str = "utf-8",
+        storage_options: dict[str, Any] | None = None,
+    ) -> None:
         self.parse = parse
         self.encoding = encoding
+        self._remote = Remote(storage_options)
+        self.storage_options = self._remote.storage_options
 
     def identity(self, shard: Any) -> str:
-        """The file's size and a digest of its first and last bytes (see :func:`file_identity`)."""
-        return _path_identity(shard, "text")
+        """The file's size and a digest of its first and last bytes (see :func:`file_identity`), or for
+        a URL its size and ETag."""
+        return _path_identity(shard, "text", self._remote)
 
     def read_from(self, shard: Any, start: int) -> Iterator[tuple[int, Any]]:
         """``(byte offset after the line, parsed line)`` from byte offset ``start``."""
-        path = os.fspath(shard)
+        path = str(shard) if is_url(shard) else os.fspath(shard)
         with self._open(path, start) as file:
             self._seek_line(file, path, start)
             offset = start
@@ -259,7 +370,7 @@ class TextLineReader:
 
         What a shuffle buffer's restore calls; consecutive lines are read without seeking.
         """
-        path = os.fspath(shard)
+        path = str(shard) if is_url(shard) else os.fspath(shard)
         if not offsets:
             return []
         records = []
@@ -278,10 +389,9 @@ class TextLineReader:
                 records.append(self._decode(line))
         return records
 
-    @staticmethod
-    def _open(path: str, start: int) -> BinaryIO:
+    def _open(self, path: str, start: int) -> BinaryIO:
         try:
-            return open(path, "rb")
+            return self._remote.open(path, block_size=_TEXT_BLOCK) if is_url(path) else open(path, "rb")
         except FileNotFoundError as exc:
             raise ResumeError(f"text shard {path!r} is missing (cursor at byte {start}): {exc}") from exc
 
@@ -289,7 +399,7 @@ class TextLineReader:
     def _seek_line(file: BinaryIO, path: str, start: int) -> None:
         """Seek to byte ``start``, refusing one past the end or inside a line. The end of the file is
         a line start even when its last line has no newline: it is where reading that line left off."""
-        size = os.fstat(file.fileno()).st_size
+        size = file.seek(0, os.SEEK_END)  # a local file's or a remote object's size
         if start > size:
             raise ResumeError(
                 f"text shard {path!r} has {size} bytes but the cursor is at byte {start}: "

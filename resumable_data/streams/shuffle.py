@@ -5,9 +5,23 @@ buffered one chosen at random and put the new one in its place; drain the buffer
 Choice number ``d`` of epoch ``e`` is ``hash_ints(seed, e, d) % len(buffer)``: a pure function of
 the state, so no RNG state needs saving.
 
-State: ``{"version": 2, "epoch", "seed", "size", "draws", "buffer": [[key...], ...], "source": {...}}``. On restore
-the buffered records are re-read by key into the same buffer slots, so the stream continues
-bitwise identically.
+State: the draws made and the buffered records' keys (``[epoch, shard, offset]``), in buffer
+order, with the source's state under ``"source"``. A buffer of 2 over two shards held in memory,
+three records handed out::
+
+    >>> from resumable_data.streams import ShardedIterable
+    >>> records = {"a": [0, 1, 2, 3], "b": [4, 5, 6]}
+    >>> def read(shard, start):
+    ...     return iter(records[shard][start:])
+    >>> stream = ShardedIterable(["a", "b"], read_shard=read, seed=0).shuffle_buffer(2, seed=0)
+    >>> reading = iter(stream)
+    >>> [next(reading) for _ in range(3)]
+    [4, 5, 0]
+    >>> {key: value for key, value in stream.state_dict().items() if key != "source"}
+    {'version': 2, 'epoch': 0, 'seed': 0, 'size': 2, 'draws': 3, 'buffer': [[0, 1, 2], [0, 0, 1]]}
+
+On restore the buffered records (here record 2 of shard "b", record 1 of shard "a") are re-read by
+key into the same buffer slots, so the stream continues bitwise identically.
 
 Shard identities. A source keeps a shard's identity in its state while it reads the shard; the
 buffer may still hold records of a shard the source has finished. It counts its records by shard

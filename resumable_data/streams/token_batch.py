@@ -218,9 +218,22 @@ class BucketedBatchByTokens(BatchByTokens):
     window), epoch)`` (so lengths do not rise through each window). Sorting packs a padded batch
     with little padding.
 
-    State: ``{..., "bucket", "seed", "window": windows begun this epoch, "count": batches of the
-    open window (0: none open), "taken": those handed out, "records": the open window's records,
-    "source": the source's state at the open window's start}``. A restore re-reads that one window
+    State: the fields above plus ``"bucket"``, ``"seed"``, ``"window"``: windows begun this epoch,
+    ``"count"``: batches of the open window (0: none open), ``"taken"``: those handed out,
+    ``"records"``: the open window's records, and under ``"source"`` the source's state at the open
+    window's start::
+
+        >>> from resumable_data.streams import ShardedIterable
+        >>> documents = {"a": [[1, 2, 3], [4, 5], [6], [7, 8]]}
+        >>> source = ShardedIterable(["a"], read_shard=lambda shard, start: iter(documents[shard][start:]))
+        >>> stream = source.batch_by_tokens(4, bucket=3, seed=0)
+        >>> next(iter(stream))  # the window's 3 records sorted by length, in 2 batches
+        [[6], [4, 5]]
+        >>> {key: value for key, value in stream.state_dict().items() if key != "source"}
+        {'version': 2, 'epoch': 0, 'max_tokens': 4, 'padded': False, 'oversized': 'error', 'bucket': 3,
+         'seed': 0, 'window': 1, 'count': 2, 'taken': 1, 'records': 3}
+
+    A restore re-reads that one window
     (its ``records``, at most ``bucket``: the epoch's last window is shorter, and a source grown
     since with ``growth="append"`` has more records after it) and plans it again. A layout change
     is refused while a window is open (the state must be taken between windows), as for

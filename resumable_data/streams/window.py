@@ -21,9 +21,23 @@ Three ways to read a window, chosen per window:
   from the source into memory; the state holds the source's state at the window's start, and a
   restore re-reads that one window.
 
-State: ``{"version": 2, "epoch", "seed", "size", "window": windows begun this epoch, "count":
-records in the open window (0: none open), "taken": records of it handed out, "positional": how it
-is read, "source": {...}}``. A layout change (another ``num_workers`` or world size) is exact for
+State: ``"window"``: windows begun this epoch, ``"count"``: records in the open window (0: none
+open), ``"taken"``: records of it handed out, ``"positional"``: whether it is read by position,
+and the source's state under ``"source"``. Two shards of known sizes, a window of 3 records of
+which 2 were handed out::
+
+    >>> from resumable_data.streams import ShardedIterable
+    >>> records = {"a": [0, 1, 2, 3], "b": [4, 5, 6]}
+    >>> def read(shard, start):
+    ...     return iter(records[shard][start:])
+    >>> stream = ShardedIterable(["a", "b"], read_shard=read, seed=0, sizes=[4, 3]).shuffle_window(3, seed=0)
+    >>> reading = iter(stream)
+    >>> [next(reading) for _ in range(2)]
+    [4, 5]
+    >>> {key: value for key, value in stream.state_dict().items() if key != "source"}
+    {'version': 2, 'epoch': 0, 'seed': 0, 'size': 3, 'window': 1, 'count': 3, 'taken': 2, 'positional': True}
+
+A layout change (another ``num_workers`` or world size) is exact for
 windows read by position: the open window's records not handed out yet go back to the sources as
 pending records, which each new slot reads first, as windows of their own (by pending keys), and
 then its dealt shards by position again. Such a window of pending records is split the same way at

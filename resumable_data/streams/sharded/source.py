@@ -6,6 +6,7 @@ the key checks and the layout change live in the sibling modules.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -14,9 +15,11 @@ import numpy as np
 from ...core.growth import APPEND, ERROR, check_growth
 from ...core.state import check_int_arg, require_int
 from ...errors import ResumeError
+from ...storage.files import expand_shards
 from ..base import EPOCH, Key, Slot, Stream, fetch_grouped
 from ..pending import NO_RECORDS, record_keys
 from ..positional import Positional
+from ..shard_index import ShardIndex
 from .checks import Reads, key_check, keys_check
 from .keys import DEALT, IDENTITIES, NUM_SHARDS, NUM_SLOTS, PENDING, POSITION, REMAINING, SLOT, WHAT
 from .layout import NO_CURSOR, Dealt, Layout
@@ -32,9 +35,12 @@ class ShardedIterable(Stream):
     """Records of many shards, shard order shuffled per epoch, restorable in O(1) per shard.
 
     Args:
-        shards: paths or any keys, one per shard; ``str(shard)`` names it in the state and in
-            errors. The list (and its order) must be the same when resuming, so if the data may
-            move to another mount point, pass paths relative to a root that ``read_shard`` joins.
+        shards: paths, URLs (``s3://bucket/prefix/x.bin``; see :mod:`resumable_data.storage`) or
+            any keys, one per shard; ``str(shard)`` names it in the state and in errors. One string
+            with a glob character (``"s3://bucket/tokens/*.bin"``, ``"data/*.jsonl"``) stands for
+            the files it matches, in sorted order. The list (and its order) must be the same when
+            resuming, so if the data may move to another mount point, pass paths relative to a
+            root that ``read_shard`` joins.
         read_shard: ``read_shard(shard, start)`` returns an iterator over the shard's records from
             record offset ``start``. A reader with a ``read_from(shard, start)`` method yielding
             ``(next offset, record)`` pairs keeps its own offsets instead (byte offsets for
@@ -69,6 +75,9 @@ class ShardedIterable(Stream):
             checkpoint's shards and reads the new ones from the next epoch; ``"append"`` deals the
             new shards, shuffled, to the slots after the shards they still have, so they are read
             in the rest of this epoch. Shards removed, renamed or reordered are always refused.
+        storage_options: fsspec's options for listing a URL pattern in ``shards`` (credentials, an
+            endpoint); by default the reader's ``storage_options`` (the ready-made readers take
+            them for reading).
 
     Example:
         With files, ``shards`` is e.g. ``sorted(glob("data/*.bin"))`` and ``read_shard`` a
@@ -95,7 +104,7 @@ class ShardedIterable(Stream):
 
     def __init__(
         self,
-        shards: Iterable[Any],
+        shards: Iterable[Any] | str,
         *,
         read_shard: Callable[[Any, int], Iterator[Any]],
         shuffle: bool = True,
@@ -103,9 +112,12 @@ class ShardedIterable(Stream):
         sizes: Sequence[int] | str | None = None,
         allow_changed_shards: bool = False,
         growth: str = ERROR,
+        storage_options: dict[str, Any] | None = None,
     ) -> None:
         super().__init__()
-        self.shards = list(shards)
+        if storage_options is None:
+            storage_options = getattr(read_shard, "storage_options", None)
+        self.shards = expand_shards(shards, storage_options)
         if not self.shards:
             raise ResumeError("ShardedIterable needs at least one shard, but got an empty shard list")
         if not callable(read_shard) and not hasattr(read_shard, "read_from"):
@@ -141,6 +153,36 @@ class ShardedIterable(Stream):
         # [shard index, offset] rows (streams.pending), read-only: handed out from the top as slices.
         self._pending: np.ndarray = NO_RECORDS
         self.reset(0, None)
+
+    @classmethod
+    def from_index(
+        cls,
+        index: str | os.PathLike[str] | ShardIndex,
+        *,
+        read_shard: Any,
+        storage_options: Mapping[str, Any] | None = None,
+        **kwargs: Any,
+    ) -> ShardedIterable:
+        """The shards an index file lists (as :func:`~resumable_data.streams.write_token_shards` writes
+        it), with their sizes from its token counts: no shard is opened here, and the state is a
+        position, as with counted sizes (see ``sizes``).
+
+        Args:
+            index: the index file, its folder, a URL (through fsspec), or a loaded :class:`ShardIndex`.
+            read_shard: a :class:`TokenShardReader` (its window and stride turn token counts into
+                record counts; for ``.bin`` shards its dtype must be the index's).
+            storage_options: passed to fsspec to read an index at a URL.
+            **kwargs: the other arguments of ShardedIterable (``seed``, ``shuffle``, ``growth``, ...).
+
+        Raises:
+            ResumeError: the index is missing or malformed, or does not fit the reader.
+
+        Example::
+
+            stream = ShardedIterable.from_index("tokens/", read_shard=TokenShardReader(1025), seed=0)
+        """
+        loaded = ShardIndex.load(index, storage_options=storage_options)
+        return cls(loaded.locations, read_shard=read_shard, sizes=loaded.records(read_shard), **kwargs)
 
     # -- order and reading ---------------------------------------------------------------------
     def shard_order(self, epoch: int) -> list[int]:

@@ -1,0 +1,168 @@
+"""Shards addressed by URL: which names are URLs, listing a glob, sizes and identities, ranged reads.
+
+A shard named ``scheme://...`` (``s3://``, ``gs://``, ``az://``, ``https://``, ``file://``) is read
+through fsspec, the convention Hugging Face datasets, pyarrow and pandas share: s3fs for ``s3://``
+(and S3-compatible servers via ``storage_options={"client_kwargs": {"endpoint_url": ...}}``),
+gcsfs for ``gs://``, adlfs for ``az://``, aiohttp for ``http(s)://``. Credentials come the way
+those libraries take them (environment, profiles, ``storage_options=``). Any other name is a local
+path, and the readers keep their local code paths (memmap, ``open``) for it.
+
+Retries are the client's own, configured here rather than repeated: for ``s3://`` botocore retries
+throttling (503 SlowDown), 5xx and connection errors in its ``standard`` mode with exponential
+backoff, and s3fs retries interrupted bodies and SlowDown a bounded number of times on top. The
+connect and read timeouts bound each attempt, so a dead server is an error, never a hang. Once
+the retries are spent a read raises :class:`StorageError` naming the URL, the time spent and the
+cause; a missing object stays a :class:`FileNotFoundError` (the readers name the shard).
+"""
+
+from __future__ import annotations
+
+import glob as local_glob
+import hashlib
+import os
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from typing import Any, BinaryIO
+
+__all__ = ["GLOB_CHARS", "S3_DEFAULTS", "Remote", "StorageError", "expand_shards", "is_url"]
+
+GLOB_CHARS = "*?["
+# botocore's client settings for s3:// unless storage_options' config_kwargs says otherwise: bounded
+# attempts (standard mode: 503/5xx/throttling/connection errors, exponential backoff with jitter)
+# and timeouts on each attempt, so that a fault ends in an error within about a minute.
+S3_DEFAULTS: dict[str, Any] = {
+    "connect_timeout": 10,
+    "read_timeout": 30,
+    "retries": {"mode": "standard", "max_attempts": 4},
+}
+_EDGE = 4096  # bytes read at each end of an object without an ETag, for its identity
+
+
+class StorageError(OSError):
+    """A remote shard could not be read once the storage client's retries were spent (or it refused
+    the credentials): the message names the URL, the operation, the time spent and the cause."""
+
+
+def is_url(shard: Any) -> bool:
+    """Whether ``shard`` names a remote object (a string with a ``scheme://``), not a local path."""
+    return isinstance(shard, str) and "://" in shard
+
+
+def _fsspec() -> Any:
+    """Import fsspec on first use: the library reads local files without it."""
+    try:
+        import fsspec
+    except ImportError as exc:  # pragma: no cover - exercised only without the extra
+        raise ImportError(
+            "reading shards by URL needs fsspec (and s3fs for s3://, gcsfs for gs://, adlfs for az://): "
+            "pip install 'resumable-data[remote]'"
+        ) from exc
+    return fsspec
+
+
+class Remote:
+    """Reads objects by URL with ``storage_options`` (as fsspec takes them, e.g. ``{"anon": True}``
+    or ``{"client_kwargs": {"endpoint_url": "http://127.0.0.1:9000"}}``).
+
+    Holds only the options: fsspec keeps (and, after a fork, renews) the filesystem instances, so a
+    reader carrying one pickles to worker processes as plain data.
+    """
+
+    def __init__(self, storage_options: Mapping[str, Any] | None = None) -> None:
+        if storage_options is not None and not isinstance(storage_options, Mapping):
+            raise TypeError(f"storage_options must be a dict, got {type(storage_options).__name__}")
+        self.storage_options = dict(storage_options or {})
+
+    def resolve(self, url: str) -> tuple[Any, str]:
+        """The fsspec filesystem for ``url`` and the path within it."""
+        options = self.storage_options
+        if url.split("://", 1)[0] in ("s3", "s3a"):
+            config = {**S3_DEFAULTS, **options.get("config_kwargs", {})}
+            options = {**options, "config_kwargs": config}
+        try:
+            return _fsspec().core.url_to_fs(url, **options)
+        except ImportError as exc:
+            raise ImportError(f"cannot read {url!r}: {exc} (pip install 'resumable-data[remote]')") from exc
+
+    @contextmanager
+    def _failing(self, url: str, what: str) -> Iterator[None]:
+        """Turn a failure of the storage client into a :class:`StorageError` naming ``url``.
+
+        Every exception is the client's last word once its retries are spent (botocore and aiohttp
+        raise types of their own, not only OSError); a missing object stays a FileNotFoundError.
+        """
+        started = time.monotonic()
+        try:
+            yield
+        except FileNotFoundError:
+            raise
+        except Exception as exc:
+            raise StorageError(
+                f"{what} {url!r} failed after {time.monotonic() - started:.1f} s: {type(exc).__name__}: {exc}"
+            ) from exc
+
+    def size_and_tag(self, url: str) -> tuple[int, str | None]:
+        """The object's size in bytes and its ETag (None where the server gives none), asked now."""
+        fs, path = self.resolve(url)
+        with self._failing(url, "reading the size of"):
+            fs.invalidate_cache(path)  # a listing cached by a glob may predate a rewrite
+            info = fs.info(path)
+        tag = info.get("ETag", info.get("etag"))
+        return int(info["size"]), None if tag is None else str(tag).strip('"')
+
+    def identity(self, url: str) -> str:
+        """``"size:etag"`` of the object (a rewrite changes its ETag), or, where the server gives no
+        ETag, ``"size:digest"`` of its first and last 4 KiB as for a local file."""
+        size, tag = self.size_and_tag(url)
+        if tag is not None:
+            return f"{size}:{tag}"
+        starts = [0] if size <= _EDGE else [0, max(_EDGE, size - _EDGE)]
+        edges = self.read_ranges(url, starts, [min(size, s + _EDGE) for s in starts])
+        return f"{size}:{hashlib.blake2b(b''.join(edges), digest_size=8).hexdigest()}"
+
+    def read_ranges(self, url: str, starts: Sequence[int], ends: Sequence[int]) -> list[bytes]:
+        """The bytes ``[start, end)`` of each range, requested concurrently; a short range (the object
+        shrank) is a StorageError."""
+        fs, path = self.resolve(url)
+        with self._failing(url, "a ranged read of"):
+            blocks = fs.cat_ranges([path] * len(starts), list(starts), list(ends), on_error="raise")
+        for start, end, block in zip(starts, ends, blocks, strict=True):
+            if len(block) != end - start:
+                raise StorageError(
+                    f"a ranged read of {url!r} returned {len(block)} bytes for [{start}, {end}): the object is "
+                    "shorter than its size said (rewritten during the read?)"
+                )
+        return list(blocks)
+
+    def open(self, url: str, **kwargs: Any) -> BinaryIO:
+        """A seekable binary file object on the object (reads by ranged requests, read-ahead cached)."""
+        fs, path = self.resolve(url)
+        with self._failing(url, "opening"):
+            return fs.open(path, "rb", **kwargs)
+
+    def glob(self, pattern: str) -> list[str]:
+        """The URLs matching ``pattern``, sorted: the listing order of a store is not an order to rely on."""
+        fs, path = self.resolve(pattern)
+        with self._failing(pattern, "listing"):
+            return sorted(fs.unstrip_protocol(p) for p in fs.glob(path))
+
+
+def expand_shards(shards: Any, storage_options: Mapping[str, Any] | None = None) -> list[Any]:
+    """The shard list ``ShardedIterable(shards)`` reads: one string with a glob character (``*?[``) is
+    expanded (a local pattern by :mod:`glob`, a URL by its filesystem) in sorted order, any other
+    string is one shard, and any other iterable is listed as it is.
+
+    Raises:
+        FileNotFoundError: the pattern matches nothing.
+    """
+    if isinstance(shards, os.PathLike):
+        shards = os.fspath(shards)
+    if not isinstance(shards, str):
+        return list(shards)
+    if not any(c in shards for c in GLOB_CHARS):
+        return [shards]
+    matched = Remote(storage_options).glob(shards) if is_url(shards) else sorted(local_glob.glob(shards))
+    if not matched:
+        raise FileNotFoundError(f"the shard pattern {shards!r} matches no file")
+    return matched
