@@ -13,8 +13,9 @@ the workers' start-up.
 The CPU time is the main process's (with workers: what the restore and warm start cost it), a
 figure that other jobs on the machine inflate less than the wall time. Timings are medians over
 rounds that interleave the cases, with min-max; the garbage collector runs before each restore, so
-one that runs during it is due to the restore's own allocations (a layout change builds lists of
-thousands of pending records, and a full collection costs tens of ms). Each case is also checked
+one that runs during it is due to the restore's own allocations (a layout change hands the new
+slots thousands of pending records: built as lists several times, they set off a full collection,
+tens of ms; the source keeps them as an array). Each case is also checked
 once: the records before the state plus the rest of the epoch after the restore are every record
 of the epoch exactly once.
 

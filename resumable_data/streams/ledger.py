@@ -67,11 +67,11 @@ class SlotLedger:
         self._pickled_states: bytes | None = None
 
     def reset(self, states: list[dict[str, Any]], yielded: list[int], next_worker: int) -> None:
-        """Start from these slot states (an epoch's start, a restore), held by the pipeline for the
-        last slot (the one whose state it made or applied last)."""
+        """Start from these slot states (an epoch's start, a restore), the pipeline holding the
+        state of slot ``next_worker`` (the caller makes or applies that one last)."""
         self.states, self.yielded, self.next_worker = states, yielded, next_worker
         self._last = None
-        self.holds = len(states) - 1
+        self.holds = next_worker
         self._drop_deltas(0)
 
     @property

@@ -205,10 +205,10 @@ class StreamLoader:
         return self.world_size * self._local
 
     def _start_epoch(self, epoch: int) -> None:
-        states = []
-        for local in range(self._local):
+        states: list[dict[str, Any]] = [{}] * self._local
+        for local in _ending_with(0, self._local):
             self._stream.reset(epoch, (self.rank * self._local + local, self.num_slots))
-            states.append(self._stream.state_dict())
+            states[local] = self._stream.state_dict()
         self._ledger.reset(states, [0] * self._local, 0)
         self._fresh = True
 
@@ -260,8 +260,11 @@ class StreamLoader:
             local = ledger.next_worker
             # The worker for this slot will load the state after this batch, never this pipeline.
             seeding = self._seeding(epoch)
+            # The pipeline holds the next slot's state after a restore or an epoch start (they make
+            # it last): the warm batch then needs no second check of that state.
+            load = holds != local
             first = next(
-                slot_batches(self._stream, local, ledger.states[local], ledger.yielded[local], seeding, load=True),
+                slot_batches(self._stream, local, ledger.states[local], ledger.yielded[local], seeding, load=load),
                 None,
             )
             if first is not None:
@@ -387,10 +390,11 @@ class StreamLoader:
                 )
         # Keep each slot as the pipeline's own state_dict() after applying it: plain, normalized
         # data that shares nothing with the caller's dict (and drops unknown keys).
-        states = []
-        for apply in applies:
-            apply()
-            states.append(self._stream.state_dict())
+        # The next slot's state applied last, so that the pipeline holds it (see SlotLedger.reset).
+        states: list[dict[str, Any]] = [{}] * self._local
+        for local in _ending_with(next_worker, self._local):
+            applies[local]()
+            states[local] = self._stream.state_dict()
         self._ledger.reset(states, yielded, next_worker)
         self._fresh = False
         self._cursor.restore(epoch, 0, epoch_done)
@@ -431,6 +435,11 @@ class StreamLoader:
             merged[EPOCH_DONE] = merged[EPOCH_DONE] and require_bool(state, EPOCH_DONE, _WHAT)
         _check_same_pipeline(slot_states(merged, SLOTS, _max_slots(merged), _WHAT), max(1, merged[NUM_WORKERS]))
         return merged
+
+
+def _ending_with(last: int, count: int) -> list[int]:
+    """``range(count)`` rotated to end with ``last``."""
+    return [(last + 1 + i) % count for i in range(count)]
 
 
 def _max_slots(state: Mapping[str, Any]) -> int:

@@ -309,6 +309,45 @@ def test_warm_start_serves_a_passs_first_batch_from_the_main_process(warm_start:
     assert sorted(ids([b[0] for b in batches + rest])) == shards.all_records()
 
 
+class _CountedChecks(ShardedIterable):
+    """A source that counts the states it checks in this process (workers count in their copies)."""
+
+    checks = 0
+
+    def check(self, state: Any) -> Callable[[], None]:
+        _CountedChecks.checks += 1
+        return super().check(state)
+
+
+@pytest.mark.parametrize("workers_after", [2, 1])
+def test_the_warm_batch_after_a_restore_checks_no_state_twice_and_resumes_exactly(workers_after: int) -> None:
+    """The restore applies the next slot's state last, so the main process hands out the warm batch
+    from it without checking it again: one check per slot state in this process (plus one per old
+    slot across a layout change), and the rest of the epoch is the uninterrupted one's."""
+    sizes = [6, 5, 7, 4, 6]
+    shards = MemoryShards(sizes)
+
+    def make(workers: int) -> StreamLoader:
+        stream = _CountedChecks(shards.names, read_shard=shards, seed=1, sizes=sizes).shuffle_window(5, seed=2)
+        return StreamLoader(stream, batch_size=2, num_workers=workers, timeout=60)
+
+    loader = make(2)
+    iterator = iter(loader)
+    before = list(itertools.islice(iterator, 3))
+    state = loader.state_dict()
+    expected = ids(before + list(iterator)) if workers_after == 2 else None
+    restored = make(workers_after)
+    _CountedChecks.checks = 0
+    restored.load_state_dict(state)
+    rest = iter(restored)
+    after = [next(rest)]
+    assert _CountedChecks.checks == workers_after + (2 if workers_after != 2 else 0)
+    after += list(rest)
+    if expected is not None:
+        assert ids(before + after) == expected
+    assert sorted(ids(before + after)) == shards.all_records()
+
+
 @pytest.mark.parametrize("num_workers", [0, 2])
 @settings(max_examples=6, deadline=None)
 @given(cut=st.integers(min_value=1, max_value=30))

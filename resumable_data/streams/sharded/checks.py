@@ -8,7 +8,7 @@ being read lies before that shard's cursor; whether a finished shard has it only
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 import numpy as np
@@ -16,6 +16,7 @@ import numpy as np
 from ...core.state import brief
 from ...errors import ResumeError
 from ..base import MAX_COUNT, Key, PlainKeys
+from ..pending import int_rows
 from .keys import WHAT
 from .layout import NO_CURSOR
 
@@ -72,19 +73,13 @@ def keys_check(reads: Reads) -> Callable[[Sequence[Key]], None]:
 
 def _as_array(keys: Sequence[Key]) -> np.ndarray | None:
     """``keys`` as an ``(n, 3)`` int64 array, or None unless every key is three plain ints that fit."""
-    flat: Iterable[int]
     if isinstance(keys, PlainKeys) and keys.width == 3:  # the types checked by the stage that parsed them
         flat = itertools.chain.from_iterable(keys)
-    else:
-        if set(map(len, keys)) != {3}:
+        try:
+            return np.fromiter(flat, dtype=np.int64, count=3 * len(keys)).reshape(-1, 3)
+        except OverflowError:
             return None
-        flat = list(itertools.chain.from_iterable(keys))
-        if set(map(type, flat)) != {int}:
-            return None
-    try:
-        return np.fromiter(flat, dtype=np.int64, count=3 * len(keys)).reshape(-1, 3)
-    except OverflowError:
-        return None
+    return int_rows(keys, 3)
 
 
 def _plausible(keys: np.ndarray, epoch: int | None, cursor_of: np.ndarray, pending: set[tuple[int, int]]) -> bool:

@@ -15,6 +15,7 @@ import numpy as np
 from ...core.state import brief
 from ...errors import ResumeError
 from ..base import Key
+from ..pending import as_records, held_by, keys_as_records
 from .keys import EPOCH_SHARDS, WHAT
 from .shards import Shards
 from .state import ShardState, held_identities
@@ -39,11 +40,13 @@ def rebalance(shards: Shards, parsed: Sequence[ShardState], num_slots: int, pend
             f"{WHAT}: the slots' states have epoch orders over different shard counts "
             f"{sorted({p.pieces for p in parsed})[:5]} ({EPOCH_SHARDS!r}); were they saved at different times?"
         )
-    records = [list(entry) for p in parsed for entry in p.pending]
-    for key in pending:
-        if key[0] != epoch or len(key) != 3:
-            raise ResumeError(f"{WHAT}: pending record {brief(list(key))} is not a record of epoch {epoch}")
-        records.append([key[1], key[2]])
+    held = keys_as_records(pending, epoch)  # thousands, from a shuffle window: as one array
+    if held is None:
+        for key in pending:
+            if key[0] != epoch or len(key) != 3:
+                raise ResumeError(f"{WHAT}: pending record {brief(list(key))} is not a record of epoch {epoch}")
+        held = as_records(np.array([[key[1], key[2]] for key in pending], dtype=np.int64))
+    records = as_records(np.concatenate([*(p.pending for p in parsed), held]))
     dealt = parsed[0].dealt
     if all(p.position is not None and p.dealt == dealt for p in parsed) and [p.slot for p in parsed] == [
         (s, len(parsed)) for s in range(len(parsed))
@@ -62,7 +65,7 @@ def rebalance(shards: Shards, parsed: Sequence[ShardState], num_slots: int, pend
             pieces,
             remaining[s::num_slots],
             records[s::num_slots],
-            held_identities(identities, remaining[s::num_slots] + records[s::num_slots]),
+            {**held_identities(identities, remaining[s::num_slots]), **held_by(identities, records[s::num_slots])},
         )
         for s in range(num_slots)
     ]
@@ -73,7 +76,7 @@ def _deal_positions(
     first: ShardState,
     positions: list[int],
     num_slots: int,
-    records: list[list[int]],
+    records: np.ndarray,
     identities: Mapping[int, str],
 ) -> list[ShardState]:
     """States for ``num_slots`` new slots dealing what old slots at ``positions`` left unread: a
@@ -84,6 +87,6 @@ def _deal_positions(
     states = []
     for s in range(num_slots):
         mine = {i: identities[i] for i in held[np.isin(held, dealing[s::num_slots])].tolist()}
-        mine.update(held_identities(identities, records[s::num_slots]))  # pending records' shards
+        mine.update(held_by(identities, records[s::num_slots]))  # pending records' shards
         states.append(ShardState(first.epoch, (s, num_slots), first.pieces, [], records[s::num_slots], mine, 0, dealt))
     return states

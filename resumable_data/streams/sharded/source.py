@@ -7,7 +7,6 @@ the key checks and the layout change live in the sibling modules.
 from __future__ import annotations
 
 import os
-from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -18,6 +17,7 @@ from ...core.state import check_int_arg, require_int
 from ...errors import ResumeError
 from ...storage.files import expand_shards
 from ..base import EPOCH, Key, Slot, Stream, fetch_grouped
+from ..pending import NO_RECORDS, record_keys
 from ..positional import Positional
 from ..shard_index import ShardIndex
 from .checks import Reads, key_check, keys_check
@@ -150,7 +150,8 @@ class ShardedIterable(Stream):
         # [shard index, cursor], the first one being read; with a position only that one (the next
         # ones follow from the position).
         self._remaining: list[list[int]] = []
-        self._pending: deque[list[int]] = deque()  # handed out from the left: O(1) each
+        # [shard index, offset] rows (streams.pending), read-only: handed out from the top as slices.
+        self._pending: np.ndarray = NO_RECORDS
         self.reset(0, None)
 
     @classmethod
@@ -245,8 +246,8 @@ class ShardedIterable(Stream):
 
     def take_pending(self, count: int) -> list[Key]:
         """The keys of the next ``count`` pending records, moved past unread (a window fetches them)."""
-        taken = [self._pending.popleft() for _ in range(min(count, len(self._pending)))]
-        return [(self._epoch, index, offset) for index, offset in taken]
+        taken, self._pending = self._pending[:count], self._pending[count:]
+        return record_keys(self._epoch, taken)
 
     def saved_position(self, state: Mapping[str, Any]) -> int | None:
         """The position of a checked ``state``; None when it lists cursors."""
@@ -263,7 +264,7 @@ class ShardedIterable(Stream):
     def slot_length(self) -> int | None:
         """Records this slot reads from its shards in the current epoch, when the sizes are known and
         no pending records come first (right after a layout change); else None."""
-        if self._position is None or self._pending:
+        if self._position is None or len(self._pending):
             return None
         return self._layout().total
 
@@ -321,7 +322,7 @@ class ShardedIterable(Stream):
         the records would leave them: taken for a shard entered at its start, compared with the
         checkpoint's for a restored one (a ResumeError before anything moves).
         """
-        if self._position is None or self._pending or getattr(self.read_shard, "read_records", None) is None:
+        if self._position is None or len(self._pending) or getattr(self.read_shard, "read_records", None) is None:
             return None
         layout = self._layout()
         position = self._position
@@ -369,12 +370,13 @@ class ShardedIterable(Stream):
 
     def iter_keyed(self) -> Iterator[tuple[Key, Any]]:
         epoch = self._epoch
-        if self._pending:
+        if len(self._pending):
             # Records a shuffle buffer held before a layout change: re-read them together.
-            records = self.fetch_many([(epoch, index, offset) for index, offset in self._pending])
-            for record in records:
-                index, offset = self._pending.popleft()
-                yield (epoch, index, offset), record
+            keys = record_keys(epoch, self._pending)
+            records = self.fetch_many(keys)
+            for key, record in zip(keys, records, strict=True):
+                self._pending = self._pending[1:]
+                yield key, record
         while True:
             if not self._remaining and self._position is not None:  # the next shard, from the position
                 self._remaining = self._layout().remaining_at(self._position)
@@ -402,7 +404,7 @@ class ShardedIterable(Stream):
             self._slot = slot
         self._epoch = epoch
         s, num_slots = self._slot
-        self._pending, self._identities, self._unverified, self._dealt = deque(), {}, set(), ()
+        self._pending, self._identities, self._unverified, self._dealt = NO_RECORDS, {}, set(), ()
         self._entered = {}
         self._pieces = (len(self.shards),)  # a new epoch's order covers every shard
         if self.sizes is None:
@@ -421,7 +423,7 @@ class ShardedIterable(Stream):
         def apply() -> None:
             self._epoch, self._slot, self._pieces = parsed.epoch, parsed.slot, parsed.pieces
             self._remaining = [list(entry) for entry in parsed.remaining]
-            self._pending = deque(list(entry) for entry in parsed.pending)
+            self._pending = parsed.pending  # read-only: taking records slices it
             self._position, self._dealt = parsed.position, parsed.dealt
             self._identities, self._entered = dict(parsed.identities), dict(parsed.identities)
             # Compared when the shard is next read: a restore opens no shard it does not read.

@@ -24,7 +24,7 @@ from ...core.state import (
 )
 from ...errors import ResumeError
 from ..base import EPOCH, MAX_COUNT, STREAM_STATE_VERSION, Slot, check_same, require_count, require_epoch
-from ..pending import parse_pending
+from ..pending import NO_RECORDS, listed_records, parse_pending
 from .checks import Reads, check_record
 from .keys import (
     COUNT,
@@ -59,7 +59,8 @@ class ShardState:
         pieces: the shard counts the epoch's order is built over.
         remaining: ``[shard index, cursor]`` of the unfinished shards in reading order; with a
             position only the shard it lies in (the next ones follow from the position).
-        pending: ``[shard index, offset]`` of records to read before the shards.
+        pending: ``[shard index, offset]`` of records to read before the shards, an ``(n, 2)``
+            read-only int64 array (:mod:`~resumable_data.streams.pending`).
         identities: the fingerprints of shards partly read, or held by a stage above.
         position: with known sizes, the records the slot has read in its shards' order; else None.
         dealt: with a position, the epoch's layout changes so far.
@@ -69,7 +70,7 @@ class ShardState:
     slot: Slot
     pieces: tuple[int, ...]
     remaining: Sequence[Sequence[int]]
-    pending: Sequence[Sequence[int]]
+    pending: np.ndarray
     identities: Mapping[int, str]
     position: int | None = None
     dealt: Dealt = ()
@@ -93,7 +94,8 @@ class ShardState:
         """What this state has read, for the key checks (an array over the shards: at 10^5 shards a
         dict of the slot's shards would cost milliseconds, and a layout change checks each state
         several times)."""
-        return Reads(self.epoch, cursors(shards, self), {(i, o) for i, o in self.pending})
+        pending = set(zip(self.pending[:, 0].tolist(), self.pending[:, 1].tolist(), strict=True))
+        return Reads(self.epoch, cursors(shards, self), pending)
 
     def to_dict(self, shards: Shards) -> dict[str, Any]:
         """The plain state dict (the keys in the order the schema shows them)."""
@@ -119,7 +121,7 @@ class ShardState:
                 state[DEALT] = [[num_slots, list(positions)] for num_slots, positions in self.dealt]
         else:
             state[REMAINING] = [[i, shards.names[i], c] for i, c in self.remaining]
-        state[PENDING] = [[i, o] for i, o in self.pending]
+        state[PENDING] = self.pending.tolist()
         state[IDENTITIES] = {str(i): identity for i, identity in self.identities.items()}
         return state
 
@@ -153,7 +155,7 @@ class ShardState:
         slot = require_count(state, SLOT, WHAT)
         if slot >= num_slots:
             raise ResumeError(f"{WHAT} state has slot {slot} but only {num_slots} slots")
-        where = cls(epoch, (slot, num_slots), pieces, [], [], {})
+        where = cls(epoch, (slot, num_slots), pieces, [], NO_RECORDS, {})
         remaining_raw: Any = []
         if POSITION in state:
             where = _positioned(state, shards, where)
@@ -167,7 +169,7 @@ class ShardState:
                 # This slot's share of the appended piece, dealt as the epoch's order deals its shards.
                 new = shards.order(where.order)[appended_from:]
                 remaining += [[index, 0] for index in new[(slot - appended_from) % num_slots :: num_slots].tolist()]
-            where = cls(epoch, where.slot, pieces, remaining, [], {})
+            where = cls(epoch, where.slot, pieces, remaining, NO_RECORDS, {})
         pending = _pending(state.get(PENDING), cursors(shards, where), saved_n)
         identities = _identities(state.get(IDENTITIES, {}), saved_n)
         return cls(epoch, where.slot, pieces, where.remaining, pending, identities, where.position, where.dealt)
@@ -207,7 +209,7 @@ def _positioned(state: Mapping[str, Any], shards: Shards, where: ShardState) -> 
             f"{layout.total} records; pass a state_dict() of this pipeline unchanged"
         )
     remaining = layout.remaining_at(position)  # computed: nothing to check
-    return ShardState(where.epoch, where.slot, where.pieces, remaining, [], {}, position, dealt)
+    return ShardState(where.epoch, where.slot, where.pieces, remaining, NO_RECORDS, {}, position, dealt)
 
 
 def _remaining(raw: list[Any], shards: Shards, saved_n: int) -> list[list[int]]:
@@ -233,7 +235,7 @@ def _remaining(raw: list[Any], shards: Shards, saved_n: int) -> list[list[int]]:
     return remaining
 
 
-def _pending(raw: list[Any], cursor_of: np.ndarray, saved_n: int) -> list[list[int]]:
+def _pending(raw: list[Any], cursor_of: np.ndarray, saved_n: int) -> np.ndarray:
     """Read the ``"pending"`` field (a list): ``[[shard index, offset], ...]`` of records already read."""
     bulk = parse_pending(raw, saved_n, cursor_of, NO_CURSOR)  # thousands after a layout change
     if bulk is not None:
@@ -246,7 +248,7 @@ def _pending(raw: list[Any], cursor_of: np.ndarray, saved_n: int) -> list[list[i
         pending.append([entry[0], entry[1]])
     if len({(i, o) for i, o in pending}) != len(pending):
         raise ResumeError(f"{WHAT} state lists a record twice in {PENDING!r}: {brief(raw)}")
-    return pending
+    return listed_records(pending)
 
 
 def _identities(raw: Any, saved_n: int) -> dict[int, str]:
