@@ -76,7 +76,7 @@ class _Folder:
             os.remove(self.location(name))
             fsync_dir(Path(self.dest))
 
-    def write(self, name: str, parts: Sequence[bytes | memoryview]) -> None:
+    def write(self, name: str, parts: Sequence[bytes]) -> None:
         """Write ``parts`` as the file ``name`` so that it is there whole or not at all."""
         if self._fs is not None:
             # Committed when the block ends without an error, discarded otherwise.
@@ -131,9 +131,9 @@ def _check_fits(low: int, high: int, what: str, dtype: np.dtype) -> None:
         )
 
 
-def _shard_parts(tokens: np.ndarray, fmt: str) -> list[bytes | memoryview]:
+def _shard_parts(tokens: np.ndarray, fmt: str) -> list[bytes]:
     """A shard file's bytes: the raw tokens, after a ``.npy`` header for ``"npy"``."""
-    data = np.ascontiguousarray(tokens).data.cast("B")
+    data = np.ascontiguousarray(tokens).tobytes()  # one shard's copy: the writer holds one shard anyway
     if fmt == "bin":
         return [data]
     header = io.BytesIO()
@@ -269,7 +269,7 @@ def _check_name(pattern: str, fmt: str) -> None:
         )
 
 
-def _sha256(parts: Sequence[bytes | memoryview]) -> str:
+def _sha256(parts: Sequence[bytes]) -> str:
     digest = hashlib.sha256()
     for part in parts:
         digest.update(part)
