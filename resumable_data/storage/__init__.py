@@ -5,8 +5,8 @@ The stream readers (:class:`~resumable_data.streams.TokenShardReader`,
 :class:`~resumable_data.streams.TextLineReader`, :class:`~resumable_data.streams.ParquetReader`)
 and :class:`~resumable_data.streams.ShardedIterable` take URLs; this package is what they read them
 with. :class:`ShardCache` keeps downloaded shards on a node's disk, shared by its processes, bounded,
-and evicted by next use from the keyed order (its readers' integration is not done yet). It imports no
-other part of the library.
+and evicted by next use from the keyed order; ``TokenShardReader(cache_dir=...)`` reads through it
+(:mod:`resumable_data.storage.cached`). It imports no other part of the library.
 """
 
 from .cache import CacheCounters, CachedShard, RemoteShard, ShardCache

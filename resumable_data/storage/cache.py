@@ -288,6 +288,21 @@ class ShardCache:
         self._top_up()
         return handle
 
+    def cached(self, shard: RemoteShard) -> CachedShard | None:
+        """The local copy of ``shard`` if some process on the machine has it now (held, as from
+        :meth:`use`), else None: nothing is downloaded and the schedule does not move.
+
+        What a read that should not wait calls (a restore's first records, read by ranged requests
+        while the shard downloads in the background).
+        """
+        self._this_process()
+        if not isinstance(shard, RemoteShard):
+            raise ValueError(f"cached() takes a RemoteShard, but got {shard!r}")
+        handle = self._open_cached(shard)
+        if handle is not None:
+            self._count(hits=1)
+        return handle
+
     # -- reading and downloading ----------------------------------------------------------------------
     def _entry_path(self, shard: RemoteShard) -> str:
         return os.path.join(self.cache_dir, "shards", f"{_key(shard.url, 32)}.{_key(shard.identity, 16)}")

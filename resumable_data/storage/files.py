@@ -20,6 +20,7 @@ from __future__ import annotations
 import glob as local_glob
 import hashlib
 import os
+import shutil
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -37,6 +38,7 @@ S3_DEFAULTS: dict[str, Any] = {
     "retries": {"mode": "standard", "max_attempts": 4},
 }
 _EDGE = 4096  # bytes read at each end of an object without an ETag, for its identity
+_DOWNLOAD_BLOCK = 16 << 20  # bytes a download asks for per request (and copies at a time)
 
 
 class StorageError(OSError):
@@ -134,6 +136,33 @@ class Remote:
                     "shorter than its size said (rewritten during the read?)"
                 )
         return list(blocks)
+
+    def download(self, url: str, dest: str) -> str:
+        """Write the object at ``url`` to the local file ``dest`` and return its identity as
+        :meth:`identity` gives it, taken from the download itself so that it names the bytes written.
+
+        The ETag is the one the file was opened with (for ``s3://`` every ranged request of the
+        download is conditional on it, so a rewrite during the download fails it); without an
+        ETag, the digest of the written file's edges. The default ``download`` of
+        :class:`~resumable_data.storage.ShardCache` for the readers' ``cache_dir=``.
+        """
+        fs, path = self.resolve(url)
+        with self._failing(url, "downloading"):
+            fs.invalidate_cache(path)
+            with fs.open(path, "rb", block_size=_DOWNLOAD_BLOCK, cache_type="none") as source:
+                details = getattr(source, "details", None) or fs.info(path)
+                with open(dest, "wb") as out:
+                    shutil.copyfileobj(source, out, _DOWNLOAD_BLOCK)
+        size, tag = int(details["size"]), details.get("ETag", details.get("etag"))
+        if tag is not None:
+            return f"{size}:{str(tag).strip(chr(34))}"
+        with open(dest, "rb") as written:
+            starts = [0] if size <= _EDGE else [0, max(_EDGE, size - _EDGE)]
+            edges = []
+            for start in starts:
+                written.seek(start)
+                edges.append(written.read(_EDGE))
+        return f"{size}:{hashlib.blake2b(b''.join(edges), digest_size=8).hexdigest()}"
 
     def open(self, url: str, **kwargs: Any) -> BinaryIO:
         """A seekable binary file object on the object (reads by ranged requests, read-ahead cached)."""

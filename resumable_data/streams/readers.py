@@ -20,6 +20,7 @@ import torch
 
 from ..core.state import check_int_arg
 from ..errors import ResumeError
+from ..storage.cached import CachedRemote
 from ..storage.files import Remote, is_url
 
 __all__ = ["TextLineReader", "TokenShardReader", "file_identity"]
@@ -51,7 +52,7 @@ def file_identity(file: BinaryIO) -> str:
     return f"{size}:{digest.hexdigest()}"
 
 
-def _path_identity(shard: Any, what: str, remote: Remote) -> str:
+def _path_identity(shard: Any, what: str, remote: Remote | CachedRemote) -> str:
     """The identity of a local file (:func:`file_identity`) or of a remote object (size and ETag)."""
     try:
         if is_url(shard):
@@ -95,7 +96,12 @@ class TokenShardReader:
     (``s3://bucket/x.bin``) is read by ranged requests instead: a window is one byte range, records
     read in order come a few MiB per request, and neighbouring offsets of :meth:`read_records`
     share one request; its count comes from the object's size (and a ``.npy`` header), its
-    identity from its size and ETag.
+    identity from its size and ETag. With ``cache_dir``, a remote shard is downloaded once per
+    machine into a local cache and memmapped from there (see :mod:`resumable_data.storage`):
+    a :class:`ShardedIterable` tells the reader the shards its slot reads next, so the next
+    ``prefetch`` download in the background and eviction drops the shard needed furthest
+    ahead; records read before their shard is cached (a restore's first batch) come by ranged
+    requests meanwhile.
 
     Args:
         window: tokens per record (e.g. ``block_size + 1`` for next-token targets).
@@ -104,6 +110,10 @@ class TokenShardReader:
         storage_options: for URLs, the filesystem's options as fsspec takes them (credentials,
             ``{"client_kwargs": {"endpoint_url": ...}}`` for an S3-compatible server); see
             :mod:`resumable_data.storage`.
+        cache_dir: a local directory to keep remote shards in, shared by every process on the
+            machine that passes it (None: no cache, every read is a ranged request).
+        cache_limit: bytes the cache may take (None: no bound); the same in every process.
+        prefetch: with a cache, how many of the slot's next shards download in the background.
 
     Example::
 
@@ -119,12 +129,16 @@ class TokenShardReader:
         stride: int | None = None,
         dtype: Any = np.uint16,
         storage_options: dict[str, Any] | None = None,
+        cache_dir: str | os.PathLike[str] | None = None,
+        cache_limit: int | None = None,
+        prefetch: int = 2,
     ) -> None:
         self.window = check_int_arg("window", window, minimum=1)
         self.stride = window if stride is None else check_int_arg("stride", stride, minimum=1)
         self.dtype = np.dtype(dtype)
         self._remote = Remote(storage_options)
         self.storage_options = self._remote.storage_options
+        self._cache = None if cache_dir is None else CachedRemote(self._remote, cache_dir, cache_limit, prefetch)
         self._mapped: OrderedDict[tuple[str, int, int], np.ndarray] = OrderedDict()
 
     def __getstate__(self) -> dict[str, Any]:
@@ -154,22 +168,25 @@ class TokenShardReader:
             self._mapped.move_to_end(key)
         return tokens
 
-    def _map(self, path: str, size: int) -> np.ndarray:
+    def _map(self, path: str, size: int, name: str | None = None) -> np.ndarray:
+        """Map the file at ``path``; ``name`` (default ``path``) is the shard named in errors, whose
+        suffix tells a ``.npy`` file (a cached copy's local name has none)."""
+        name = path if name is None else name
         try:
-            if path.endswith(".npy"):
+            if name.endswith(".npy"):
                 return np.load(path, mmap_mode="r")
             if size % self.dtype.itemsize:
                 raise ResumeError(
-                    f"token shard {path!r} holds {size} bytes, not a multiple of {self.dtype.itemsize} "
+                    f"token shard {name!r} holds {size} bytes, not a multiple of {self.dtype.itemsize} "
                     f"({self.dtype}): it is truncated or written with another dtype"
                 )
             if size == 0:  # numpy refuses to memmap an empty file
                 return np.empty(0, dtype=self.dtype)
             return np.memmap(path, dtype=self.dtype, mode="r")
         except FileNotFoundError as exc:
-            raise ResumeError(f"token shard {path!r} is missing: {exc}") from exc
+            raise ResumeError(f"token shard {name!r} is missing: {exc}") from exc
         except ValueError as exc:  # np.load on a .npy whose data is shorter than its header says
-            raise ResumeError(f"token shard {path!r} is unreadable or truncated: {exc}") from exc
+            raise ResumeError(f"token shard {name!r} is unreadable or truncated: {exc}") from exc
 
     def num_records(self, shard: Any) -> int:
         """Windows in the shard, from its size (and a ``.npy`` file's header): the file is not mapped.
@@ -206,7 +223,9 @@ class TokenShardReader:
         """Where a remote shard's tokens start, how many it holds and their dtype: one HEAD request,
         and for a ``.npy`` file one ranged read of its header."""
         try:
-            size, _ = self._remote.size_and_tag(url)
+            size, tag = self._remote.size_and_tag(url)
+            if self._cache is not None:
+                self._cache.note(url, size, tag)
             if not url.endswith(".npy"):
                 self._check_size(url, size)
                 return 0, size // self.dtype.itemsize, self.dtype
@@ -226,7 +245,18 @@ class TokenShardReader:
     def identity(self, shard: Any) -> str:
         """The shard's size and a digest of its first and last bytes (see :func:`file_identity`), or for
         a URL its size and ETag."""
-        return _path_identity(shard, "token", self._remote)
+        return _path_identity(shard, "token", self._remote if self._cache is None else self._cache)
+
+    def planner(self) -> Callable[[Sequence[Any]], None] | None:
+        """With a cache, what takes the shards the reading slot reads next, in order (the rest of its
+        epoch, then the next): :class:`ShardedIterable` calls it as it moves from shard to shard."""
+        return None if self._cache is None else self._cache.plan
+
+    def _cached(self, shard: Any, *, wait: bool) -> np.ndarray | None:
+        """The remote shard's tokens memmapped from the cache (downloaded first with ``wait``), or None."""
+        if self._cache is None or not is_url(shard):
+            return None
+        return self._cache.local(str(shard), lambda path: self._map(path, os.stat(path).st_size, str(shard)), wait=wait)
 
     def count_windows(self, n_tokens: int) -> int:
         """Records in a shard of ``n_tokens`` tokens: how an index file's token counts give the sizes
@@ -238,18 +268,20 @@ class TokenShardReader:
 
     def __call__(self, shard: Any, start: int) -> Iterator[torch.Tensor]:
         """Windows from record offset ``start``."""
-        if is_url(shard):
+        tokens = self._cached(shard, wait=start == 0)  # a restore reads by ranges until it is cached
+        remote = tokens is None and is_url(shard)
+        if remote:
             base, n_tokens, dtype = self._remote_layout(shard)
             n = self._count(n_tokens)
         else:
-            tokens = self.tokens(shard)
+            tokens = self.tokens(shard) if tokens is None else tokens
             n = self._count(len(tokens))
         if start > n:
             raise ResumeError(
                 f"token shard {str(shard)!r} has {n} windows but the cursor is at offset {start}: "
                 "the shard is shorter than when the checkpoint was written (truncated or replaced?)"
             )
-        if is_url(shard):
+        if tokens is None:
             return self._remote_windows(shard, base, dtype, range(start, n))
         return self._windows(tokens.view(np.ndarray), range(start, n))
 
@@ -258,14 +290,15 @@ class TokenShardReader:
 
         What a shuffle buffer's restore calls: up to a buffer's worth of scattered windows cost one
         open and one slice each, not one open each. Each window gets its own tensor storage, as
-        from :meth:`__call__`.
+        from :meth:`__call__`. A remote shard not in the cache (if any) is read by ranged requests.
         """
-        if is_url(shard):
+        tokens = self._cached(shard, wait=False)
+        if tokens is None and is_url(shard):
             base, n_tokens, dtype = self._remote_layout(shard)
             self._check_offsets(shard, self._count(n_tokens), offsets)
             runs = list(self._runs(offsets, dtype.itemsize))
             return list(self._run_windows(shard, base, dtype, runs))
-        tokens = self.tokens(shard)
+        tokens = self.tokens(shard) if tokens is None else tokens
         self._check_offsets(shard, self._count(len(tokens)), offsets)
         return list(self._windows(tokens.view(np.ndarray), offsets))
 
@@ -300,8 +333,13 @@ class TokenShardReader:
             yield from self._windows(np.frombuffer(block, dtype=dtype), [offset - run[0] for offset in run])
 
     def _remote_windows(self, url: str, base: int, dtype: np.dtype, offsets: range) -> Iterator[torch.Tensor]:
-        """Windows at ``offsets`` in order, a run (a few MiB) per request as the iteration reaches it."""
+        """Windows at ``offsets`` in order, a run (a few MiB) per request as the iteration reaches it,
+        or from the cache as soon as a background download has put the shard there."""
         for run in self._runs(offsets, dtype.itemsize):
+            tokens = self._cached(url, wait=False)
+            if tokens is not None:
+                yield from self._windows(tokens.view(np.ndarray), range(run[0], offsets.stop))
+                return
             yield from self._run_windows(url, base, dtype, [run])
 
     def _windows(self, tokens: np.ndarray, offsets: Iterable[int]) -> Iterator[torch.Tensor]:

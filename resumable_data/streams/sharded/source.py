@@ -23,6 +23,7 @@ from ..shard_index import ShardIndex
 from .checks import Reads, key_check, keys_check
 from .keys import DEALT, IDENTITIES, NUM_SHARDS, NUM_SLOTS, PENDING, POSITION, REMAINING, SLOT, WHAT
 from .layout import NO_CURSOR, Dealt, Layout
+from .plans import Plans
 from .reading import read_at, records_from, resolve_sizes
 from .rebalance import rebalance
 from .shards import Shards
@@ -152,6 +153,7 @@ class ShardedIterable(Stream):
         self._remaining: list[list[int]] = []
         # [shard index, offset] rows (streams.pending), read-only: handed out from the top as slices.
         self._pending: np.ndarray = NO_RECORDS
+        self._plans = Plans()  # the slot's next shards, told to a reader that caches them
         self.reset(0, None)
 
     @classmethod
@@ -198,6 +200,11 @@ class ShardedIterable(Stream):
             return str(self._identity(self.shards[index]))
         except OSError as exc:
             raise ResumeError(f"cannot read shard {index} {self._shards.names[index]!r}: {exc}") from exc
+
+    def _plan(self, reading: set[int] | frozenset[int] = frozenset()) -> None:
+        """Tell a reader that caches the shards this slot reads from now on (see :mod:`.plans`)."""
+        where = ((self._epoch, self._pieces), self._slot, self._dealt, self._position, self._remaining)
+        self._plans.send(self.read_shard, self._shards, where, reading)
 
     def _take_identity(self, index: int) -> str | None:
         """The identity of shard ``index`` as it is now, noted as entered in this epoch."""
@@ -361,6 +368,8 @@ class ShardedIterable(Stream):
         one ``read_shard`` call per run of consecutive records.
         """
 
+        self._plan({key[1] for key in keys if key[0] == self._epoch})
+
         def read(index: int, positions: list[int]) -> list[Any]:
             offsets = [keys[p][2] for p in positions]
             self._verify(index, f"read again by key from offset {offsets[0]}")
@@ -382,6 +391,7 @@ class ShardedIterable(Stream):
                 self._remaining = self._layout().remaining_at(self._position)
             if not self._remaining:
                 return
+            self._plan()
             entry = self._remaining[0]
             if entry[0] in self._unverified:  # before the shard's first record is read
                 self._verify(entry[0], f"cursor at offset {entry[1]}")

@@ -1,0 +1,195 @@
+"""Remote token shards read through the node-local cache (``TokenShardReader(cache_dir=...)``) from a
+real S3-compatible server behind the counting proxy.
+
+Specification: a pipeline read through the cache yields bitwise what it yields over the same files
+read locally, uninterrupted or stopped mid-epoch and restored; the workers sharing one cache
+download each shard once; the schedule from the keyed order makes eviction download no more than
+an LRU cache of the same size does; a restore fetches the shard it resumes in, by ranged reads
+first, and never a shard its epoch read before the checkpoint; a shard changed on the server is
+refused through the cache by name.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from harness import json_roundtrip
+from resumable_data import ResumeError
+from resumable_data.streams import ShardedIterable, StreamLoader, TokenShardReader, mix
+from resumable_data.testing import assert_same
+
+WINDOW = 8
+SHARDS = [8 * 30 + 3, 8 * 17, 8 * 25 + 5, 8 * 9, 8 * 21, 8 * 12]  # tokens per shard
+EVEN = [8 * 4096] * 8  # equal 64 KiB shards for the byte counts: half the data is four shards
+
+
+class Bucket:
+    """Token shards on the server and as the local files it serves (the same bytes)."""
+
+    def __init__(self, server: Any, sizes: list[int]) -> None:
+        self.server, self.name = server, server.bucket()
+        self.urls = [f"s3://{self.name}/tok_{s:02d}.bin" for s in range(len(sizes))]
+        for s, (url, n) in enumerate(zip(self.urls, sizes, strict=True)):
+            server.put(url, ((s * 1000 + np.arange(n)) % 65536).astype(np.uint16).tobytes())
+        self.local = [str(server.root / self.name / f"tok_{s:02d}.bin") for s in range(len(sizes))]
+        self.bytes = 2 * sum(sizes)
+
+    def source(self, endpoint: str | None, cache: Path | None, seed: int = 0, **reader: Any) -> ShardedIterable:
+        """Over the server (through ``endpoint``) with a cache in ``cache``, or over the local files."""
+        if endpoint is None:
+            return ShardedIterable(self.local, read_shard=TokenShardReader(WINDOW), seed=seed)
+        options = self.server.options(endpoint)
+        token_reader = TokenShardReader(WINDOW, storage_options=options, cache_dir=cache, **reader)
+        return ShardedIterable(f"s3://{self.name}/*.bin", read_shard=token_reader, seed=seed)
+
+
+def cached_files(cache: Path) -> set[str]:
+    """The URL keys of the shards in the cache (complete or downloading)."""
+    names = [p.name for sub in ("shards", "partial") if (cache / sub).exists() for p in (cache / sub).iterdir()]
+    return {name.split(".")[0] for name in names}
+
+
+def url_key(url: str) -> str:
+    return hashlib.sha256(url.encode()).hexdigest()[:32]
+
+
+def resumed_run(make: Callable[[], Any], cut: int) -> list[Any]:
+    first = make()
+    batches = list(itertools.islice(iter(first), cut))
+    restored = make()
+    restored.load_state_dict(json_roundtrip(first.state_dict()))
+    return batches + list(restored)
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_a_cached_pipeline_stopped_mid_epoch_resumes_as_the_local_run(
+    s3_server: Any, tmp_path: Path, num_workers: int
+) -> None:
+    bucket = Bucket(s3_server, SHARDS)
+
+    def loader(endpoint: str | None) -> StreamLoader:
+        # Two sources on one cache: a window shuffle reads by key, a buffer fills by key.
+        a = bucket.source(endpoint, tmp_path / "cache", seed=1).shuffle_window(16, seed=2)
+        b = bucket.source(endpoint, tmp_path / "cache", seed=3).shuffle_buffer(7, seed=4)
+        workers = {"num_workers": num_workers, "timeout": 60} if num_workers else {}
+        return StreamLoader(mix([a, b], [0.5, 0.5], seed=5), batch_size=4, **workers)
+
+    reference = list(loader(None))
+    # The server directly: forked workers would hold copies of the proxy's sockets (see epochs_read).
+    assert_same(reference, resumed_run(lambda: loader(s3_server.endpoint), len(reference) // 2), "cached resumed run")
+    assert cached_files(tmp_path / "cache") == {url_key(url) for url in bucket.urls}
+
+
+class Unplanned(TokenShardReader):
+    """A reader whose cache is told no schedule: it evicts the least recently used shard (and
+    prefetches nothing), what a cache that cannot see the order does."""
+
+    def planner(self) -> None:
+        return None
+
+
+def epochs_read(stream: ShardedIterable, epochs: int, num_workers: int = 0) -> None:
+    # Workers through the proxy are spawned: a forked one would keep copies of the proxy's sockets
+    # open, so that a connection the proxy closes stays open and its client waits for a timeout.
+    workers = {"timeout": 60, "multiprocessing_context": "spawn"} if num_workers else {}
+    loader = StreamLoader(stream, batch_size=16, num_workers=num_workers, **workers)
+    for epoch in range(epochs):
+        loader.set_epoch(epoch)
+        for _ in loader:
+            pass
+
+
+def test_two_workers_sharing_one_cache_download_each_shard_once_over_two_epochs(
+    s3_server: Any, proxy: Any, tmp_path: Path
+) -> None:
+    bucket = Bucket(s3_server, EVEN)
+    stream = bucket.source(proxy.endpoint, tmp_path / "cache", seed=3)  # each epoch deals the shards anew
+    proxy.reset_counters()
+    epochs_read(stream, 2, num_workers=2)
+    # Every shard's bytes once (plus the listing and HEAD answers, a few KiB): without the cache the
+    # two epochs would read them twice.
+    assert bucket.bytes <= proxy.bytes_down < bucket.bytes + 64 * 1024
+
+
+def test_eviction_by_next_use_downloads_no_more_than_lru_over_three_epochs(
+    s3_server: Any, proxy: Any, tmp_path: Path
+) -> None:
+    bucket = Bucket(s3_server, EVEN)
+    downloaded = {}
+    for name, reader in (("next-use", TokenShardReader), ("lru", Unplanned)):
+        options = s3_server.options(proxy.endpoint)
+        # prefetch=1: with a cache of four shards, two prefetched and one being read leave one to keep
+        token_reader = reader(
+            WINDOW, storage_options=options, cache_dir=tmp_path / name, cache_limit=bucket.bytes // 2, prefetch=1
+        )
+        stream = ShardedIterable(f"s3://{bucket.name}/*.bin", read_shard=token_reader, seed=4)
+        proxy.reset_counters()
+        epochs_read(stream, 3)
+        downloaded[name] = proxy.bytes_down
+    print(f"bytes over 3 epochs, cache = half of {bucket.bytes}: {downloaded}")
+    # Any policy downloads every shard once and, per later epoch, at least the half not cached: 2x
+    # the data is the floor, LRU at most 3x.
+    assert 2 * bucket.bytes <= downloaded["next-use"] <= downloaded["lru"]
+
+
+def test_a_restore_late_in_the_epoch_fetches_only_the_shard_it_resumes_in(
+    s3_server: Any, proxy: Any, tmp_path: Path
+) -> None:
+    bucket = Bucket(s3_server, EVEN)
+    first = bucket.source(proxy.endpoint, tmp_path / "first", seed=5, prefetch=1)
+    reading = iter(first)
+    records = sum(EVEN) // WINDOW
+    read_before = [next(reading) for _ in range(records * 9 // 10)]
+    state = json_roundtrip(first.state_dict())
+    index = first.keys_at(np.array([first.position]))[0][1]  # the shard the checkpoint is in
+    restored = bucket.source(proxy.endpoint, tmp_path / "cold", seed=5, prefetch=1)  # a new machine
+    restored.load_state_dict(state)
+    proxy.reset_counters()
+    reading = iter(restored)
+    batch = [next(reading) for _ in range(4)]
+    first_requests = proxy.requests
+    deadline = time.monotonic() + 20
+    while url_key(bucket.urls[index]) not in cached_files(tmp_path / "cold") and time.monotonic() < deadline:
+        time.sleep(0.01)
+    time.sleep(0.2)  # any other download would have begun by now
+    # On the first batch's path: the identity check and the size (two HEADs), one ranged read; in the
+    # background the shard's download (a HEAD and a GET) may have begun.
+    assert first_requests <= 5, first_requests
+    assert cached_files(tmp_path / "cold") == {url_key(bucket.urls[index])}
+    assert proxy.bytes_down <= 2 * 2 * EVEN[index] + 16 * 1024
+    rest = batch + list(reading)
+    assert_same(read_before + rest, list(bucket.source(None, None, seed=5)), "restored through a cold cache")
+
+
+def test_a_shard_changed_on_the_server_is_refused_through_the_cache(s3_server: Any, proxy: Any, tmp_path: Path) -> None:
+    bucket = Bucket(s3_server, SHARDS)
+    first = bucket.source(proxy.endpoint, tmp_path / "cache", seed=6)
+    reading = iter(first)
+    for _ in range(20):
+        next(reading)
+    state = json_roundtrip(first.state_dict())
+    index, offset = first.keys_at(np.array([first.position]))[0][1:]
+    tokens = (np.arange(SHARDS[index]) + 7).astype(np.uint16).tobytes()  # same size, other bytes
+    s3_server.put(bucket.urls[index], tokens)
+    restored = bucket.source(proxy.endpoint, tmp_path / "cache", seed=6)
+    restored.load_state_dict(state)
+    with pytest.raises(ResumeError, match=f"shard {index} .*tok_{index:02d}.bin.* changed since the checkpoint"):
+        next(iter(restored))
+    allowed = ShardedIterable(
+        f"s3://{bucket.name}/*.bin",
+        read_shard=TokenShardReader(
+            WINDOW, storage_options=s3_server.options(proxy.endpoint), cache_dir=tmp_path / "cache"
+        ),
+        seed=6,
+        allow_changed_shards=True,
+    )
+    allowed.load_state_dict(state)
+    assert next(iter(allowed))[0].item() == 7 + offset * WINDOW  # the shard as it is now, read through the cache
