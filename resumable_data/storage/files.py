@@ -38,6 +38,12 @@ S3_DEFAULTS: dict[str, Any] = {
     "retries": {"mode": "standard", "max_attempts": 4},
 }
 _EDGE = 4096  # bytes read at each end of an object without an ETag, for its identity
+# Every filesystem this process resolved, kept alive for the life of the process. A DataLoader
+# worker forked after the main process read by URL inherits fsspec's instances; fsspec starts a fresh
+# cache in the child, and were an inherited s3fs instance then collected there, its session cleanup
+# would close the parent's pooled connections through the event loop both share since the fork (the
+# parent's next request then waits out the read timeout). Held here, they are never collected.
+_RESOLVED: dict[int, Any] = {}
 _DOWNLOAD_BLOCK = 16 << 20  # bytes a download asks for per request (and copies at a time)
 
 
@@ -83,9 +89,11 @@ class Remote:
             config = {**S3_DEFAULTS, **options.get("config_kwargs", {})}
             options = {**options, "config_kwargs": config}
         try:
-            return _fsspec().core.url_to_fs(url, **options)
+            fs, path = _fsspec().core.url_to_fs(url, **options)
         except ImportError as exc:
             raise ImportError(f"cannot read {url!r}: {exc} (pip install 'resumable-data[remote]')") from exc
+        _RESOLVED.setdefault(id(fs), fs)
+        return fs, path
 
     @contextmanager
     def _failing(self, url: str, what: str) -> Iterator[None]:
