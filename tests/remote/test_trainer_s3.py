@@ -71,21 +71,6 @@ def test_token_shards_written_to_s3_are_the_ones_written_to_a_local_folder(
     assert index.tokens == len(corpus_tokens()) and index.dtype == "uint8"
 
 
-@pytest.fixture
-def s3_environment(s3_server: Any, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Credentials and endpoint as a user's shell would give them to s3fs (and to the trainer's subprocesses)."""
-    options = s3_server.options()
-    for name in ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_ENDPOINT_URL_S3"):
-        monkeypatch.delenv(name, raising=False)
-    monkeypatch.setenv("AWS_ACCESS_KEY_ID", options["key"])
-    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", options["secret"])
-    monkeypatch.setenv("AWS_ENDPOINT_URL", s3_server.endpoint)
-    monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
-    # rclone's whole-object CRC on ranged GETs (see S3Server.options)
-    monkeypatch.setenv("AWS_RESPONSE_CHECKSUM_VALIDATION", "when_required")
-    monkeypatch.setenv("AWS_REQUEST_CHECKSUM_CALCULATION", "when_required")
-
-
 def run_trainer(config: TrainConfig, kill_at: int | None = None) -> int:
     """``python -m trainer train`` in a subprocess (SIGKILLed during step ``kill_at``); its exit code."""
     entry = [*ENTRY, "step", str(kill_at)] if kill_at else ["-m", "trainer"]
