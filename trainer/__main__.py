@@ -3,6 +3,7 @@
 python -m trainer                              # train the default model; Ctrl-C saves; rerun continues
 python -m trainer train --max-steps 1000 --data notes.txt
 python -m trainer train --data corpus/         # a folder of .jsonl or .parquet documents, streamed (--text-field)
+python -m trainer train --data s3://bucket/tokens/   # token shards from write-shards (index.json), streamed
 torchrun --nproc_per_node 2 -m trainer train   # data-parallel training (DDP; gloo on CPU, NCCL on CUDA)
 python -m trainer plot runs/default            # runs/default/metrics.png
 

@@ -42,7 +42,9 @@ class TrainConfig:
 
     run_dir: str = _option("runs/default", "folder for checkpoints and metrics")
     data: str | None = _option(
-        None, "text file or folder, or .jsonl/.parquet documents (default: Python's stdlib source)"
+        None,
+        "text file or folder, .jsonl/.parquet documents, or write-shards token shards: their index.json, its folder "
+        "or URL (s3://bucket/tokens/) (default: Python's stdlib source)",
     )
     text_field: str = _option("text", "the field of each .jsonl/.parquet document that holds its text")
     cache_dir: str | None = _option(None, "where tokenized corpora are cached")

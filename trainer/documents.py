@@ -102,8 +102,13 @@ def _shifted(windows: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
 
 def document_loader(files: list[Path], block_size: int, config: TrainConfig, par: Parallel) -> StreamLoader:
     """This rank's batches of ``files``, in a resumable order."""
+    return stream_loader(_windows(files, block_size, config, shuffle=True), config, par)
+
+
+def stream_loader(windows: Stream, config: TrainConfig, par: Parallel) -> StreamLoader:
+    """This rank's batches of a stream of windows of ``block_size + 1`` tokens, as ``(x, y)`` pairs."""
     return StreamLoader(
-        _windows(files, block_size, config, shuffle=True),
+        windows,
         batch_size=config.batch_size,
         drop_last=True,  # every step sees the same number of tokens
         collate_fn=_shifted,
@@ -153,8 +158,8 @@ class StreamData(TrainingData):
                     yield batch
             epoch += 1
         raise ValueError(
-            "an epoch of this rank's documents holds no batch (fewer than --batch-size windows per worker); "
-            "use more documents, or fewer --num-workers or ranks"
+            "an epoch of this rank's documents or token shards holds no batch (fewer than --batch-size windows per "
+            "worker); use more data, or fewer --num-workers or ranks"
         )
 
     def epoch_length(self, grad_accum: int) -> str:

@@ -35,6 +35,7 @@ from .data import training_data
 from .documents import EOS, document_data, document_files
 from .metrics import METRICS_FILE, Metrics, Progress, format_lr
 from .model import GPT
+from .shards import shard_data, shard_index, shard_vocab_size
 from .train_state import TrainState
 
 ADAM_BETAS = (0.9, 0.95)
@@ -96,8 +97,10 @@ def _train(config: TrainConfig, par: parallel.Parallel) -> TrainResult:
         resume_path = checkpoints.choose(config.resume)
         say(f"{run_dir}: resuming from {resume_path}" if resume_path else f"{run_dir}: training from scratch")
         checkpoint = checkpoints.read(resume_path)
-        documents = document_files(config.data)  # None: text, cut into fixed windows of bytes
-        vocab_size = EOS + 1 if documents else 256  # bytes, and documents' end-of-document token
+        # --data: token shards (write-shards' index.json, local or s3://), documents, or text (fixed byte windows)
+        index = shard_index(config.data)
+        documents = None if index else document_files(config.data)
+        vocab_size = shard_vocab_size(index) if index else (EOS + 1 if documents else 256)  # documents add an EOS
         model_config = config.model_config(checkpoint[ckpt.MODEL_CONFIG] if checkpoint else None, vocab_size)
         state = TrainState(world_size=par.world_size, batch_size=config.batch_size, grad_accum=config.grad_accum)
         if checkpoint is not None:
@@ -109,7 +112,10 @@ def _train(config: TrainConfig, par: parallel.Parallel) -> TrainResult:
 
         # -- Data: batches in a resumable order, and the same validation windows at every evaluation --
         block = model_config.block_size
-        data = document_data(config, block, documents, par) if documents else training_data(config, block, par, say)
+        if index is not None:
+            data = shard_data(config, block, index, par)
+        else:
+            data = document_data(config, block, documents, par) if documents else training_data(config, block, par, say)
         loader = data.loader
 
         # -- Model, optimizer, schedule --

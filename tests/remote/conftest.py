@@ -128,3 +128,18 @@ def proxy(s3_server: S3Server) -> Iterator[FaultProxy]:
     front = FaultProxy(("127.0.0.1", int(s3_server.endpoint.rsplit(":", 1)[1])))
     yield front
     front.close()
+
+
+@pytest.fixture
+def s3_environment(s3_server: S3Server, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Credentials and endpoint as a user's shell would give them to s3fs (and to the subprocesses a test starts)."""
+    options = s3_server.options()
+    for name in ("AWS_PROFILE", "AWS_SESSION_TOKEN", "AWS_ENDPOINT_URL_S3"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", options["key"])
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", options["secret"])
+    monkeypatch.setenv("AWS_ENDPOINT_URL", s3_server.endpoint)
+    monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
+    # rclone's whole-object CRC on ranged GETs (see S3Server.options)
+    monkeypatch.setenv("AWS_RESPONSE_CHECKSUM_VALIDATION", "when_required")
+    monkeypatch.setenv("AWS_REQUEST_CHECKSUM_CALCULATION", "when_required")

@@ -1,0 +1,104 @@
+"""Token shards in object storage, from the writer to the trainer, on a real S3 server (conftest.py).
+
+Specification: ``write_token_shards`` to an ``s3://`` folder puts there, through s3fs, the very
+index and shards it writes to a local folder; and the trainer on ``--data s3://bucket/tokens/``,
+SIGKILLed in a subprocess after a checkpoint and relaunched with ``--resume auto``, ends bitwise
+where an uninterrupted run over the same shards read locally ends (every step's loss, the final
+model and optimizer). The trainer takes its credentials and endpoint from the environment, as
+s3fs does.
+"""
+
+from __future__ import annotations
+
+import random
+import signal
+import sys
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from helpers.trainer_runs import end_weights, final_checkpoint, losses, tiny
+from resumable_data.streams import ShardIndex, write_token_shards
+from resumable_data.testing import assert_same
+from script_runner import run_script
+from system.killpoints import ENTRY
+from system.verify import child_env, config_to_argv
+from trainer.checkpointing import MODEL, OPTIMIZER
+from trainer.config import TrainConfig
+from trainer.metrics import read_metrics
+
+SHARD_TOKENS = 128  # 1,000 byte tokens: 7 training shards and a validation one
+# 7 windows of 17 tokens per training shard, 49 in all: with batch 4 an epoch is 12 steps;
+# checkpoints at 4, 6 (eval), 8 and 12, so a kill during step 11 replays 9 and 10 and the resumed
+# run crosses the epoch boundary. In the main process: with DataLoader workers forked after the
+# trainer has read the bucket, a worker closing the clients it inherited stalls the trainer's next
+# request for the read timeout (the storage layer's fork handling; the library tests cover workers).
+MAX_STEPS, KILL_AT, RESUMED_FROM = 16, 11, 8
+RUN_TIMEOUT_S = 120  # a trainer process: about 4 s here
+
+
+def corpus_tokens() -> np.ndarray:
+    """1,000 bytes of real text as byte tokens (the trainer's vocabulary of 256)."""
+    return np.frombuffer(Path(random.__file__).read_bytes()[:1000], dtype=np.uint8)
+
+
+@pytest.fixture(scope="module")
+def tokens_url(s3_server: Any) -> str:
+    """The corpus written as uint8 token shards to ``s3://<bucket>/tokens/``."""
+    folder = f"s3://{s3_server.bucket()}/tokens"
+    index = write_token_shards(
+        [corpus_tokens()], folder, shard_tokens=SHARD_TOKENS, dtype=np.uint8, storage_options=s3_server.options()
+    )
+    assert index == f"{folder}/index.json"
+    return folder + "/"
+
+
+def test_token_shards_written_to_s3_are_the_ones_written_to_a_local_folder(
+    s3_server: Any, tokens_url: str, tmp_path: Path
+) -> None:
+    import s3fs
+
+    local = Path(write_token_shards([corpus_tokens()], tmp_path, shard_tokens=SHARD_TOKENS, dtype=np.uint8)).parent
+    fs = s3fs.S3FileSystem(**s3_server.options())
+    remote = {path.rsplit("/", 1)[1]: fs.cat_file(path) for path in fs.ls(tokens_url)}
+    assert sorted(remote) == sorted(p.name for p in local.iterdir())
+    assert_same({name: (local / name).read_bytes() for name in remote}, remote, "objects in the bucket")
+    index = ShardIndex.load(tokens_url, storage_options=s3_server.options())
+    assert index.locations == [f"{tokens_url}shard-{i:05d}.bin" for i in range(8)]
+    assert index.tokens == len(corpus_tokens()) and index.dtype == "uint8"
+
+
+def run_trainer(config: TrainConfig, kill_at: int | None = None) -> int:
+    """``python -m trainer train`` in a subprocess (SIGKILLed during step ``kill_at``); its exit code."""
+    entry = [*ENTRY, "step", str(kill_at)] if kill_at else ["-m", "trainer"]
+    command = [sys.executable, *entry, "train", *config_to_argv(config)]
+    log = Path(config.run_dir).parent / f"{Path(config.run_dir).name}-{kill_at or 'run'}.log"
+    code, output = run_script(command, log, timeout=RUN_TIMEOUT_S, env=child_env())
+    assert code in (0, -signal.SIGKILL), output[-3000:]
+    return code
+
+
+@pytest.mark.usefixtures("s3_environment")
+def test_trainer_on_s3_shards_sigkilled_and_resumed_ends_as_an_uninterrupted_local_run(
+    s3_server: Any, tokens_url: str, tmp_path: Path
+) -> None:
+    bucket_folder = s3_server.root / tokens_url.removeprefix("s3://")  # the same files, read locally
+    reference = tiny(tmp_path, "local", data=bucket_folder, max_steps=MAX_STEPS)
+    interrupted = replace(reference, run_dir=str(tmp_path / "s3"), data=tokens_url)
+    assert run_trainer(reference) == 0
+    assert run_trainer(interrupted, kill_at=KILL_AT) == -signal.SIGKILL
+    assert run_trainer(interrupted) == 0
+
+    events = read_metrics(interrupted.run_dir)
+    assert [e["step"] for e in events if e["event"] == "resume"] == [RESUMED_FROM]
+    assert all(e["data"].startswith(tokens_url) for e in events if e["event"] == "start")
+    epochs = {e["epoch"] for e in events if e["event"] == "step"}
+    assert epochs == {0, 1}, f"the run should cross an epoch boundary: {epochs}"
+    assert_same(losses(reference.run_dir), losses(interrupted.run_dir), "every step's loss")
+    assert end_weights(reference.run_dir) == end_weights(interrupted.run_dir)
+    final_local, final_s3 = final_checkpoint(reference.run_dir), final_checkpoint(interrupted.run_dir)
+    for key in (MODEL, OPTIMIZER):
+        assert_same(final_local[key], final_s3[key], f"final {key}")
