@@ -37,6 +37,7 @@ import numpy as np
 
 from ..core.state import brief
 from ..errors import ResumeError
+from ..storage.files import Remote, is_url
 
 __all__ = [
     "FORMATS",
@@ -67,23 +68,10 @@ SHA256 = "sha256"
 _WHAT = "shard index"
 
 
-def is_url(path: str) -> bool:
-    """Whether ``path`` names an fsspec URL (``s3://...``, ``file://...``) rather than a local path."""
-    return "://" in path
-
-
 def url_fs(url: str, storage_options: Mapping[str, Any] | None = None) -> tuple[Any, str]:
-    """``fsspec.core.url_to_fs(url, **storage_options)``: the filesystem of ``url`` and the path in it,
-    or an ImportError naming the extra to install."""
-    try:
-        import fsspec.core  # optional: only a URL needs it
-    except ImportError as exc:
-        raise ImportError(
-            f"reading or writing {url!r} needs fsspec (and s3fs, gcsfs or adlfs for its storage): "
-            "pip install 'resumable-data[remote]'"
-        ) from exc
-    fs, path = fsspec.core.url_to_fs(url, **dict(storage_options or {}))
-    return fs, path
+    """The fsspec filesystem of ``url`` and the path in it, resolved as the readers resolve a URL
+    (:class:`~resumable_data.storage.files.Remote`), or an ImportError naming the extra to install."""
+    return Remote(storage_options).resolve(url)
 
 
 def index_location(path: str | os.PathLike[str]) -> str:

@@ -28,6 +28,7 @@ from typing import Any
 import pytest
 
 from proxy import FaultProxy
+from resumable_data.storage.files import Remote
 
 KEY, SECRET = "resumable0123456789", "resumable-secret-0123456789abcdef"
 _READY_WITHIN = 20.0  # seconds the server gets to answer its first request
@@ -56,19 +57,20 @@ class S3Server:
             },
         }
 
+    def fs(self, url: str) -> Any:
+        # Resolved as the library resolves, which keeps the filesystem alive for the process: a
+        # DataLoader worker forked later must not collect it (see resumable_data.storage.files).
+        return Remote(self.options()).resolve(url)[0]
+
     def bucket(self) -> str:
         """A new, empty bucket (one per test, so that tests sharing the server never meet)."""
-        import s3fs
-
         name = f"b{uuid.uuid4().hex[:12]}"
-        s3fs.S3FileSystem(**self.options()).mkdir(name)
+        self.fs(f"s3://{name}").mkdir(name)
         return name
 
     def put(self, url: str, data: bytes) -> None:
         """Write an object through the S3 API (so the server gives it a fresh ETag)."""
-        import s3fs
-
-        s3fs.S3FileSystem(**self.options()).pipe(url, data)
+        self.fs(url).pipe(url, data)
 
 
 def _binary() -> str | None:

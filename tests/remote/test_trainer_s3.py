@@ -59,10 +59,8 @@ def tokens_url(s3_server: Any) -> str:
 def test_token_shards_written_to_s3_are_the_ones_written_to_a_local_folder(
     s3_server: Any, tokens_url: str, tmp_path: Path
 ) -> None:
-    import s3fs
-
     local = Path(write_token_shards([corpus_tokens()], tmp_path, shard_tokens=SHARD_TOKENS, dtype=np.uint8)).parent
-    fs = s3fs.S3FileSystem(**s3_server.options())
+    fs = s3_server.fs(tokens_url)
     remote = {path.rsplit("/", 1)[1]: fs.cat_file(path) for path in fs.ls(tokens_url)}
     assert sorted(remote) == sorted(p.name for p in local.iterdir())
     assert_same({name: (local / name).read_bytes() for name in remote}, remote, "objects in the bucket")
