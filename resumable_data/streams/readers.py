@@ -140,10 +140,13 @@ class TokenShardReader:
         self.storage_options = self._remote.storage_options
         self._cache = None if cache_dir is None else CachedRemote(self._remote, cache_dir, cache_limit, prefetch)
         self._mapped: OrderedDict[tuple[str, int, int], np.ndarray] = OrderedDict()
+        # Sizes of remote shards that identity() has just read, each taken by the next read of its
+        # shard instead of a second HEAD: a restore checks the shard, then reads from its cursor.
+        self._checked: dict[str, int] = {}
 
     def __getstate__(self) -> dict[str, Any]:
-        # A worker maps the files itself; mappings are not sent along.
-        return {**self.__dict__, "_mapped": OrderedDict()}
+        # A worker maps the files (and checks the shards) itself; mappings and sizes are not sent along.
+        return {**self.__dict__, "_mapped": OrderedDict(), "_checked": {}}
 
     def tokens(self, shard: Any) -> np.ndarray:
         """The shard's tokens as a read-only memmap (an empty array for an empty file).
@@ -220,12 +223,15 @@ class TokenShardReader:
             )
 
     def _remote_layout(self, url: str) -> tuple[int, int, np.dtype]:
-        """Where a remote shard's tokens start, how many it holds and their dtype: one HEAD request,
-        and for a ``.npy`` file one ranged read of its header."""
+        """Where a remote shard's tokens start, how many it holds and their dtype: one HEAD request
+        (none right after :meth:`identity` read the size), and for a ``.npy`` file one ranged read
+        of its header."""
         try:
-            size, tag = self._remote.size_and_tag(url)
-            if self._cache is not None:
-                self._cache.note(url, size, tag)
+            size = self._checked.pop(url, None)
+            if size is None:
+                size, tag = self._remote.size_and_tag(url)
+                if self._cache is not None:
+                    self._cache.note(url, size, tag)
             if not url.endswith(".npy"):
                 self._check_size(url, size)
                 return 0, size // self.dtype.itemsize, self.dtype
@@ -244,8 +250,11 @@ class TokenShardReader:
 
     def identity(self, shard: Any) -> str:
         """The shard's size and a digest of its first and last bytes (see :func:`file_identity`), or for
-        a URL its size and ETag."""
-        return _path_identity(shard, "token", self._remote if self._cache is None else self._cache)
+        a URL its size and ETag (the size is then kept for the shard's next read)."""
+        identity = _path_identity(shard, "token", self._remote if self._cache is None else self._cache)
+        if is_url(shard):
+            self._checked[str(shard)] = int(identity.split(":", 1)[0])
+        return identity
 
     def planner(self) -> Callable[[Sequence[Any]], None] | None:
         """With a cache, what takes the shards the reading slot reads next, in order (the rest of its

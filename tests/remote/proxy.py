@@ -13,7 +13,7 @@ import socket
 import struct
 import threading
 import time
-from collections import deque
+from collections import Counter, deque
 
 __all__ = ["CUT", "RESET", "SLOWDOWN", "FaultProxy"]
 
@@ -45,7 +45,8 @@ class FaultProxy:
         latency: seconds added before each request is forwarded (one added round trip per request).
         bandwidth: bytes per second the responses are held to (None: no cap).
         always: a fault applied to every request (a permanent failure), or None.
-        bytes_down: response bytes forwarded so far; ``requests``: requests seen (faulted or not).
+        bytes_down: response bytes forwarded so far; ``requests``: requests seen (faulted or not),
+            ``methods`` the same by method (``{"HEAD": 1, "GET": 1}``).
     """
 
     def __init__(self, upstream: tuple[str, int]) -> None:
@@ -55,6 +56,7 @@ class FaultProxy:
         self.always: str | None = None
         self.bytes_down = 0
         self.requests = 0
+        self.methods: Counter[str] = Counter()
         self.faulted = 0
         self._faults: deque[str] = deque()
         self._lock = threading.Lock()
@@ -75,6 +77,7 @@ class FaultProxy:
     def reset_counters(self) -> None:
         with self._lock:
             self.bytes_down = self.requests = self.faulted = 0
+            self.methods = Counter()
 
     def clear(self) -> None:
         """No faults, no shaping."""
@@ -86,9 +89,10 @@ class FaultProxy:
         self._closed = True
         self._listener.close()
 
-    def _next_fault(self) -> str | None:
+    def _next_fault(self, method: str) -> str | None:
         with self._lock:
             self.requests += 1
+            self.methods[method] += 1
             fault = self._faults.popleft() if self._faults else self.always
             self.faulted += fault is not None
             return fault
@@ -112,7 +116,7 @@ class FaultProxy:
     def _requests(self, client: socket.socket, server: socket.socket, cut: list[int]) -> None:
         try:
             while chunk := client.recv(65536):
-                fault = self._next_fault() if chunk.startswith(_METHODS) else None
+                fault = self._next_fault(chunk.split(b" ", 1)[0].decode()) if chunk.startswith(_METHODS) else None
                 if fault == RESET:
                     break
                 if fault == SLOWDOWN:

@@ -160,13 +160,34 @@ def test_a_restore_late_in_the_epoch_fetches_only_the_shard_it_resumes_in(
     while url_key(bucket.urls[index]) not in cached_files(tmp_path / "cold") and time.monotonic() < deadline:
         time.sleep(0.01)
     time.sleep(0.2)  # any other download would have begun by now
-    # On the first batch's path: the identity check and the size (two HEADs), one ranged read; in the
-    # background the shard's download (a HEAD and a GET) may have begun.
-    assert first_requests <= 5, first_requests
+    # On the first batch's path: the identity check (a HEAD, whose size the read reuses) and one ranged
+    # read; in the background the shard's download (a HEAD and a GET) may have begun.
+    assert first_requests <= 4, first_requests
     assert cached_files(tmp_path / "cold") == {url_key(bucket.urls[index])}
     assert proxy.bytes_down <= 2 * 2 * EVEN[index] + 16 * 1024
     rest = batch + list(reading)
     assert_same(read_before + rest, list(bucket.source(None, None, seed=5)), "restored through a cold cache")
+
+
+@pytest.mark.parametrize("cached", [False, True], ids=["no-cache", "cold-cache"])
+def test_a_restore_at_90_percent_costs_one_head_and_one_ranged_read_before_its_first_batch(
+    s3_server: Any, proxy: Any, tmp_path: Path, cached: bool
+) -> None:
+    bucket = Bucket(s3_server, EVEN)
+    first = bucket.source(proxy.endpoint, tmp_path / "first" if cached else None, seed=7, prefetch=0)
+    reading = iter(first)
+    read_before = [next(reading) for _ in range(sum(EVEN) // WINDOW * 9 // 10)]
+    state = json_roundtrip(first.state_dict())
+    restored = bucket.source(proxy.endpoint, tmp_path / "cold" if cached else None, seed=7, prefetch=0)
+    restored.load_state_dict(state)
+    proxy.reset_counters()
+    reading = iter(restored)
+    batch = [next(reading) for _ in range(4)]
+    # The shard-changed check's HEAD (its size also counts the shard's windows) and one ranged GET of
+    # the records from the cursor on; prefetch=0 keeps background downloads out of the count.
+    assert dict(proxy.methods) == {"HEAD": 1, "GET": 1}, proxy.methods
+    rest = batch + list(reading)
+    assert_same(read_before + rest, list(bucket.source(None, None, seed=7)), "restored at 90 % of the epoch")
 
 
 def test_a_shard_changed_on_the_server_is_refused_through_the_cache(s3_server: Any, proxy: Any, tmp_path: Path) -> None:

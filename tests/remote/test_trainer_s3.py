@@ -33,10 +33,9 @@ from trainer.metrics import read_metrics
 SHARD_TOKENS = 128  # 1,000 byte tokens: 7 training shards and a validation one
 # 7 windows of 17 tokens per training shard, 49 in all: with batch 4 an epoch is 12 steps;
 # checkpoints at 4, 6 (eval), 8 and 12, so a kill during step 11 replays 9 and 10 and the resumed
-# run crosses the epoch boundary. In the main process: with DataLoader workers forked after the
-# trainer has read the bucket, a worker closing the clients it inherited stalls the trainer's next
-# request for the read timeout (the storage layer's fork handling; the library tests cover workers).
-MAX_STEPS, KILL_AT, RESUMED_FROM = 16, 11, 8
+# run crosses the epoch boundary. Read by 2 DataLoader workers, forked after the trainer has read
+# the bucket (the index, the shards' sizes): what a worker inherits must not stall the trainer.
+MAX_STEPS, KILL_AT, RESUMED_FROM, WORKERS = 16, 11, 8, 2
 RUN_TIMEOUT_S = 120  # a trainer process: about 4 s here
 
 
@@ -84,7 +83,7 @@ def test_trainer_on_s3_shards_sigkilled_and_resumed_ends_as_an_uninterrupted_loc
     s3_server: Any, tokens_url: str, tmp_path: Path
 ) -> None:
     bucket_folder = s3_server.root / tokens_url.removeprefix("s3://")  # the same files, read locally
-    reference = tiny(tmp_path, "local", data=bucket_folder, max_steps=MAX_STEPS)
+    reference = tiny(tmp_path, "local", data=bucket_folder, max_steps=MAX_STEPS, num_workers=WORKERS)
     interrupted = replace(reference, run_dir=str(tmp_path / "s3"), data=tokens_url)
     assert run_trainer(reference) == 0
     assert run_trainer(interrupted, kill_at=KILL_AT) == -signal.SIGKILL
@@ -92,7 +91,8 @@ def test_trainer_on_s3_shards_sigkilled_and_resumed_ends_as_an_uninterrupted_loc
 
     events = read_metrics(interrupted.run_dir)
     assert [e["step"] for e in events if e["event"] == "resume"] == [RESUMED_FROM]
-    assert all(e["data"].startswith(tokens_url) for e in events if e["event"] == "start")
+    starts = [e for e in events if e["event"] == "start"]
+    assert all(e["data"].startswith(tokens_url) and e["config"]["num_workers"] == WORKERS for e in starts)
     epochs = {e["epoch"] for e in events if e["event"] == "step"}
     assert epochs == {0, 1}, f"the run should cross an epoch boundary: {epochs}"
     assert_same(losses(reference.run_dir), losses(interrupted.run_dir), "every step's loss")
