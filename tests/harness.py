@@ -48,6 +48,16 @@ def json_roundtrip(state: dict[str, Any]) -> dict[str, Any]:
     return json.loads(json.dumps(state))
 
 
+def resumed_run(make: Callable[[], Any], cut: int) -> list[Any]:
+    """``cut`` items of a fresh ``make()``, a restore of its JSON state into another fresh one, then
+    what that one yields to the end of the epoch."""
+    first = make()
+    items = list(itertools.islice(iter(first), cut))
+    restored = make()
+    restored.load_state_dict(json_roundtrip(first.state_dict()))
+    return items + list(restored)
+
+
 def endless(loader: Any) -> Iterator[Any]:
     """Iterate a loader across epochs the way a ``while True: for batch in loader`` loop does."""
     while True:

@@ -12,16 +12,14 @@ refused through the cache by name.
 from __future__ import annotations
 
 import hashlib
-import itertools
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 
-from harness import json_roundtrip
+from harness import json_roundtrip, resumed_run
 from resumable_data import ResumeError
 from resumable_data.streams import ShardedIterable, StreamLoader, TokenShardReader, mix
 from resumable_data.testing import assert_same
@@ -59,14 +57,6 @@ def cached_files(cache: Path) -> set[str]:
 
 def url_key(url: str) -> str:
     return hashlib.sha256(url.encode()).hexdigest()[:32]
-
-
-def resumed_run(make: Callable[[], Any], cut: int) -> list[Any]:
-    first = make()
-    batches = list(itertools.islice(iter(first), cut))
-    restored = make()
-    restored.load_state_dict(json_roundtrip(first.state_dict()))
-    return batches + list(restored)
 
 
 @pytest.mark.parametrize("num_workers", [0, 2])

@@ -7,17 +7,15 @@ number of workers), each record exactly once per epoch; token windows, text line
 
 from __future__ import annotations
 
-import itertools
 import json
 from collections import Counter
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 
-from harness import json_roundtrip
+from harness import resumed_run
 from resumable_data.streams import (
     ParquetReader,
     ShardedIterable,
@@ -70,15 +68,6 @@ def pipeline(data: Data, remote: bool) -> Stream:
 
 def _timeout(num_workers: int) -> dict[str, Any]:
     return {"timeout": 60} if num_workers else {}
-
-
-def resumed_run(make: Callable[[], Any], cut: int) -> list[Any]:
-    """``cut`` items, a restore into a fresh object from the JSON state, then the rest of the epoch."""
-    first = make()
-    batches = list(itertools.islice(iter(first), cut))
-    restored = make()
-    restored.load_state_dict(json_roundtrip(first.state_dict()))
-    return batches + list(restored)
 
 
 def test_remote_shards_are_listed_sorted_and_counted_from_their_sizes(data: Data) -> None:

@@ -116,16 +116,21 @@ def test_with_cursors_an_unchanged_shard_resumes_and_a_shard_read_from_its_start
 
 
 # -- the default: a reader that counts gives the sizes, so the state is a position ------------------
+def _half_read_state(paths: list[Path], reader: Any) -> dict[str, Any]:
+    """The JSON state of a default-built (counted sizes) unshuffled stream halfway through its records."""
+    stream = ShardedIterable(paths, read_shard=reader, shuffle=False)
+    items = iter(stream)
+    for _ in range(RECORDS // 2):
+        next(items)
+    return json_roundtrip(stream.state_dict())
+
+
 @pytest.mark.parametrize("make", [token_shards, parquet_shards], ids=["token", "parquet"])
 def test_by_default_a_shard_whose_count_changed_is_refused_at_load_naming_it(
     tmp_path: Path, make: Callable[[Path], tuple[list[Path], Any]]
 ) -> None:
     paths, reader = make(tmp_path)
-    stream = ShardedIterable(paths, read_shard=reader, shuffle=False)
-    items = iter(stream)
-    for _ in range(RECORDS // 2):
-        next(items)
-    state = json_roundtrip(stream.state_dict())
+    state = _half_read_state(paths, reader)
     assert "position" in state  # the reader counted the sizes
     truncate(paths[0])
     for allow in (False, True):  # a position over other counts would mean other records: never read on
@@ -141,11 +146,7 @@ def test_by_default_a_shard_rewritten_with_as_many_records_is_refused_when_read_
     tmp_path: Path, make: Callable[[Path], tuple[list[Path], Any]]
 ) -> None:
     paths, reader = make(tmp_path)
-    stream = ShardedIterable(paths, read_shard=reader, shuffle=False)
-    items = iter(stream)
-    for _ in range(RECORDS // 2):
-        next(items)
-    state = json_roundtrip(stream.state_dict())
+    state = _half_read_state(paths, reader)
     same_size_other_content(paths[0])
     restored = ShardedIterable(paths, read_shard=reader, shuffle=False)
     restored.load_state_dict(state)
