@@ -15,8 +15,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from ..core import state as keys
 from ..core.cursor import Segment
+from ..core.permutation import PiecewisePermutation
 from ..core.state import require_int, require_mapping
 from ..errors import ResumeError
 from ..map.batch_sampler import ResumableBatchSampler
@@ -137,6 +140,26 @@ class MapLayout:
         """The run's batch number: the batches of the epochs before (each over the whole dataset, the
         next epoch's length: a grown epoch's own is not theirs) plus ``batch``."""
         return epoch * self.batches_in_epoch(self.epoch + 1) + batch
+
+    def read_limit(self, epoch: int) -> int:
+        """The first position of epoch ``epoch`` that no batch reads: its padded end, or with
+        ``drop_last`` the end of its last full batch."""
+        if self.drop_last:
+            return self.world_size * self.batch_size * self.batches_in_epoch(epoch)
+        return self.samplers[0].end_position(epoch, 0)
+
+    def sample_at(self, epoch: int, position: int) -> int:
+        """The sample at global ``position`` of epoch ``epoch``'s order (the padded tail wraps)."""
+        position %= self.epoch_length(epoch)
+        return int(self._order(epoch)(np.array([position]))[0]) if self.samplers[0].shuffle else position
+
+    def position_of(self, epoch: int, sample: int) -> int:
+        """The position of ``sample`` in epoch ``epoch``'s order (its first, before any padding)."""
+        return int(self._order(epoch).inverse(np.array([sample]))[0]) if self.samplers[0].shuffle else sample
+
+    def _order(self, epoch: int) -> PiecewisePermutation:
+        sampler = self.samplers[0]
+        return PiecewisePermutation(sampler.epoch_lengths(epoch), sampler.seed, epoch)
 
     def indices(self, epoch: int, start: int, rank: int) -> list[int]:
         """Rank ``rank``'s sample indices of the batch that begins at global ``start`` of epoch ``epoch``."""

@@ -17,9 +17,6 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-import numpy as np
-
-from ..core.permutation import PiecewisePermutation
 from ..core.state import check_int_arg
 from ..errors import ResumeError
 from .layout import MapLayout
@@ -198,19 +195,16 @@ def locate(
             else f"the dataset has {sampler.dataset_length} samples"
         )
         raise ResumeError(f"sample {sample} is not in epoch {epoch}'s order of {length} samples: {why}")
-    if sampler.shuffle:
-        position = int(PiecewisePermutation(sampler.epoch_lengths(epoch), sampler.seed, epoch).inverse(np.array([sample]))[0])
-    else:
-        position = sample
+    position = layout.position_of(epoch, sample)
     # The padded tail re-reads the order's first positions after its end.
     end = sampler.end_position(epoch, 0)
     occurrences = [position] + ([position + length] if position + length < end else [])
-    read_limit = layout.batch_start(epoch, layout.batches_in_epoch(epoch)) if layout.drop_last else end
     samples = []
     for q in occurrences:
         batch = layout.batch_of(q)
-        status = DROPPED if q >= read_limit else _status(layout, epoch, q, q + 1)
-        samples.append(SampleReport(sample, epoch, q, q % layout.world_size, batch, layout.step_of(epoch, batch), status))
+        samples.append(
+            SampleReport(sample, epoch, q, q % layout.world_size, batch, layout.step_of(epoch, batch), _status(layout, epoch, q, q + 1))
+        )
     return _report(found.key, layout, samples=samples)
 
 
@@ -223,7 +217,9 @@ def _ranks(layout: MapLayout, rank: int | None) -> list[int]:
 
 
 def _status(layout: MapLayout, epoch: int, start: int, end: int) -> str:
-    """A stretch of positions relative to the state: read, skipped or unread."""
+    """A stretch of positions relative to the state: read, skipped, unread, or dropped (no batch reads it)."""
+    if start >= layout.read_limit(epoch):
+        return DROPPED
     if epoch != layout.epoch:
         return READ if epoch < layout.epoch else UNREAD
     if start >= layout.position:
@@ -256,9 +252,10 @@ def _next(layout: MapLayout, n: int, ranks: list[int]) -> list[BatchReport]:
 
 
 def _previous(layout: MapLayout, n: int, ranks: list[int]) -> list[BatchReport]:
-    if layout.position == 0:
+    # With drop_last a finished epoch's position counts the trimmed tail too: no batch read it.
+    last = min(layout.batch_of(layout.position - 1), layout.batches_in_epoch(layout.epoch) - 1)
+    if layout.position == 0 or last < 0:
         return []
-    last = layout.batch_of(layout.position - 1)
     first = max(0, last - n + 1)
     return [_batch(layout, layout.epoch, layout.batch_start(layout.epoch, k), ranks) for k in range(first, last + 1)]
 
@@ -285,7 +282,7 @@ def _positions(layout: MapLayout, positions: tuple[int, int], ranks: list[int]) 
         rank = q % layout.world_size
         if rank not in ranks:
             continue
-        sample = int(next(layout.samplers[rank].index_chunks(epoch, q - rank, 1))[0])
+        sample = layout.sample_at(epoch, q)
         batch = layout.batch_of(q)
         status = _status(layout, epoch, q, q + 1)
         out.append(BatchReport(epoch, batch, layout.step_of(epoch, batch), q, q + 1, status, {rank: [sample]}))
