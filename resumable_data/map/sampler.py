@@ -359,7 +359,9 @@ class ResumableSampler(torch.utils.data.Sampler[int]):
         if keys.BATCH_SIZE in state:
             require_int(state, keys.BATCH_SIZE, what, minimum=1)
         # Version 4 is version 2 or 3 plus the skipped ranges: epoch_lengths when the epoch grew.
-        grown_state = version == GROWN_STATE_VERSION or (version == SKIPPED_STATE_VERSION and keys.EPOCH_LENGTHS in state)
+        grown_state = version == GROWN_STATE_VERSION or (
+            version == SKIPPED_STATE_VERSION and keys.EPOCH_LENGTHS in state
+        )
         saved_lengths = require_pieces(state, keys.EPOCH_LENGTHS, what, at_most=length) if grown_state else (length,)
         skipped = require_skipped(state, what, position=position) if version == SKIPPED_STATE_VERSION else ()
         adopt = seed != self._seed and self._adopt_seed

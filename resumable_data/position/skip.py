@@ -34,7 +34,7 @@ from ..core.state import check_int_arg
 from ..errors import ResumeError
 from ..map.skipped import SKIPPED, SKIPPED_STATE_VERSION, add_skipped
 from .layout import MapLayout, is_map_state
-from .source import Source, find_state
+from .source import find_state
 
 __all__ = ["skip", "skip_state"]
 

@@ -10,14 +10,13 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from ..checkpoint.inspect import DcpReport, Report, inspect_checkpoint
 from ..errors import ResumeError
 from .layout import is_map_state
 
-__all__ = ["Found", "find_state"]
+__all__ = ["Found", "Source", "find_state"]
 
 Source = Mapping[str, Any] | str | os.PathLike[str]
 
@@ -69,13 +68,3 @@ def find_state(source: Source, key: str | None = None) -> Found:
     (path, state), *_ = candidates.items()
     return Found(state, path, report)
 
-
-def payload_of(found: Found) -> Path:
-    """The payload file the state was read from.
-
-    Raises:
-        ResumeError: the state did not come from a checkpoint.
-    """
-    if found.report is None:
-        raise ResumeError("the data state was given directly, not read from a checkpoint")
-    return found.report.payload

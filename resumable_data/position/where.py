@@ -96,7 +96,9 @@ class WhereReport:
             f"world size {self.world_size}, batch size {self.batch_size}; skipped positions: {skipped}"
         ]
         for b in self.batches:
-            out.append(f"  step {b.step} (epoch {b.epoch}, batch {b.batch}, positions {b.start}..{b.end - 1}) {b.status}")
+            out.append(
+                f"  step {b.step} (epoch {b.epoch}, batch {b.batch}, positions {b.start}..{b.end - 1}) {b.status}"
+            )
             out.extend(f"    rank {rank}: {indices}" for rank, indices in b.indices.items())
         for s in self.samples:
             out.append(
@@ -116,7 +118,7 @@ class WhereReport:
 def where(
     source: Source,
     *,
-    next: int | None = None,  # noqa: A002 - the CLI's --next
+    next: int | None = None,
     previous: int | None = None,
     step: int | None = None,
     positions: tuple[int, int] | None = None,
@@ -154,7 +156,11 @@ def where(
         >>> where(loader.state_dict()).batches[0].indices == {0: next(batches).tolist()}
         True
     """
-    chosen = [name for name, value in (("next", next), ("previous", previous), ("step", step), ("positions", positions)) if value is not None]
+    chosen = [
+        name
+        for name, value in (("next", next), ("previous", previous), ("step", step), ("positions", positions))
+        if value is not None
+    ]
     if len(chosen) > 1:
         raise ResumeError(f"give one of next, previous, step and positions, not {' and '.join(chosen)}")
     found = find_state(source, key)
@@ -203,7 +209,15 @@ def locate(
     for q in occurrences:
         batch = layout.batch_of(q)
         samples.append(
-            SampleReport(sample, epoch, q, q % layout.world_size, batch, layout.step_of(epoch, batch), _status(layout, epoch, q, q + 1))
+            SampleReport(
+                sample,
+                epoch,
+                q,
+                q % layout.world_size,
+                batch,
+                layout.step_of(epoch, batch),
+                _status(layout, epoch, q, q + 1),
+            )
         )
     return _report(found.key, layout, samples=samples)
 
@@ -233,7 +247,9 @@ def _batch(layout: MapLayout, epoch: int, start: int, ranks: list[int]) -> Batch
     batch = layout.batch_of(start)
     end = layout.batcher(0).position_after(epoch, start, 1)
     indices = {rank: layout.indices(epoch, start, rank) for rank in ranks}
-    return BatchReport(epoch, batch, layout.step_of(epoch, batch), start, end, _status(layout, epoch, start, end), indices)
+    return BatchReport(
+        epoch, batch, layout.step_of(epoch, batch), start, end, _status(layout, epoch, start, end), indices
+    )
 
 
 def _next(layout: MapLayout, n: int, ranks: list[int]) -> list[BatchReport]:

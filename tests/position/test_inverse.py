@@ -34,7 +34,9 @@ def test_every_position_of_a_small_order_comes_back(length: int, seed: int, epoc
     seed=seeds,
     epoch=st.integers(0, 50),
 )
-def test_a_grown_epochs_piecewise_order_is_inverted_piece_by_piece(ends: tuple[int, ...], seed: int, epoch: int) -> None:
+def test_a_grown_epochs_piecewise_order_is_inverted_piece_by_piece(
+    ends: tuple[int, ...], seed: int, epoch: int
+) -> None:
     perm = PiecewisePermutation(ends, seed, epoch)
     positions = np.arange(ends[-1])
     assert perm.inverse(perm(positions)).tolist() == positions.tolist()

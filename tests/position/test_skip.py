@@ -154,7 +154,7 @@ def test_an_epoch_already_over_and_a_stream_state_are_refused_with_what_to_do() 
     loader = make(4, 2, 1, 0)
     for _ in loader:
         pass
-    with pytest.raises(ResumeError, match="already over.*skip from a checkpoint of the next epoch"):
+    with pytest.raises(ResumeError, match=r"already over.*skip from a checkpoint of the next epoch"):
         skip_state(loader.state_dict(), batches=1)
     stream_state = torch.load(saved.STATES / "shuffle_buffer.pt", weights_only=True)["state"]
     with pytest.raises(ResumeError, match=r"shuffle buffer.*\.filter\(\.\.\.\)"):

@@ -94,7 +94,9 @@ configs = st.fixed_dictionaries(
 
 @settings(max_examples=40)
 @given(config=configs, cut_fraction=st.floats(0, 1), n=st.integers(1, 4))
-def test_next_previous_and_step_are_the_batches_of_the_loader(config: dict[str, Any], cut_fraction: float, n: int) -> None:
+def test_next_previous_and_step_are_the_batches_of_the_loader(
+    config: dict[str, Any], cut_fraction: float, n: int
+) -> None:
     runs = [run(config, rank) for rank in range(config["world"])]
     total = len(runs[0])
     cut = int(cut_fraction * total)
@@ -139,7 +141,9 @@ def test_locate_finds_every_sample_of_the_epoch_where_the_loader_reads_it(
             assert (found.sample, found.epoch, found.rank) == (sample, epoch, found.position % world)
             offset = found.position // world % size
             if found.status == DROPPED:
-                assert found.batch >= len(epoch_batches[found.rank]) or offset >= len(epoch_batches[found.rank][found.batch])
+                assert found.batch >= len(epoch_batches[found.rank]) or offset >= len(
+                    epoch_batches[found.rank][found.batch]
+                )
                 continue
             assert epoch_batches[found.rank][found.batch][offset] == sample, f"sample {sample} at {found}"
             assert found.step == first_step + found.batch
