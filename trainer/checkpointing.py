@@ -173,12 +173,6 @@ class Checkpoints(contextlib.AbstractContextManager["Checkpoints"]):
         return {MODEL: model_state, OPTIMIZER: optimizer_state, DATALOADER: DataLoaderState(self.loader)}
 
 
-def moved_by_skip(data_state: Mapping[str, Any]) -> bool:
-    """Whether ``python -m resumable_data skip`` moved the data state: its last skipped range ends at its position."""
-    skipped = data_state.get("skipped") or [[0, -1]]
-    return bool(skipped[-1][1] == data_state.get("position"))
-
-
 def next_step_fingerprint(data: TrainingData, grad_accum: int, par: parallel.Parallel) -> str:
     """A short hash of what the next optimizer step reads (``TrainingData.peek``), all ranks' in rank order (a collective)."""
     indices = par.gather(data.peek(grad_accum))
