@@ -19,6 +19,9 @@ lengths it was built over, which the state records as ``"epoch_lengths"`` (with 
 a state of an epoch that never grew is the version-2 state it always was). The next epoch's order
 covers the whole dataset. Positions stay global counts, so any world size still resumes.
 
+Skipped stretches. A state that ``skip`` moved past a bad stretch records the positions it skipped as
+``"skipped"`` (``"version": 4``, see ``map.skipped``); the sampler writes them back until its epoch ends.
+
 Which epoch the next ``iter()`` covers, and from where, is an
 :class:`~resumable_data.core.cursor.EpochCursor` (the epoch rules live there). ``iter()`` is pure
 given it: the selected epoch from its start (or from a pending restore), as ``DistributedSampler``,
