@@ -67,4 +67,3 @@ def find_state(source: Source, key: str | None = None) -> Found:
         raise ResumeError(f"{source} holds several data states ({', '.join(candidates)}): pick one with --state")
     (path, state), *_ = candidates.items()
     return Found(state, path, report)
-
