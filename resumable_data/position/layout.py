@@ -26,7 +26,13 @@ from ..map.batch_sampler import ResumableBatchSampler
 from ..map.sampler import ResumableSampler
 from ..map.skipped import Ranges
 
-__all__ = ["MapLayout", "is_map_state"]
+__all__ = ["STREAM_STATES", "MapLayout", "is_map_state"]
+
+STREAM_STATES = (
+    "a stream's state (StreamLoader, ShardedIterable, shuffle_buffer, shuffle_window) names records by shard "
+    "cursors and slot states whose meaning depends on the pipeline (shard list, sizes, reader, stages), "
+    "which the checkpoint does not hold"
+)
 
 _WHAT = "data"
 # What every map-style state holds beside version, epoch and position (a stream's does not).
@@ -74,8 +80,8 @@ class MapLayout:
         if not is_map_state(state):
             missing = [key for key in _MAP_KEYS if key not in state]
             raise ResumeError(
-                f"not a ResumableSampler or ResumableDataLoader state (it lacks {', '.join(missing)}): a stream's state "
-                "(StreamLoader, ShardedIterable) has no position-to-sample arithmetic that `where` and `skip` can use"
+                f"not a ResumableSampler or ResumableDataLoader state (it lacks {', '.join(missing)}): `where` and "
+                f"`skip` answer map-style states only; {STREAM_STATES}"
             )
         saved = state.get(keys.BATCH_SIZE)
         if saved is not None:
@@ -84,7 +90,9 @@ class MapLayout:
                 raise ResumeError(f"batch_size is {batch_size}, but the state was saved with batch_size {saved}")
         size = saved if saved is not None else batch_size
         if size is None:
-            raise ResumeError("batch_size: the state is a ResumableSampler's, which has no batch size: pass one")
+            raise ResumeError(
+                "batch_size: the state is a ResumableSampler's, which has no batch size: pass one (--batch-size)"
+            )
         if size < 1:
             raise ResumeError(f"batch_size should be an integer >= 1, but got batch_size={size}")
         world = require_int(state, keys.WORLD_SIZE, _WHAT, minimum=1)

@@ -14,7 +14,7 @@ from typing import Any
 
 from ..checkpoint.inspect import DcpReport, Report, inspect_checkpoint
 from ..errors import ResumeError
-from .layout import is_map_state
+from .layout import STREAM_STATES, is_map_state
 
 __all__ = ["Found", "Source", "find_state"]
 
@@ -62,7 +62,10 @@ def find_state(source: Source, key: str | None = None) -> Found:
         return Found(states[key], key, report)
     candidates = {path: state for path, state in states.items() if is_map_state(state)} or states
     if not candidates:
-        raise ResumeError(f"{source}: no data state found (no dict with version, epoch and position)")
+        raise ResumeError(
+            f"{source}: no map-style data state found (a ResumableSampler or ResumableDataLoader state: a dict with "
+            f"version, epoch, position, dataset_length, ...); {STREAM_STATES}"
+        )
     if len(candidates) > 1:
         raise ResumeError(f"{source} holds several data states ({', '.join(candidates)}): pick one with --state")
     (path, state), *_ = candidates.items()

@@ -249,3 +249,14 @@ def test_bad_where_questions_give_one_error_line(
     assert main(["where", str(run / "step-00000005"), *argv]) == 1
     out, err = capsys.readouterr()
     assert out == "" and len(err.splitlines()) == 1 and err.startswith("error: ") and fragment in err, err
+
+
+@pytest.mark.parametrize("fixture", ["stream_loader_0_workers", "shuffle_buffer"])
+def test_where_on_a_streams_state_says_why_it_cannot_answer(
+    fixture: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = tmp_path / "state.pt"
+    torch.save(torch.load(saved.STATES / f"{fixture}.pt", weights_only=True)["state"], path)
+    assert main(["where", str(path)]) == 1
+    out, err = capsys.readouterr()
+    assert out == "" and len(err.splitlines()) == 1 and "depends on the pipeline" in err, err
