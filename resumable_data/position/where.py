@@ -136,11 +136,11 @@ def where(
         next: The next ``n`` batches the restored loader yields (into the following epochs).
         previous: The last ``n`` batches of the state's epoch before its position.
         step: The batch of that number in the run (see the module docstring).
-        positions: ``(a, b)``: the batches' worth of global positions ``[a, b)`` of the state's
-            epoch, each as a batch of one sample on the rank that reads it.
+        positions: ``(a, b)``: the global positions ``[a, b)`` of the state's epoch, one row each
+            (a :class:`BatchReport` of one sample, on the rank that reads it).
         rank: Only this rank's indices.
         batch_size: For a sampler's state, which has none.
-        key: Which data state of a checkpoint holding several (see :func:`find_state`).
+        key: Which data state of a checkpoint holding several: the key path ``inspect`` prints.
 
     Returns:
         The batches, in the order they are (or were) read.
@@ -184,6 +184,17 @@ def locate(
 
     One inverse permutation evaluation, whatever the dataset size. A sample the padded tail repeats
     (no ``drop_last``, the dataset not a multiple of the world size) is reported at both positions.
+
+    Args:
+        source: A state dict or a checkpoint, as :func:`where` takes it.
+        sample: The dataset index.
+        epoch: The epoch to look in (default: the state's); an earlier one counts as read, a later one
+            as unread (skips are known for the state's epoch only).
+        batch_size: For a sampler's state, which has none.
+        key: Which data state of a checkpoint holding several.
+
+    Returns:
+        The report, its ``samples`` one :class:`SampleReport` per position that reads the sample.
 
     Raises:
         ResumeError: a bad source, or ``sample`` is not in the epoch's order.
