@@ -1,4 +1,4 @@
-"""Command line: ``inspect PATH``, ``write-shards`` and ``demo``.
+"""Command line: ``inspect PATH``, ``where`` and ``skip`` (``position.cli``), ``write-shards`` and ``demo``.
 
 ``inspect`` verifies a checkpoint (manifest, size, sha256) and prints its step, data position (epoch,
 position, world size) and sizes; it loads with ``torch.load(weights_only=True)`` only, so nothing in
@@ -20,9 +20,13 @@ import torch
 
 from .checkpoint.inspect import inspect_checkpoint
 from .errors import ResumeError
+from .position import cli as position_cli
 from .streams.write import SHARD_NAME, jsonl_documents, write_token_shards
 
-DESCRIPTION = "Inspect resumable_data checkpoints, write token shards, or watch a loader resume exactly (demo)."
+DESCRIPTION = (
+    "Inspect resumable_data checkpoints, see which batch reads which sample (where), skip a bad stretch "
+    "(skip), write token shards, or watch a loader resume exactly (demo)."
+)
 
 
 def inspect(path: str, *, as_json: bool = False) -> int:
@@ -113,9 +117,13 @@ def main(argv: list[str] | None = None) -> int:
     inspect_parser.add_argument("--json", action="store_true", help="print the report as JSON")
     _add_write_shards(commands)
     commands.add_parser("demo", help="stop a loader mid-epoch and resume it exactly")
+    position_cli.add_where(commands)
+    position_cli.add_skip(commands)
     args = parser.parse_args(argv)
     if args.command == "inspect":
         return inspect(args.path, as_json=args.json)
+    if args.command in ("where", "skip"):
+        return position_cli.run_where(args) if args.command == "where" else position_cli.run_skip(args)
     return write_shards(args) if args.command == "write-shards" else demo()
 
 

@@ -49,6 +49,9 @@ class TrainConfig:
     text_field: str = _option("text", "the field of each .jsonl/.parquet document that holds its text")
     cache_dir: str | None = _option(None, "where tokenized corpora are cached")
     resume: str = _option("auto", "'auto' (newest valid checkpoint, if any), 'never', or a checkpoint path")
+    skip_batches: int = _option(
+        0, "on resume, skip the next N batches of the restored position, within its epoch (kept as skipped)", 0
+    )
     # Architecture: None means "from the checkpoint on resume, else ModelConfig's default".
     block_size: int | None = _option(None, "context length in bytes")
     n_layer: int | None = _option(None, "transformer blocks")

@@ -26,6 +26,7 @@ from tqdm import tqdm
 
 import resumable_data
 from resumable_data.checkpoint import GracefulStop
+from resumable_data.position import skip_state
 from resumable_data.rng import rank_seed, restore_rank_rng_state
 
 from . import checkpointing as ckpt
@@ -97,6 +98,8 @@ def _train(config: TrainConfig, par: parallel.Parallel) -> TrainResult:
         resume_path = checkpoints.choose(config.resume)
         say(f"{run_dir}: resuming from {resume_path}" if resume_path else f"{run_dir}: training from scratch")
         checkpoint = checkpoints.read(resume_path)
+        if config.skip_batches and resume_path is None:
+            raise resumable_data.ResumeError(f"--skip-batches {config.skip_batches}: no checkpoint to resume from")
         # --data: token shards (write-shards' index.json, local or s3://), documents, or text (fixed byte windows)
         index = shard_index(config.data)
         documents = None if index else document_files(config.data)
@@ -136,15 +139,19 @@ def _train(config: TrainConfig, par: parallel.Parallel) -> TrainResult:
         resumed: dict[str, Any] = {}  # for the log
         if checkpoint is not None and resume_path is not None:
             checkpoints.restore(resume_path, checkpoint)  # weights, moments, data position
+            if config.skip_batches:  # past a bad stretch: the data state records those batches as skipped
+                loader.load_state_dict(skip_state(loader.state_dict(), batches=config.skip_batches))
             scheduler.load_state_dict(checkpoint[ckpt.LR_SCHEDULER])
-            # After a world-size change the batches are cut differently: only the learning rate compares.
-            same_world = "world_size" not in plan.changes
-            next_batch = ckpt.next_step_fingerprint(data, grad_accum, par) if same_world else None
+            # After a world-size change the batches are cut differently, and a skip (--skip-batches, or `python -m
+            # resumable_data skip` on the checkpoint: its last skipped range ends here) moved them on: only the lr compares.
+            same_world, data_state = "world_size" not in plan.changes, loader.state_dict()
+            compare = same_world and data_state.get("skipped", [[0, -1]])[-1][1] != data_state.get("position")
+            next_batch = ckpt.next_step_fingerprint(data, grad_accum, par) if compare else None
             ckpt.audit(checkpoint[ckpt.AUDIT], next_batch, data.sha256, optimizer, config, state.step, resume_path)
             lr = optimizer.param_groups[0]["lr"]
             say(
                 f"resuming at step {state.step}: epoch {loader.epoch}, {data.done()}; "
-                f"the next step's {'batch indices and ' if same_world else ''}learning rate {format_lr(lr)} match "
+                f"the next step's {'batch indices and ' if compare else ''}learning rate {format_lr(lr)} match "
                 "what the checkpoint recorded" + ("" if same_world else f"; {config.elastic}: {plan.describe()}")
             )
             # Last, because building the model above drew from the RNGs it restores.
@@ -153,7 +160,7 @@ def _train(config: TrainConfig, par: parallel.Parallel) -> TrainResult:
             rng = f"ranks {len(saved_rng)}..{par.world_size - 1} seeded from (seed, step, rank)"
             rng = rng if par.world_size > len(saved_rng) else "restored"
             resumed = {"step": state.step, "checkpoint": str(resume_path), "audit": "ok", "elastic": config.elastic}
-            resumed |= {"changes": plan.changes, "rng": rng}
+            resumed |= {"changes": plan.changes, "rng": rng, "skipped_batches": config.skip_batches}
             checkpoint = None  # free the CPU copy of the weights
 
         # -- Logging: opened after the resume, so a refused one leaves no start event in metrics.jsonl --

@@ -75,15 +75,31 @@ class Permutation:
         """Map positions (int array, each in ``[0, length)``) to indices, elementwise."""
         if self._feistel is not None:
             return self._feistel(positions)
-        positions = _checked(positions, self.length)
+        return self._order()[_checked(positions, self.length)]
+
+    def _order(self) -> np.ndarray:
+        """The exact shuffle's table, built on first use."""
         if self._table is None:
             keys = hash_more_array(hash_ints(self.seed, self.epoch), np.arange(self.length), _EXACT_SALT)
             self._table = np.argsort(keys).astype(np.int64)
-        return self._table[positions]
+        return self._table
 
     def __getitem__(self, position: int) -> int:
         """The index at one position."""
         return int(self(np.array([position], dtype=np.int64))[0])
+
+    def inverse(self, indices: np.ndarray) -> np.ndarray:
+        """Map indices (int array, each in ``[0, length)``) to the positions they sit at, elementwise.
+
+        ``perm.inverse(perm(p)) == p``: which position of the epoch reads an index, at the cost of one
+        position (the Feistel network run backwards; below :data:`EXACT_MAX`, the table's inverse).
+        """
+        if self._feistel is not None:
+            return self._feistel.inverse(indices)
+        indices = _checked(indices, self.length)
+        inverse = np.empty(self.length, dtype=np.int64)
+        inverse[self._order()] = np.arange(self.length, dtype=np.int64)
+        return inverse[indices]
 
     def __len__(self) -> int:
         return self.length
@@ -137,6 +153,19 @@ class PiecewisePermutation:
             mask = which == k
             start = int(self._starts[k])
             out[mask] = start + self._pieces[k](positions[mask] - start)
+        return out
+
+    def inverse(self, indices: np.ndarray) -> np.ndarray:
+        """Map indices to their positions, elementwise: a piece's indices sit at that piece's positions."""
+        if len(self._pieces) == 1:
+            return self._pieces[0].inverse(indices)
+        indices = _checked(indices, self.length).astype(np.int64)
+        which = np.searchsorted(self._starts, indices, side="right") - 1
+        out = np.empty_like(indices)
+        for k in np.unique(which).tolist():
+            mask = which == k
+            start = int(self._starts[k])
+            out[mask] = start + self._pieces[k].inverse(indices[mask] - start)
         return out
 
     def __len__(self) -> int:
@@ -247,6 +276,29 @@ class FeistelPermutation:
         while x >= self.length:
             x = self._network_scalar(x)
         return x
+
+    def _inverse_scalar(self, y: int) -> int:
+        """One pass of the network backwards: each round undone, last round first."""
+        for key, multiplier, low_bits, _, high_bits, drop in reversed(self._scalar_rounds):
+            low = y >> high_bits  # the round moved its low part to the top
+            high = (y & ((1 << high_bits) - 1)) ^ ((((low ^ key) * multiplier) & _MASK64) >> drop)
+            y = (high << low_bits) | low
+        return y
+
+    def inverse(self, indices: np.ndarray) -> np.ndarray:
+        """Map indices to their positions, elementwise: the network backwards, with cycle walking.
+
+        Cycle walking backwards inverts cycle walking forwards (both follow the same cycles of the
+        network, in opposite directions, to the nearest value inside ``[0, length)``), so each index
+        costs what a position costs. Python ints: a question is about a few samples, not an epoch.
+        """
+        out = []
+        for y in _checked(indices, self.length).tolist():
+            x = self._inverse_scalar(y)
+            while x >= self.length:
+                x = self._inverse_scalar(x)
+            out.append(x)
+        return np.array(out, dtype=np.int64)
 
     def __getitem__(self, position: int) -> int:
         """The index at one position."""

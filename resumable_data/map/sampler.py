@@ -19,6 +19,9 @@ lengths it was built over, which the state records as ``"epoch_lengths"`` (with 
 a state of an epoch that never grew is the version-2 state it always was). The next epoch's order
 covers the whole dataset. Positions stay global counts, so any world size still resumes.
 
+Skipped stretches. A state that ``skip`` moved past a bad stretch records the positions it skipped as
+``"skipped"`` (``"version": 4``, see ``map.skipped``); the sampler writes them back until its epoch ends.
+
 Which epoch the next ``iter()`` covers, and from where, is an
 :class:`~resumable_data.core.cursor.EpochCursor` (the epoch rules live there). ``iter()`` is pure
 given it: the selected epoch from its start (or from a pending restore), as ``DistributedSampler``,
@@ -44,6 +47,7 @@ from ..core.growth import ERROR, check_growth, grown_pieces, require_pieces
 from ..core.permutation import EXACT_MAX, PiecewisePermutation
 from ..core.state import check_int_arg, check_version, require_bool, require_int, require_mapping
 from ..errors import ResumeError, ResumeWarning
+from .skipped import SKIPPED, SKIPPED_STATE_VERSION, Ranges, require_skipped
 
 __all__ = ["ResumableSampler"]
 
@@ -138,7 +142,9 @@ class ResumableSampler(torch.utils.data.Sampler[int]):
         # The epoch a restore grew and the piece ends of its order, else None (the order is then
         # over the whole dataset); dropped as soon as the cursor enters another epoch.
         self._grown: tuple[int, tuple[int, ...]] | None = None
-        self._cursor = EpochCursor("sampler", on_new_epoch=self._forget_growth)
+        # The epoch a restored state had skipped stretches of (map.skipped) and those ranges, else None.
+        self._skipped: tuple[int, Ranges] | None = None
+        self._cursor = EpochCursor("sampler", on_new_epoch=self._forget_epoch)
         self._permutation: PiecewisePermutation | None = None
 
     # -- read-only views ---------------------------------------------------------------------
@@ -197,8 +203,14 @@ class ResumableSampler(torch.utils.data.Sampler[int]):
         """Samples in epoch ``epoch``'s order (all ranks together, before padding or trimming)."""
         return self.epoch_lengths(epoch)[-1]
 
-    def _forget_growth(self) -> None:
+    def skipped_ranges(self, epoch: int) -> Ranges:
+        """Global position ranges ``(start, end)`` of epoch ``epoch`` that a ``skip`` moved past
+        without reading (see ``map.skipped``); empty unless the restored state had some."""
+        return self._skipped[1] if self._skipped is not None and self._skipped[0] == epoch else ()
+
+    def _forget_epoch(self) -> None:
         self._grown = None
+        self._skipped = None
 
     # -- epochs --------------------------------------------------------------------------------
     def set_epoch(self, epoch: int) -> None:
@@ -271,8 +283,10 @@ class ResumableSampler(torch.utils.data.Sampler[int]):
         """The state dict of this sampler's configuration at ``(epoch, position)``."""
         lengths = self.epoch_lengths(epoch)
         grown = lengths != (self._length,)
+        skipped = [list(pair) for pair in self.skipped_ranges(epoch) if pair[1] <= position]
+        version = GROWN_STATE_VERSION if grown else SAMPLER_STATE_VERSION
         state: dict[str, Any] = {
-            keys.VERSION: GROWN_STATE_VERSION if grown else SAMPLER_STATE_VERSION,
+            keys.VERSION: SKIPPED_STATE_VERSION if skipped else version,
             keys.EPOCH: epoch,
             keys.POSITION: position,
             keys.DATASET_LENGTH: self._length,
@@ -283,6 +297,8 @@ class ResumableSampler(torch.utils.data.Sampler[int]):
         }
         if grown:
             state[keys.EPOCH_LENGTHS] = list(lengths)
+        if skipped:
+            state[SKIPPED] = skipped
         return state
 
     def state_dict(self) -> dict[str, Any]:
@@ -333,7 +349,7 @@ class ResumableSampler(torch.utils.data.Sampler[int]):
         state = require_mapping(state, what)
         version = require_int(state, keys.VERSION, what)
         old_order = version < _ORDER_CHANGED_BEFORE
-        if not old_order and version != GROWN_STATE_VERSION:
+        if not old_order and version not in (GROWN_STATE_VERSION, SKIPPED_STATE_VERSION):
             check_version(state, SAMPLER_STATE_VERSION, what)
         epoch = require_int(state, keys.EPOCH, what, minimum=0)
         position = require_int(state, keys.POSITION, what, minimum=0)
@@ -345,11 +361,12 @@ class ResumableSampler(torch.utils.data.Sampler[int]):
         require_bool(state, keys.DROP_LAST, what)
         if keys.BATCH_SIZE in state:
             require_int(state, keys.BATCH_SIZE, what, minimum=1)
-        saved_lengths = (
-            require_pieces(state, keys.EPOCH_LENGTHS, what, at_most=length)
-            if version == GROWN_STATE_VERSION
-            else (length,)
+        # Version 4 is version 2 or 3 plus the skipped ranges: epoch_lengths when the epoch grew.
+        grown_state = version == GROWN_STATE_VERSION or (
+            version == SKIPPED_STATE_VERSION and keys.EPOCH_LENGTHS in state
         )
+        saved_lengths = require_pieces(state, keys.EPOCH_LENGTHS, what, at_most=length) if grown_state else (length,)
+        skipped = require_skipped(state, what, position=position) if version == SKIPPED_STATE_VERSION else ()
         adopt = seed != self._seed and self._adopt_seed
         if old_order:
             check_version(state, 1, what)
@@ -403,6 +420,7 @@ class ResumableSampler(torch.utils.data.Sampler[int]):
                 )
                 self._seed = seed
             self._grown = None if grown is None else (epoch, grown)
+            self._skipped = (epoch, skipped) if skipped else None
             return self._cursor.restore(
                 epoch, position, position >= lengths[-1], through_iterator=through_iterator, for_loader=for_loader
             )

@@ -1,0 +1,14 @@
+"""Where is my data: which batch reads which sample, and skipping a bad stretch, exactly accounted.
+
+``where`` answers, for a map-style data state (``ResumableSampler``, ``ResumableDataLoader``), the
+sample indices of any batch and the batch of any sample, at the cost of one position each (the
+epoch's order is a keyed permutation and its inverse). ``skip`` moves a checkpoint's data position
+past a bad stretch and records the skipped range in the state, publishing a new checkpoint and
+leaving the old one as it was. Both are also commands: ``python -m resumable_data where`` and
+``python -m resumable_data skip``.
+"""
+
+from .skip import skip, skip_state
+from .where import BatchReport, SampleReport, WhereReport, locate, where
+
+__all__ = ["BatchReport", "SampleReport", "WhereReport", "locate", "skip", "skip_state", "where"]
