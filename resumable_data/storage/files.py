@@ -42,7 +42,8 @@ _EDGE = 4096  # bytes read at each end of an object without an ETag, for its ide
 # worker forked after the main process read by URL inherits fsspec's instances; fsspec starts a fresh
 # cache in the child, and were an inherited s3fs instance then collected there, its session cleanup
 # would close the parent's pooled connections through the event loop both share since the fork (the
-# parent's next request then waits out the read timeout). Held here, they are never collected.
+# parent's next request then waits out the read timeout: tests/remote/test_remote_fork.py). Held
+# here, they are never collected.
 _RESOLVED: dict[int, Any] = {}
 _DOWNLOAD_BLOCK = 16 << 20  # bytes a download asks for per request (and copies at a time)
 
