@@ -186,3 +186,38 @@ def http_proxy(http_server: HttpServer) -> Iterator[FaultProxy]:
     front = FaultProxy(("127.0.0.1", int(http_server.url.rstrip("/").rsplit(":", 1)[1])))
     yield front
     front.close()
+
+
+@dataclass
+class GcsServer:
+    """``gcp-storage-emulator`` in memory: ``options`` are gcsfs's ``storage_options`` reaching it."""
+
+    options: dict[str, Any]
+
+
+@pytest.fixture(scope="session")
+def gcs_server() -> Iterator[GcsServer]:
+    """A GCS emulator for ``gs://`` shards, where gcsfs and gcp-storage-emulator are installed (neither
+    is in an extra: gcsfs pulls in the Google Cloud client libraries); skipped otherwise."""
+    # gcsfs asks a bucket's type over gRPC first, which the emulator does not serve (60 s per bucket)
+    os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
+    pytest.importorskip("gcsfs", reason="gs:// tests need gcsfs")
+    pytest.importorskip("gcp_storage_emulator", reason="gs:// tests need gcp-storage-emulator")
+    port = _free_port()
+    command = [sys.executable, "-m", "gcp_storage_emulator", "start", "--host", "127.0.0.1", "--port", str(port)]
+    process = subprocess.Popen([*command, "--in-memory"], stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+    endpoint = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + _READY_WITHIN
+        while True:
+            try:
+                urllib.request.urlopen(endpoint + "/storage/v1/b?project=test", timeout=1).close()
+                break
+            except OSError:
+                if process.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"gcp-storage-emulator did not start (exit {process.poll()})") from None
+                time.sleep(0.05)
+        yield GcsServer({"endpoint_url": endpoint, "token": "anon", "project": "test"})
+    finally:
+        process.kill()
+        process.wait(timeout=10)
