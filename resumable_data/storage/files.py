@@ -119,12 +119,13 @@ class Remote:
             ) from exc
 
     def size_and_tag(self, url: str) -> tuple[int, str | None]:
-        """The object's size in bytes and its version tag (see :func:`version_tag`), asked now."""
+        """The object's size in bytes and its version tag (its ETag, else an HTTP server's Last-Modified;
+        None where it has neither), asked now."""
         fs, path = self.resolve(url)
         with self._failing(url, "reading the size of"):
             fs.invalidate_cache(path)  # a listing cached by a glob may predate a rewrite
             info = fs.info(path)
-        return int(info["size"]), version_tag(info)
+        return int(info["size"]), _version_tag(info)
 
     def identity(self, url: str) -> str:
         """``"size:tag"`` of the object (a rewrite changes its ETag, or an HTTP server's
@@ -166,11 +167,11 @@ class Remote:
             fs.invalidate_cache(path)
             with fs.open(path, "rb", block_size=_DOWNLOAD_BLOCK, cache_type="none") as source:
                 details = getattr(source, "details", None) or {}
-                if version_tag(details) is None:  # fsspec's HTTP file keeps only the size
+                if _version_tag(details) is None:  # fsspec's HTTP file keeps only the size
                     details = fs.info(path)
                 with open(dest, "wb") as out:
                     shutil.copyfileobj(source, out, _DOWNLOAD_BLOCK)
-        size, tag = int(details["size"]), version_tag(details)
+        size, tag = int(details["size"]), _version_tag(details)
         if tag is not None:
             return f"{size}:{tag}"
         with open(dest, "rb") as written:
@@ -194,7 +195,7 @@ class Remote:
             return sorted(fs.unstrip_protocol(p) for p in fs.glob(path))
 
 
-def version_tag(info: Mapping[str, Any]) -> str | None:
+def _version_tag(info: Mapping[str, Any]) -> str | None:
     """The version tag in an fsspec ``info`` of an object, which a rewrite changes: its ETag (S3,
     GCS, Azure and most HTTP servers), else an HTTP server's ``Last-Modified`` (whole seconds: a
     rewrite within the second it was written is not seen), else None."""
