@@ -189,10 +189,13 @@ class Remote:
             return fs.open(path, "rb", **kwargs)
 
     def glob(self, pattern: str) -> list[str]:
-        """The URLs matching ``pattern``, sorted: the listing order of a store is not an order to rely on."""
+        """The URLs matching ``pattern``, sorted (the listing order of a store is not an order to rely
+        on), in the pattern's scheme: ``az://`` names stay ``az://``, not adlfs's ``abfs://``."""
         fs, path = self.resolve(pattern)
+        scheme = pattern.split("://", 1)[0]
         with self._failing(pattern, "listing"):
-            return sorted(fs.unstrip_protocol(p) for p in fs.glob(path))
+            urls = [fs.unstrip_protocol(p) for p in fs.glob(path)]
+        return sorted(url if url.startswith(f"{scheme}://") else f"{scheme}://{url.split('://', 1)[1]}" for url in urls)
 
 
 def _version_tag(info: Mapping[str, Any]) -> str | None:

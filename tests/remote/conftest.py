@@ -189,14 +189,14 @@ def http_proxy(http_server: HttpServer) -> Iterator[FaultProxy]:
 
 
 @dataclass
-class GcsServer:
-    """``gcp-storage-emulator`` in memory: ``options`` are gcsfs's ``storage_options`` reaching it."""
+class Emulator:
+    """A cloud storage emulator: ``options`` are the client's ``storage_options`` reaching it."""
 
     options: dict[str, Any]
 
 
 @pytest.fixture(scope="session")
-def gcs_server() -> Iterator[GcsServer]:
+def gcs_server() -> Iterator[Emulator]:
     """A GCS emulator for ``gs://`` shards, where gcsfs and gcp-storage-emulator are installed (neither
     is in an extra: gcsfs pulls in the Google Cloud client libraries); skipped otherwise."""
     # gcsfs asks a bucket's type over gRPC first, which the emulator does not serve (60 s per bucket)
@@ -217,7 +217,37 @@ def gcs_server() -> Iterator[GcsServer]:
                 if process.poll() is not None or time.monotonic() > deadline:
                     raise RuntimeError(f"gcp-storage-emulator did not start (exit {process.poll()})") from None
                 time.sleep(0.05)
-        yield GcsServer({"endpoint_url": endpoint, "token": "anon", "project": "test"})
+        yield Emulator({"endpoint_url": endpoint, "token": "anon", "project": "test"})
+    finally:
+        process.kill()
+        process.wait(timeout=10)
+
+
+# Azurite's documented development account (a public, fixed key that only the emulator accepts).
+AZURITE_ACCOUNT = "devstoreaccount1"
+AZURITE_KEY = "Eby8vdM02xNOcqFlqUwJPLlmEtlCDXJ1OUzFT50uSRZ6IFsuFq2UVErCz4I6tq/K1SZFPTOtr/KBHBeksoGMGw=="
+
+
+@pytest.fixture(scope="session")
+def azure_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Emulator]:
+    """Azurite's blob service for ``az://`` shards, where adlfs and the ``azurite-blob`` command (npm's
+    azurite, on PATH) are installed; skipped otherwise. ``options`` are adlfs's ``storage_options``."""
+    pytest.importorskip("adlfs", reason="az:// tests need adlfs")
+    binary = shutil.which("azurite-blob")
+    if binary is None:
+        pytest.skip("az:// tests need Azurite's azurite-blob on PATH (npm install azurite)")
+    port, data = _free_port(), tmp_path_factory.mktemp("azurite")
+    command = [binary, "--blobHost", "127.0.0.1", "--blobPort", str(port), "--location", str(data)]
+    with open(data.parent / "azurite.log", "wb") as out:
+        # the newest Azure SDK speaks an API version Azurite has not caught up with
+        process = subprocess.Popen(
+            [*command, "--disableTelemetry", "--skipApiVersionCheck"], stdout=out, stderr=subprocess.STDOUT
+        )
+    endpoint = f"http://127.0.0.1:{port}/{AZURITE_ACCOUNT}"
+    try:
+        _wait_ready(endpoint, process, data.parent / "azurite.log")
+        connection = f"DefaultEndpointsProtocol=http;AccountName={AZURITE_ACCOUNT};AccountKey={AZURITE_KEY};"
+        yield Emulator({"connection_string": f"{connection}BlobEndpoint={endpoint};"})
     finally:
         process.kill()
         process.wait(timeout=10)
