@@ -42,8 +42,10 @@ _EDGE = 4096  # bytes read at each end of an object without an ETag, for its ide
 # worker forked after the main process read by URL inherits fsspec's instances; fsspec starts a fresh
 # cache in the child, and were an inherited s3fs instance then collected there, its session cleanup
 # would close the parent's pooled connections through the event loop both share since the fork (the
-# parent's next request then waits out the read timeout). Held here, they are never collected.
+# parent's next request then waits out the read timeout: tests/remote/test_remote_fork.py). Held
+# here, they are never collected.
 _RESOLVED: dict[int, Any] = {}
+_IN_EXTRA = ("fsspec", "s3fs", "aiohttp")  # the clients the remote extra installs (gcsfs, adlfs are not)
 _DOWNLOAD_BLOCK = 16 << 20  # bytes a download asks for per request (and copies at a time)
 
 
@@ -91,7 +93,11 @@ class Remote:
         try:
             fs, path = _fsspec().core.url_to_fs(url, **options)
         except ImportError as exc:
-            raise ImportError(f"cannot read {url!r}: {exc} (pip install 'resumable-data[remote]')") from exc
+            # fsspec raises its own ImportError from the client's ModuleNotFoundError, which names it
+            missing = getattr(exc.__cause__, "name", None) or getattr(exc, "name", None)
+            needs = f"it needs the package {missing!r}: " if missing else ""
+            install = missing if missing and missing not in _IN_EXTRA else "'resumable-data[remote]'"
+            raise ImportError(f"cannot read {url!r}: {needs}pip install {install} ({exc})") from exc
         _RESOLVED.setdefault(id(fs), fs)
         return fs, path
 
@@ -113,17 +119,18 @@ class Remote:
             ) from exc
 
     def size_and_tag(self, url: str) -> tuple[int, str | None]:
-        """The object's size in bytes and its ETag (None where the server gives none), asked now."""
+        """The object's size in bytes and its version tag (its ETag, else an HTTP server's Last-Modified;
+        None where it has neither), asked now."""
         fs, path = self.resolve(url)
         with self._failing(url, "reading the size of"):
             fs.invalidate_cache(path)  # a listing cached by a glob may predate a rewrite
             info = fs.info(path)
-        tag = info.get("ETag", info.get("etag"))
-        return int(info["size"]), None if tag is None else str(tag).strip('"')
+        return int(info["size"]), _version_tag(info)
 
     def identity(self, url: str) -> str:
-        """``"size:etag"`` of the object (a rewrite changes its ETag), or, where the server gives no
-        ETag, ``"size:digest"`` of its first and last 4 KiB as for a local file."""
+        """``"size:tag"`` of the object (a rewrite changes its ETag, or an HTTP server's
+        Last-Modified), or, where the server gives neither, ``"size:digest"`` of its first and last
+        4 KiB as for a local file."""
         size, tag = self.size_and_tag(url)
         if tag is not None:
             return f"{size}:{tag}"
@@ -150,20 +157,23 @@ class Remote:
         :meth:`identity` gives it, taken from the download itself so that it names the bytes written.
 
         The ETag is the one the file was opened with (for ``s3://`` every ranged request of the
-        download is conditional on it, so a rewrite during the download fails it); without an
-        ETag, the digest of the written file's edges. The default ``download`` of
+        download is conditional on it, so a rewrite during the download fails it); over
+        ``http(s)://`` the tag read as the download starts; without a tag, the digest of the written
+        file's edges. The default ``download`` of
         :class:`~resumable_data.storage.ShardCache` for the readers' ``cache_dir=``.
         """
         fs, path = self.resolve(url)
         with self._failing(url, "downloading"):
             fs.invalidate_cache(path)
             with fs.open(path, "rb", block_size=_DOWNLOAD_BLOCK, cache_type="none") as source:
-                details = getattr(source, "details", None) or fs.info(path)
+                details = getattr(source, "details", None) or {}
+                if _version_tag(details) is None:  # fsspec's HTTP file keeps only the size
+                    details = fs.info(path)
                 with open(dest, "wb") as out:
                     shutil.copyfileobj(source, out, _DOWNLOAD_BLOCK)
-        size, tag = int(details["size"]), details.get("ETag", details.get("etag"))
+        size, tag = int(details["size"]), _version_tag(details)
         if tag is not None:
-            return f"{size}:{str(tag).strip(chr(34))}"
+            return f"{size}:{tag}"
         with open(dest, "rb") as written:
             starts = [0] if size <= _EDGE else [0, max(_EDGE, size - _EDGE)]
             edges = []
@@ -179,10 +189,23 @@ class Remote:
             return fs.open(path, "rb", **kwargs)
 
     def glob(self, pattern: str) -> list[str]:
-        """The URLs matching ``pattern``, sorted: the listing order of a store is not an order to rely on."""
+        """The URLs matching ``pattern``, sorted (the listing order of a store is not an order to rely
+        on), in the pattern's scheme: ``az://`` names stay ``az://``, not adlfs's ``abfs://``."""
         fs, path = self.resolve(pattern)
+        scheme = pattern.split("://", 1)[0]
         with self._failing(pattern, "listing"):
-            return sorted(fs.unstrip_protocol(p) for p in fs.glob(path))
+            urls = [fs.unstrip_protocol(p) for p in fs.glob(path)]
+        return sorted(url if url.startswith(f"{scheme}://") else f"{scheme}://{url.split('://', 1)[1]}" for url in urls)
+
+
+def _version_tag(info: Mapping[str, Any]) -> str | None:
+    """The version tag in an fsspec ``info`` of an object, which a rewrite changes: its ETag (S3,
+    GCS, Azure and most HTTP servers), else an HTTP server's ``Last-Modified`` (whole seconds: a
+    rewrite within the second it was written is not seen), else None."""
+    for field in ("ETag", "etag", "Last-Modified"):
+        if info.get(field):
+            return str(info[field]).strip('"')
+    return None
 
 
 def expand_shards(shards: Any, storage_options: Mapping[str, Any] | None = None) -> list[Any]:
@@ -201,5 +224,8 @@ def expand_shards(shards: Any, storage_options: Mapping[str, Any] | None = None)
         return [shards]
     matched = Remote(storage_options).glob(shards) if is_url(shards) else sorted(local_glob.glob(shards))
     if not matched:
-        raise FileNotFoundError(f"the shard pattern {shards!r} matches no file")
+        listed = ""
+        if shards.split("://", 1)[0] in ("http", "https"):
+            listed = " (over http(s), a pattern is matched against the links of the folder's index page: list the URLs)"
+        raise FileNotFoundError(f"the shard pattern {shards!r} matches no file{listed}")
     return matched

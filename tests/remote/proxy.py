@@ -2,8 +2,8 @@
 and injects faults per HTTP request: a 503 SlowDown answer, a connection reset before the request
 reaches the server, or a reset in the middle of the response body.
 
-It forwards bytes and never parses more than the first bytes of a request (the method), so the
-client under test talks to the real server through it. Requests are assumed to arrive in one
+It forwards bytes and parses no more of a request than its head (method, path, ``Range``, to count
+them), so the client under test talks to the real server through it. Requests are assumed to arrive in one
 ``recv`` (true of the small GET/HEAD requests of a reader; uploads go to the server directly).
 """
 
@@ -46,7 +46,8 @@ class FaultProxy:
         bandwidth: bytes per second the responses are held to (None: no cap).
         always: a fault applied to every request (a permanent failure), or None.
         bytes_down: response bytes forwarded so far; ``requests``: requests seen (faulted or not),
-            ``methods`` the same by method (``{"HEAD": 1, "GET": 1}``).
+            ``methods`` the same by method (``{"HEAD": 1, "GET": 1}``), ``log`` each one's
+            ``(method, path, Range header or None)``, in order of arrival.
     """
 
     def __init__(self, upstream: tuple[str, int]) -> None:
@@ -57,6 +58,7 @@ class FaultProxy:
         self.bytes_down = 0
         self.requests = 0
         self.methods: Counter[str] = Counter()
+        self.log: list[tuple[str, str, str | None]] = []
         self.faulted = 0
         self._faults: deque[str] = deque()
         self._lock = threading.Lock()
@@ -78,6 +80,7 @@ class FaultProxy:
         with self._lock:
             self.bytes_down = self.requests = self.faulted = 0
             self.methods = Counter()
+            self.log = []
 
     def clear(self) -> None:
         """No faults, no shaping."""
@@ -89,10 +92,14 @@ class FaultProxy:
         self._closed = True
         self._listener.close()
 
-    def _next_fault(self, method: str) -> str | None:
+    def _next_fault(self, head: bytes) -> str | None:
+        lines = head.split(b"\r\n\r\n", 1)[0].decode("latin-1").split("\r\n")
+        method, path = lines[0].split(" ")[:2]
+        ranges = [line.split(":", 1)[1].strip() for line in lines[1:] if line.lower().startswith("range:")]
         with self._lock:
             self.requests += 1
             self.methods[method] += 1
+            self.log.append((method, path.split("?", 1)[0], ranges[0] if ranges else None))
             fault = self._faults.popleft() if self._faults else self.always
             self.faulted += fault is not None
             return fault
@@ -116,7 +123,7 @@ class FaultProxy:
     def _requests(self, client: socket.socket, server: socket.socket, cut: list[int]) -> None:
         try:
             while chunk := client.recv(65536):
-                fault = self._next_fault(chunk.split(b" ", 1)[0].decode()) if chunk.startswith(_METHODS) else None
+                fault = self._next_fault(chunk) if chunk.startswith(_METHODS) else None
                 if fault == RESET:
                     break
                 if fault == SLOWDOWN:
