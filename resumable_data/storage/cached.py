@@ -57,7 +57,7 @@ class CachedRemote:
         self.cache_dir = os.fspath(cache_dir)
         self.cache_limit = cache_limit  # checked by RemoteReading (and by the ShardCache it opens)
         self.prefetch = prefetch
-        self._known: dict[str, str] = {}  # url -> identity ("size:etag") as last read
+        self._known: dict[str, RemoteShard] = {}  # url -> the object as last read (its "size:etag")
         self._cache: ShardCache | None = None
         self._held: tuple[CachedShard, Any] | None = None  # the shard read now, and what load() made of it
 
@@ -75,17 +75,19 @@ class CachedRemote:
 
     def identity(self, url: str) -> str:
         """The object's identity asked now (:meth:`Remote.identity`), noted for the cache."""
-        identity = self._known[url] = self.remote.identity(url)
+        identity = self.remote.identity(url)
+        self._known[url] = RemoteShard(url, int(identity.split(":", 1)[0]), identity)
         return identity
 
     def note(self, url: str, size: int, tag: str | None) -> None:
         """A size and ETag the reader read anyway (counting records): no request for them later."""
         if tag is not None:
-            self._known[url] = f"{size}:{tag}"
+            self._known[url] = RemoteShard(url, size, f"{size}:{tag}")
 
     def _shard(self, url: str) -> RemoteShard:
-        identity = self._known.get(url) or self.identity(url)
-        return RemoteShard(url, int(identity.split(":", 1)[0]), identity)
+        if url not in self._known:
+            self.identity(url)
+        return self._known[url]
 
     def plan(self, upcoming: Sequence[Any]) -> None:
         """The shards this slot reads next, in order (the rest of its epoch, then the next one): the

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import itertools
+import mmap
 import os
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -181,9 +182,12 @@ class TokenShardReader(RemoteReading):
                     f"token shard {name!r} holds {size} bytes, not a multiple of {self.dtype.itemsize} "
                     f"({self.dtype}): it is truncated or written with another dtype"
                 )
-            if size == 0:  # numpy refuses to memmap an empty file
+            if size == 0:  # an empty file cannot be mapped
                 return np.empty(0, dtype=self.dtype)
-            return np.memmap(path, dtype=self.dtype, mode="r")
+            # mmap and a read-only view: a few times cheaper than np.memmap, and a shuffle reading
+            # by key maps a cached shard each time it moves to it (see storage.cached).
+            with open(path, "rb") as file:
+                return np.frombuffer(mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ), dtype=self.dtype)
         except FileNotFoundError as exc:
             raise ResumeError(f"token shard {name!r} is missing: {exc}") from exc
         except ValueError as exc:  # np.load on a .npy whose data is shorter than its header says

@@ -137,6 +137,7 @@ def test_the_limit_holds_with_two_processes_over_three_epochs(tmp_path: Path) ->
     # with room for five nothing forces a read past the limit.
     assert len(usages) >= count and max(usages) <= limit, (max(usages), limit)
     assert disk_usage(tmp_path / "cache") <= limit
+    assert max(usages) <= ShardCache.peak_bytes(tmp_path / "cache") <= limit
 
 
 def test_a_read_exceeds_the_limit_only_by_the_shards_in_use(tmp_path: Path) -> None:
@@ -154,6 +155,8 @@ def test_a_read_exceeds_the_limit_only_by_the_shards_in_use(tmp_path: Path) -> N
     with cache.use(shards[3]):
         assert disk_usage(tmp_path / "cache") <= 2 * 4096
     assert cache.counters.evictions == 2
+    # The high-water mark, taken at each reservation under the accounting lock: the three in use.
+    assert cache.counters.peak_bytes == ShardCache.peak_bytes(tmp_path / "cache") == 3 * 4096
 
 
 def test_a_shard_evicted_while_a_reader_opens_it_is_downloaded_again(tmp_path: Path) -> None:
