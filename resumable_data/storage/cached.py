@@ -93,6 +93,8 @@ class CachedRemote:
         """The shards this slot reads next, in order (the rest of its epoch, then the next one): the
         cache prefetches the first ones and evicts by these next uses. Local paths are skipped."""
         urls = [str(shard) for shard in upcoming if is_url(shard)]
+        if not urls and self._cache is None:  # local shards only: no cache to open
+            return
         unknown = list(dict.fromkeys(url for url in urls if url not in self._known))
         if unknown:
             with ThreadPoolExecutor(min(_LOOKUPS, len(unknown))) as pool:

@@ -4,6 +4,12 @@ its holder and a free lock says its holder is gone.
 
 Locks are per open file, not per process: two threads that open the same path exclude each other
 as two processes do.
+
+Fork. A child forked while another thread holds a lock (a cache's background download, when a
+DataLoader starts its workers) inherits that open file, and with it the lock, which would then
+stay held for the child's life although no thread of the child holds it: every process waiting
+for it would wait forever. So the child closes its copies of the files other threads hold locks
+through (the parent's thread closes its own).
 """
 
 from __future__ import annotations
@@ -11,38 +17,64 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import os
+import threading
 from collections.abc import Iterator
+
+_OPEN: dict[int, int] = {}  # descriptor -> the thread holding (or taking) a lock through it
+_GUARD = threading.Lock()  # held while a descriptor opens or closes, and across a fork
+
+
+def _close_inherited() -> None:
+    """In a forked child: close the descriptors of locks that threads of the parent held (see above)."""
+    forking = threading.get_ident()
+    for fd, thread in list(_OPEN.items()):
+        if thread != forking:
+            del _OPEN[fd]
+            os.close(fd)
+    _GUARD.release()
+
+
+os.register_at_fork(before=_GUARD.acquire, after_in_parent=_GUARD.release, after_in_child=_close_inherited)
+
+
+@contextlib.contextmanager
+def _lock_file(path: str, flags: int) -> Iterator[int]:
+    """``os.open(path, flags)`` for the block, noted as this thread's, so that a fork can tell."""
+    with _GUARD:
+        fd = os.open(path, flags, 0o644)
+        _OPEN[fd] = threading.get_ident()
+    try:
+        yield fd
+    finally:
+        with _GUARD:
+            del _OPEN[fd]
+            os.close(fd)
 
 
 @contextlib.contextmanager
 def flocked(path: str, operation: int) -> Iterator[int]:
     """Hold ``flock(operation)`` on ``path`` (created if absent) for the block; yields the descriptor."""
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-    try:
+    with _lock_file(path, os.O_RDWR | os.O_CREAT) as fd:
         fcntl.flock(fd, operation)
         yield fd
-    finally:
-        os.close(fd)
 
 
 @contextlib.contextmanager
 def try_exclusive(path: str) -> Iterator[bool | None]:
     """Try to lock ``path`` exclusively without waiting: yields True (held for the block), False (some
     open file holds a lock on it) or None (no such file)."""
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except FileNotFoundError:
-        yield None
-        return
-    try:
+    with contextlib.ExitStack() as stack:
+        try:
+            fd = stack.enter_context(_lock_file(path, os.O_RDONLY))
+        except FileNotFoundError:
+            yield None
+            return
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             yield False
         else:
             yield True
-    finally:
-        os.close(fd)
 
 
 def held(path: str) -> bool:

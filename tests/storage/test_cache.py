@@ -14,6 +14,7 @@ import pickle
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
@@ -26,6 +27,7 @@ from remote_folder import FolderRemote, disk_usage, make_remote
 from resumable_data.core import Permutation
 from resumable_data.errors import ResumeError
 from resumable_data.storage.cache import RemoteShard, ShardCache
+from resumable_data.storage.locks import flocked, held
 
 CHILD = Path(__file__).with_name("cache_child.py")
 TIMEOUT = 120  # seconds a cache process may take (they take about one on an idle machine)
@@ -316,3 +318,35 @@ def test_bad_arguments_are_named_with_what_was_expected(tmp_path: Path, kwargs: 
 def test_a_bad_remote_shard_is_named() -> None:
     with pytest.raises(ValueError, match="RemoteShard size should be an integer >= 0, but got RemoteShard size=-1"):
         RemoteShard("s3://bucket/a.bin", -1, "1:etag")
+
+
+def test_a_child_forked_while_a_thread_holds_a_cache_lock_does_not_keep_it(tmp_path: Path) -> None:
+    # What a DataLoader does when it starts its workers while the cache downloads in the background:
+    # the child's copy of the locked file must not keep the lock after the parent's thread lets go.
+    path, taken, release = str(tmp_path / "lock"), threading.Event(), threading.Event()
+
+    def hold() -> None:
+        with flocked(path, fcntl.LOCK_EX):
+            taken.set()
+            release.wait(TIMEOUT)
+
+    holder = threading.Thread(target=hold)
+    holder.start()
+    taken.wait(TIMEOUT)
+    fork = multiprocessing.get_context("fork")
+    started = fork.Event()
+
+    def live() -> None:  # past the fork's hooks here
+        started.set()
+        time.sleep(30)
+
+    child = fork.Process(target=live)
+    child.start()
+    try:
+        assert started.wait(TIMEOUT)
+        release.set()
+        holder.join(TIMEOUT)
+        assert not held(path), "the forked child kept the parent's lock"
+    finally:
+        child.kill()
+        child.join(TIMEOUT)
