@@ -3,7 +3,8 @@
 Both raise :class:`~resumable_data.ResumeError` naming the shard and the offset when a shard is
 missing, or shorter than a saved cursor (truncated or replaced since the checkpoint), before
 yielding anything. Both read URLs (``s3://bucket/x.bin``, see :mod:`resumable_data.storage`): token
-windows by ranged reads, text lines by seeking in the remote file; local paths are read as files.
+windows by ranged reads, text lines by seeking in the remote file, or either from a node-local
+cache with ``cache_dir=``; local paths are read as files.
 """
 
 from __future__ import annotations
@@ -148,7 +149,7 @@ class TokenShardReader(RemoteReading):
         return {**self.__dict__, "_mapped": OrderedDict(), "_checked": {}}
 
     def tokens(self, shard: Any) -> np.ndarray:
-        """The shard's tokens as a read-only memmap (an empty array for an empty file).
+        """The shard's tokens as a read-only array over a memory mapping (empty for an empty file).
 
         The last few shards' mappings are kept, keyed by path, size and modification time: a
         shuffled read fetches a handful of records from each of many shards at a time, and mapping
