@@ -64,7 +64,7 @@ from typing import Any, BinaryIO, Literal
 
 from ..core.state import check_int_arg
 from ..errors import ResumeError
-from .locks import flocked, held, remove, try_exclusive
+from .locks import flocked, held, open_shared, remove, try_exclusive
 
 __all__ = ["CacheCounters", "CachedShard", "RemoteShard", "ShardCache"]
 
@@ -317,10 +317,9 @@ class ShardCache:
         cut short by a machine that went down before writing it back)."""
         path = self._entry_path(shard)
         try:
-            file = open(path, "rb")  # noqa: SIM115 -- the CachedShard closes it
+            file = open_shared(path)  # waits only while an eviction holds it; the CachedShard closes it
         except FileNotFoundError:
             return None
-        fcntl.flock(file.fileno(), fcntl.LOCK_SH)  # waits only while an eviction holds it
         stat = os.fstat(file.fileno())
         if stat.st_nlink == 0 or stat.st_size != shard.size:  # evicted between the open and the lock
             file.close()

@@ -59,7 +59,8 @@ class CachedRemote:
         self.prefetch = prefetch
         self._known: dict[str, RemoteShard] = {}  # url -> the object as last read (its "size:etag")
         self._cache: ShardCache | None = None
-        self._held: tuple[CachedShard, Any] | None = None  # the shard read now, and what load() made of it
+        # The shard read now, what load() made of it, and the process holding it (a forked copy does not).
+        self._held: tuple[CachedShard, Any, int] | None = None
 
     def __getstate__(self) -> dict[str, Any]:
         return {**self.__dict__, "_cache": None, "_held": None}
@@ -108,7 +109,7 @@ class CachedRemote:
         slot reads another one; with ``wait``, downloaded first if no process has it, else None when
         it is not cached yet. The shard held before is released first (see the module docstring)."""
         shard = self._shard(url)
-        if self._held is not None and self._held[0].shard == shard:
+        if self._held is not None and self._held[0].shard == shard and self._held[2] == os.getpid():
             return self._held[1]
         self.release()
         handle = self.cache.use(shard) if wait else self.cache.cached(shard)
@@ -119,14 +120,14 @@ class CachedRemote:
         except BaseException:
             handle.close()
             raise
-        self._held = (handle, loaded)
+        self._held = (handle, loaded, os.getpid())
         return loaded
 
     def release(self) -> None:
         """Let the shard held be evicted (what was loaded from it stays readable: an open file or a
         mapping outlives the name)."""
         if self._held is not None:
-            self._held[0].close()
+            self._held[0].close()  # a forked copy's file is closed already (see storage.locks)
             self._held = None
 
 

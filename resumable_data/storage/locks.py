@@ -9,7 +9,8 @@ Fork. A child forked while another thread holds a lock (a cache's background dow
 DataLoader starts its workers) inherits that open file, and with it the lock, which would then
 stay held for the child's life although no thread of the child holds it: every process waiting
 for it would wait forever. So the child closes its copies of the files other threads hold locks
-through (the parent's thread closes its own).
+through (the parent's thread closes its own), and of the shards in use (:func:`open_shared`): it
+holds them for the parent, which may release them at any time.
 """
 
 from __future__ import annotations
@@ -18,10 +19,13 @@ import contextlib
 import fcntl
 import os
 import threading
+import weakref
 from collections.abc import Iterator
+from typing import BinaryIO
 
 _OPEN: dict[int, int] = {}  # descriptor -> the thread holding (or taking) a lock through it
 _GUARD = threading.Lock()  # held while a descriptor opens or closes, and across a fork
+_SHARED: weakref.WeakSet[BinaryIO] = weakref.WeakSet()  # files of open_shared(), while open
 
 
 def _close_inherited() -> None:
@@ -31,6 +35,8 @@ def _close_inherited() -> None:
         if thread != forking:
             del _OPEN[fd]
             os.close(fd)
+    for file in list(_SHARED):
+        file.close()
     _GUARD.release()
 
 
@@ -49,6 +55,16 @@ def _lock_file(path: str, flags: int) -> Iterator[int]:
         with _GUARD:
             del _OPEN[fd]
             os.close(fd)
+
+
+def open_shared(path: str) -> BinaryIO:
+    """``open(path, "rb")`` with a shared lock on it until the file is closed (in this process only:
+    a forked child closes its copy)."""
+    with _GUARD:
+        file = open(path, "rb")  # noqa: SIM115 -- the caller closes it
+        _SHARED.add(file)
+    fcntl.flock(file.fileno(), fcntl.LOCK_SH)
+    return file
 
 
 @contextlib.contextmanager

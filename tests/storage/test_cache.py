@@ -19,6 +19,7 @@ import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -27,7 +28,7 @@ from remote_folder import FolderRemote, disk_usage, make_remote
 from resumable_data.core import Permutation
 from resumable_data.errors import ResumeError
 from resumable_data.storage.cache import RemoteShard, ShardCache
-from resumable_data.storage.locks import flocked, held
+from resumable_data.storage.locks import flocked, held, try_exclusive
 
 CHILD = Path(__file__).with_name("cache_child.py")
 TIMEOUT = 120  # seconds a cache process may take (they take about one on an idle machine)
@@ -320,6 +321,21 @@ def test_a_bad_remote_shard_is_named() -> None:
         RemoteShard("s3://bucket/a.bin", -1, "1:etag")
 
 
+def forked_child() -> Any:
+    """A forked child process that lives 30 s, started and past the fork's hooks; kill it after."""
+    fork = multiprocessing.get_context("fork")
+    started = fork.Event()
+
+    def live() -> None:
+        started.set()
+        time.sleep(30)
+
+    child = fork.Process(target=live)
+    child.start()
+    assert started.wait(TIMEOUT)
+    return child
+
+
 def test_a_child_forked_while_a_thread_holds_a_cache_lock_does_not_keep_it(tmp_path: Path) -> None:
     # What a DataLoader does when it starts its workers while the cache downloads in the background:
     # the child's copy of the locked file must not keep the lock after the parent's thread lets go.
@@ -333,20 +349,28 @@ def test_a_child_forked_while_a_thread_holds_a_cache_lock_does_not_keep_it(tmp_p
     holder = threading.Thread(target=hold)
     holder.start()
     taken.wait(TIMEOUT)
-    fork = multiprocessing.get_context("fork")
-    started = fork.Event()
-
-    def live() -> None:  # past the fork's hooks here
-        started.set()
-        time.sleep(30)
-
-    child = fork.Process(target=live)
-    child.start()
+    child = forked_child()
     try:
-        assert started.wait(TIMEOUT)
         release.set()
         holder.join(TIMEOUT)
         assert not held(path), "the forked child kept the parent's lock"
+    finally:
+        child.kill()
+        child.join(TIMEOUT)
+
+
+def test_a_shard_in_use_when_a_child_is_forked_is_released_by_the_parent_alone(tmp_path: Path) -> None:
+    names = make_remote(tmp_path / "remote", 1, 4096)
+    remote = FolderRemote(tmp_path / "remote", tmp_path / "downloads.log")
+    cache = ShardCache(tmp_path / "cache", None, download=remote)
+    handle = cache.use(remote.shard(names[0]))
+    child = forked_child()
+    try:
+        with try_exclusive(handle.path) as taken:
+            assert taken is False  # in use: not evictable
+        handle.close()
+        with try_exclusive(handle.path) as taken:
+            assert taken is True, "the forked child still holds the shard the parent released"
     finally:
         child.kill()
         child.join(TIMEOUT)
