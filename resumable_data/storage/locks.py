@@ -26,6 +26,7 @@ from typing import BinaryIO
 _OPEN: dict[int, int] = {}  # descriptor -> the thread holding (or taking) a lock through it
 _GUARD = threading.Lock()  # held while a descriptor opens or closes, and across a fork
 _SHARED: weakref.WeakSet[BinaryIO] = weakref.WeakSet()  # files of open_shared(), while open
+_WATCHING = False  # whether the fork hooks are registered
 
 
 def _close_inherited() -> None:
@@ -40,13 +41,19 @@ def _close_inherited() -> None:
     _GUARD.release()
 
 
-os.register_at_fork(before=_GUARD.acquire, after_in_parent=_GUARD.release, after_in_child=_close_inherited)
+def _watch_forks() -> None:
+    """Register the fork hooks, once, at the first lock (under ``_GUARD``): importing registers nothing."""
+    global _WATCHING
+    if not _WATCHING:
+        os.register_at_fork(before=_GUARD.acquire, after_in_parent=_GUARD.release, after_in_child=_close_inherited)
+        _WATCHING = True
 
 
 @contextlib.contextmanager
 def _lock_file(path: str, flags: int) -> Iterator[int]:
     """``os.open(path, flags)`` for the block, noted as this thread's, so that a fork can tell."""
     with _GUARD:
+        _watch_forks()
         fd = os.open(path, flags, 0o644)
         _OPEN[fd] = threading.get_ident()
     try:
@@ -61,6 +68,7 @@ def open_shared(path: str) -> BinaryIO:
     """``open(path, "rb")`` with a shared lock on it until the file is closed (in this process only:
     a forked child closes its copy)."""
     with _GUARD:
+        _watch_forks()
         file = open(path, "rb")  # noqa: SIM115 -- the caller closes it
         _SHARED.add(file)
     fcntl.flock(file.fileno(), fcntl.LOCK_SH)
