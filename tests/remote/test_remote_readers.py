@@ -21,7 +21,7 @@ import pytest
 
 from harness import json_roundtrip, resumed_run
 from resumable_data import ResumeError
-from resumable_data.streams import ParquetReader, ShardedIterable, StreamLoader, TextLineReader
+from resumable_data.streams import ParquetReader, ShardedIterable, StreamLoader, TextLineReader, TokenShardReader
 from resumable_data.testing import assert_same
 
 ROWS = [37, 12, 50, 29]  # records per shard
@@ -134,3 +134,18 @@ def test_the_next_shard_of_the_schedule_downloads_while_the_first_is_read(shards
     # And the next one, in the background; no more (prefetch=1). Cached files are named by URL key.
     cached = {path.name.split(".")[0] for path in complete.iterdir()}
     assert cached == {hashlib.sha256(url.encode()).hexdigest()[:32] for url in schedule[:2]}
+
+
+@pytest.mark.parametrize("reader", [TextLineReader, ParquetReader, TokenShardReader])
+def test_every_reader_checks_the_cache_arguments_alike(reader: Any, tmp_path: Path) -> None:
+    pytest.importorskip("pyarrow")
+    args = (8,) if reader is TokenShardReader else ()
+    with pytest.raises(ValueError, match="cache_limit=100 needs cache_dir="):
+        reader(*args, cache_limit=100)
+    with pytest.raises(ValueError, match="cache_limit should be"):
+        reader(*args, cache_dir=tmp_path, cache_limit=0)
+    with pytest.raises(ValueError, match="prefetch should be"):
+        reader(*args, cache_dir=tmp_path, prefetch=-1)
+    if reader is ParquetReader:
+        with pytest.raises(ValueError, match="not what an opener returns"):
+            reader(opener=open, cache_dir=tmp_path)
