@@ -255,4 +255,5 @@ def test_the_cache_exceeds_its_limit_by_at_most_one_shard_per_slot(s3_server: An
     # The high-water mark taken at every reservation (under the lock each process takes for it).
     peak = ShardCache.peak_bytes(cache)
     print(f"peak {peak} bytes: limit {config['limit']} + {peak - config['limit']} ({slots} slots of {shard_bytes})")
+    # Above the limit (the in-order reads find no room and go over it), by at most a shard per slot.
     assert config["limit"] < peak <= config["limit"] + slots * shard_bytes
