@@ -47,10 +47,8 @@ class TrainConfig:
         "or URL (s3://bucket/tokens/) (default: Python's stdlib source)",
     )
     text_field: str = _option("text", "the field of each .jsonl/.parquet document that holds its text")
-    cache_dir: str | None = _option(
-        None, "where tokenized corpora are cached, and token shards read from a URL (default: no shard cache)"
-    )
-    cache_limit: int | None = _option(None, "bytes the shard cache may take (default: no bound)", 1)
+    cache_dir: str | None = _option(None, "where tokenized corpora are cached, and token shards read from a URL")
+    cache_limit: int | None = _option(None, "bytes the shard cache may take (default: no bound; needs --cache-dir)", 1)
     prefetch: int = _option(2, "token shards each reader downloads ahead into the shard cache", 0)
     resume: str = _option("auto", "'auto' (newest valid checkpoint, if any), 'never', or a checkpoint path")
     # Architecture: None means "from the checkpoint on resume, else ModelConfig's default".
@@ -116,8 +114,6 @@ class TrainConfig:
         for name, choices in (("checkpoint_format", CHECKPOINT_FORMATS), ("elastic", ELASTIC_POLICIES)):
             if getattr(self, name) not in choices:
                 raise ValueError(f"{flag(name)} should be one of {', '.join(choices)}, but got {getattr(self, name)!r}")
-        if self.cache_limit is not None and self.cache_dir is None:
-            raise ValueError(f"--cache-limit {self.cache_limit} bounds the shard cache: pass --cache-dir too")
         if self.stop_at is not None and not 1 <= self.stop_at <= self.max_steps:
             raise ValueError(f"--stop-at should be between 1 and --max-steps {self.max_steps}, but got {self.stop_at}")
 
