@@ -47,7 +47,9 @@ class TrainConfig:
         "or URL (s3://bucket/tokens/) (default: Python's stdlib source)",
     )
     text_field: str = _option("text", "the field of each .jsonl/.parquet document that holds its text")
-    cache_dir: str | None = _option(None, "where tokenized corpora are cached")
+    cache_dir: str | None = _option(None, "where tokenized corpora are cached, and token shards read from a URL")
+    cache_limit: int | None = _option(None, "bytes the shard cache may take (default: no bound; needs --cache-dir)", 1)
+    prefetch: int = _option(2, "token shards each reader downloads ahead into the shard cache", 0)
     resume: str = _option("auto", "'auto' (newest valid checkpoint, if any), 'never', or a checkpoint path")
     skip_batches: int = _option(
         0, "on resume, skip the next N batches of the restored position, within its epoch (kept as skipped)", 0
@@ -104,7 +106,7 @@ class TrainConfig:
         """
         for f in fields(self):
             minimum, value = f.metadata["minimum"], getattr(self, f.name)
-            if minimum is not None and value < minimum:
+            if minimum is not None and value is not None and value < minimum:
                 raise ValueError(f"{flag(f.name)} should be >= {minimum}, but got {value}")
         for name in ("lr", "min_lr", "weight_decay", "grad_clip"):
             value = getattr(self, name)

@@ -21,6 +21,7 @@ import dataclasses
 import itertools
 import os
 from functools import partial
+from typing import Any
 
 import numpy as np
 
@@ -66,13 +67,17 @@ def shard_vocab_size(index: ShardIndex) -> int:
     return int(np.iinfo(dtype).max) + 1
 
 
-def _reader(index: ShardIndex, block_size: int) -> TokenShardReader:
-    return TokenShardReader(block_size + 1, stride=block_size, dtype=index.dtype)
+def _reader(index: ShardIndex, block_size: int, **cache: Any) -> TokenShardReader:
+    """Windows of the shards; ``cache``: ``cache_dir``, ``cache_limit``, ``prefetch`` for remote ones."""
+    return TokenShardReader(block_size + 1, stride=block_size, dtype=index.dtype, **cache)
 
 
 def shard_loader(index: ShardIndex, block_size: int, config: TrainConfig, par: Parallel) -> StreamLoader:
     """This rank's batches of the shards of ``index``, in a resumable order."""
-    shards = ShardedIterable.from_index(index, read_shard=_reader(index, block_size), shuffle=True, seed=config.seed)
+    reader = _reader(
+        index, block_size, cache_dir=config.cache_dir, cache_limit=config.cache_limit, prefetch=config.prefetch
+    )
+    shards = ShardedIterable.from_index(index, read_shard=reader, shuffle=True, seed=config.seed)
     return stream_loader(shards.shuffle_window(SHUFFLE_WINDOWS, seed=config.seed), config, par)
 
 
@@ -89,7 +94,7 @@ def shard_data(config: TrainConfig, block_size: int, index: ShardIndex, par: Par
             "write them with a smaller --shard-tokens"
         )
     val_shard = index.locations[-1]
-    windows = _reader(index, block_size)(val_shard, 0)
+    windows = _reader(index, block_size)(val_shard, 0)  # a few windows: ranged reads, no cache
     val = [(w[:-1], w[1:]) for w in itertools.islice(windows, config.eval_batches * config.batch_size)]
     if not val:
         raise ValueError(f"the validation shard {val_shard} holds fewer than {block_size + 1} tokens: one window")

@@ -16,12 +16,12 @@ plan). The directory holds::
     locks/<url key>                     per-URL download lock: one download per shard per machine
     plans/<nonce>.lock, <nonce>.plan    each live slot's schedule (the lock is held while it lives)
     .lock                               the accounting lock: eviction, reservations, renames, plans
+    peak                                the most bytes the shards and downloads took at once
 
 Crash safety. A download writes to ``partial/`` and is renamed into ``shards/`` only after its size
 and identity were checked and it was fsynced, so a process killed mid-download leaves a partial file
 that nothing reads (and a cached file of the wrong size, what a machine that went down could leave, is
-fetched again);
-partial files whose download lock is free (their writer died) are deleted by the next scan. A reader
+fetched again); partial files whose download lock is free (their writer died) are deleted by the next scan. A reader
 holds a shared lock on the shard file it uses (:class:`CachedShard`) and an eviction takes an
 exclusive lock without waiting, so a shard in use in any process is never evicted.
 
@@ -37,15 +37,10 @@ the one whose soonest planned use is furthest away. A prefetch only evicts shard
 the one it fetches, and is skipped when that does not make room; a read (:meth:`ShardCache.use`)
 downloads even when the shards in use leave no room, so the limit is exceeded only by the shards in
 use, at most one per slot reading them one at a time. All processes on a cache dir should pass the
-same ``cache_limit``.
+same ``cache_limit``. The bytes only grow at a reservation, which every process makes under the
+accounting lock, so the high-water mark taken there (:meth:`ShardCache.peak_bytes`) is exact.
 
-Integration (what a reader does)::
-
-    cache = ShardCache("/local/cache", 50 * 2**30, download=download, prefetch=2)
-    cache.plan([RemoteShard(url, size, identity) for url, size, identity in upcoming])
-    with cache.use(shard) as local_path:  # blocks until downloaded; holds the shard against eviction
-        data = np.memmap(local_path, dtype=np.uint16, mode="r")
-
+Integration: a reader plans, then uses each shard (see the :class:`ShardCache` example);
 ``download(url, dest_path)`` writes the object to ``dest_path`` and returns the identity it read (from
 the same response, so it names the bytes written). One thread per slot calls :meth:`ShardCache.plan`
 and :meth:`ShardCache.use`; the background downloads run in the cache's own threads.
@@ -55,6 +50,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import functools
 import hashlib
 import os
 import threading
@@ -63,17 +59,19 @@ import uuid
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, BinaryIO, Literal
 
 from ..core.state import check_int_arg
 from ..errors import ResumeError
-from .locks import flocked, held, remove, try_exclusive
+from .locks import flocked, held, open_shared, remove, try_exclusive
 
 __all__ = ["CacheCounters", "CachedShard", "RemoteShard", "ShardCache"]
 
 Policy = Literal["next-use", "lru"]
 POLICIES: tuple[Policy, ...] = ("next-use", "lru")
 _CURSOR_WIDTH = 20  # a plan file starts with its cursor, written in place as fixed-width digits
+_PEAK = "peak"  # the high-water mark of the cache's bytes, written under the accounting lock
 
 
 @dataclass(frozen=True)
@@ -104,13 +102,12 @@ class CacheCounters:
     downloads: int = 0
     bytes: int = 0  # bytes downloaded
     evictions: int = 0
+    peak_bytes: int = 0  # the most the cache (every process's shards and downloads) held at this one's reservations
 
 
 class CachedShard:
-    """A cached shard in use: its local ``path``, held against eviction until :meth:`close`.
-
-    Used as a context manager it gives the path and closes on exit.
-    """
+    """A cached shard in use: its local ``path``, held against eviction until :meth:`close` (as a
+    context manager: gives the path, closes on exit)."""
 
     def __init__(self, shard: RemoteShard, path: str, file: BinaryIO) -> None:
         self.shard = shard
@@ -136,6 +133,7 @@ class _Entry:
     used_ns: int  # the last use (the file's mtime, set at each use)
 
 
+@functools.lru_cache(maxsize=4096)  # a shuffle reading by key reopens its few shards often
 def _key(text: str, length: int) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:length]
 
@@ -237,6 +235,13 @@ class ShardCache:
             self._plan_fd = None
         self._keys, self._shards = [], []
 
+    @staticmethod
+    def peak_bytes(cache_dir: str | os.PathLike[str]) -> int:
+        """The most bytes the cache on ``cache_dir`` held at once (shards and downloads, over every
+        process that used it; 0 for a new one): at most ``cache_limit`` plus one shard per slot."""
+        path = Path(cache_dir, _PEAK)  # never deleted once written
+        return int(path.read_bytes() or 0) if path.exists() else 0
+
     def __enter__(self) -> ShardCache:
         return self
 
@@ -312,10 +317,9 @@ class ShardCache:
         cut short by a machine that went down before writing it back)."""
         path = self._entry_path(shard)
         try:
-            file = open(path, "rb")  # noqa: SIM115 -- the CachedShard closes it
+            file = open_shared(path)  # waits only while an eviction holds it; the CachedShard closes it
         except FileNotFoundError:
             return None
-        fcntl.flock(file.fileno(), fcntl.LOCK_SH)  # waits only while an eviction holds it
         stat = os.fstat(file.fileno())
         if stat.st_nlink == 0 or stat.st_size != shard.size:  # evicted between the open and the lock
             file.close()
@@ -334,12 +338,13 @@ class ShardCache:
                 self._count(hits=int(horizon is None))
                 return handle
             with self._accounting():
-                entries = self._scan(own_key=url_key)
-                if not self._make_room(entries, shard.size, horizon) and horizon is not None:
+                used = self._make_room(self._scan(own_key=url_key), shard.size, horizon)
+                if horizon is not None and self.cache_limit is not None and used + shard.size > self.cache_limit:
                     return None  # only room by evicting what is needed sooner: read it on demand
                 name = f"{url_key}.{_key(shard.identity, 16)}.{shard.size}.{uuid.uuid4().hex}"
                 partial = os.path.join(self.cache_dir, "partial", name)
                 open(partial, "xb").close()  # its name reserves shard.size bytes from here on
+                self._note_peak(used + shard.size)
             try:
                 identity = self._download_fn(shard.url, partial)
                 self._verify(shard, partial, identity)
@@ -393,19 +398,26 @@ class ShardCache:
                 entries.append(_Entry(item.path, url_key, stat.st_size, stat.st_mtime_ns))
         return entries
 
-    def _make_room(self, entries: list[_Entry], size: int, horizon: int | None) -> bool:
+    def _make_room(self, entries: list[_Entry], size: int, horizon: int | None) -> int:
         """Evict until ``size`` more bytes fit; a prefetch (``horizon`` given) only evicts shards
-        planned after ``horizon`` steps. Whether it fits."""
-        if self.cache_limit is None:
-            return True
+        planned after ``horizon`` steps. The bytes the cache holds then (fitting or not)."""
         used = sum(entry.size for entry in entries)
+        if self.cache_limit is None:
+            return used
         for entry in self._eviction_order(entries, horizon):
             if used + size <= self.cache_limit:
                 break
             if self._evict(entry.path):
                 used -= entry.size
                 self._count(evictions=1)
-        return used + size <= self.cache_limit
+        return used
+
+    def _note_peak(self, total: int) -> None:
+        """Raise the high-water marks (this process's counter, the directory's ``peak`` file) to ``total``."""
+        self._count(peak_bytes=max(0, total - self.counters.peak_bytes))  # serial: under the accounting lock
+        if total > self.peak_bytes(self.cache_dir):
+            with open(os.path.join(self.cache_dir, _PEAK), "wb") as peak:
+                peak.write(str(total).encode())
 
     def _eviction_order(self, entries: list[_Entry], horizon: int | None) -> list[_Entry]:
         cached = [entry for entry in entries if entry.used_ns >= 0]

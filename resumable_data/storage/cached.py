@@ -7,13 +7,22 @@ other read (a restore's first records, records fetched by key) takes the copy on
 and otherwise reads by ranged requests, as without a cache, while the shard downloads in the
 background. So a restore fetches what its first batch needs first and never downloads the shards
 its epoch read before the checkpoint.
+
+Bound. A slot holds one shard against eviction at a time: the one it reads now. Moving to another
+shard (in order, or by key) releases it first, and so does a download the read waits for. So a
+download that finds no room (the cache full of shards other slots hold or download) adds at most
+one shard per slot on top of ``cache_limit``: the cache holds at most ``cache_limit`` plus, per
+slot, its largest shard. A shuffle that reads by key from a few shards in turn reopens the one it
+moves to (an ``open``, a lock and a ``mmap``: microseconds) instead of keeping them all held.
+
+:class:`RemoteReading` is what the ready-made readers share: ``storage_options`` for URLs, and the
+three cache arguments with their checks.
 """
 
 from __future__ import annotations
 
 import os
-from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -21,11 +30,11 @@ from ..core.state import check_int_arg
 from .cache import CachedShard, RemoteShard, ShardCache
 from .files import Remote, is_url
 
-__all__ = ["CachedRemote"]
+__all__ = ["CachedRemote", "RemoteReading"]
 
-# Shards a reader keeps open (held against eviction) while they are among the next of its schedule:
-# a shuffle reads by key from the few shards its window or buffer spans.
-_HELD = 4
+# A plan that no longer starts within this many shards of the held one releases it: the slot has
+# moved past it (a shuffle reading by key from a few shards keeps the plan's head on the earliest).
+_NEAR = 4
 _LOOKUPS = 8  # concurrent requests for the sizes and identities of planned shards not seen yet
 
 
@@ -44,18 +53,17 @@ class CachedRemote:
     def __init__(
         self, remote: Remote, cache_dir: str | os.PathLike[str], cache_limit: int | None, prefetch: int
     ) -> None:
-        if cache_limit is not None:
-            check_int_arg("cache_limit", cache_limit, minimum=1)
         self.remote = remote
         self.cache_dir = os.fspath(cache_dir)
-        self.cache_limit = cache_limit
-        self.prefetch = check_int_arg("prefetch", prefetch, minimum=0)
-        self._known: dict[str, str] = {}  # url -> identity ("size:etag") as last read
+        self.cache_limit = cache_limit  # checked by RemoteReading (and by the ShardCache it opens)
+        self.prefetch = prefetch
+        self._known: dict[str, RemoteShard] = {}  # url -> the object as last read (its "size:etag")
         self._cache: ShardCache | None = None
-        self._held: OrderedDict[str, tuple[CachedShard, Any]] = OrderedDict()
+        # The shard read now, what load() made of it, and the process holding it (a forked copy does not).
+        self._held: tuple[CachedShard, Any, int] | None = None
 
     def __getstate__(self) -> dict[str, Any]:
-        return {**self.__dict__, "_cache": None, "_held": OrderedDict()}
+        return {**self.__dict__, "_cache": None, "_held": None}
 
     @property
     def cache(self) -> ShardCache:
@@ -68,40 +76,42 @@ class CachedRemote:
 
     def identity(self, url: str) -> str:
         """The object's identity asked now (:meth:`Remote.identity`), noted for the cache."""
-        identity = self._known[url] = self.remote.identity(url)
+        identity = self.remote.identity(url)
+        self._known[url] = RemoteShard(url, int(identity.split(":", 1)[0]), identity)
         return identity
 
     def note(self, url: str, size: int, tag: str | None) -> None:
         """A size and ETag the reader read anyway (counting records): no request for them later."""
         if tag is not None:
-            self._known[url] = f"{size}:{tag}"
+            self._known[url] = RemoteShard(url, size, f"{size}:{tag}")
 
     def _shard(self, url: str) -> RemoteShard:
-        identity = self._known.get(url) or self.identity(url)
-        return RemoteShard(url, int(identity.split(":", 1)[0]), identity)
+        if url not in self._known:
+            self.identity(url)
+        return self._known[url]
 
     def plan(self, upcoming: Sequence[Any]) -> None:
         """The shards this slot reads next, in order (the rest of its epoch, then the next one): the
         cache prefetches the first ones and evicts by these next uses. Local paths are skipped."""
         urls = [str(shard) for shard in upcoming if is_url(shard)]
+        if not urls and self._cache is None:  # local shards only: no cache to open
+            return
         unknown = list(dict.fromkeys(url for url in urls if url not in self._known))
         if unknown:
             with ThreadPoolExecutor(min(_LOOKUPS, len(unknown))) as pool:
                 list(pool.map(self.identity, unknown))
         self.cache.plan([self._shard(url) for url in urls])
-        near = set(urls[:_HELD])
-        for url in [url for url in self._held if url not in near]:  # read: now evictable
-            self._held.pop(url)[0].close()
+        if self._held is not None and self._held[0].shard.url not in urls[:_NEAR]:  # read: now evictable
+            self.release()
 
     def local(self, url: str, load: Callable[[str], Any], *, wait: bool) -> Any | None:
-        """``load(local path)`` of the shard's cached copy, kept open with the shard held against
-        eviction while the reader may read it again; with ``wait``, downloaded first if no process
-        has it, else None when it is not cached yet."""
+        """``load(local path)`` of the shard's cached copy, the shard held against eviction until the
+        slot reads another one; with ``wait``, downloaded first if no process has it, else None when
+        it is not cached yet. The shard held before is released first (see the module docstring)."""
         shard = self._shard(url)
-        held = self._held.get(url)
-        if held is not None and held[0].shard == shard:
-            self._held.move_to_end(url)
-            return held[1]
+        if self._held is not None and self._held[0].shard == shard and self._held[2] == os.getpid():
+            return self._held[1]
+        self.release()
         handle = self.cache.use(shard) if wait else self.cache.cached(shard)
         if handle is None:
             return None
@@ -110,10 +120,60 @@ class CachedRemote:
         except BaseException:
             handle.close()
             raise
-        if held is not None:
-            held[0].close()
-        self._held[url] = (handle, loaded)
-        self._held.move_to_end(url)
-        while len(self._held) > _HELD:
-            self._held.popitem(last=False)[1][0].close()
+        self._held = (handle, loaded, os.getpid())
         return loaded
+
+    def release(self) -> None:
+        """Let the shard held be evicted (what was loaded from it stays readable: an open file or a
+        mapping outlives the name)."""
+        if self._held is not None:
+            self._held[0].close()  # a forked copy's file is closed already (see storage.locks)
+            self._held = None
+
+
+class RemoteReading:
+    """What the ready-made readers share: URLs read with ``storage_options``, and with ``cache_dir``
+    through a node-local cache that the slot's schedule feeds (:meth:`planner`).
+
+    Args:
+        storage_options: for URLs, the filesystem's options as fsspec takes them.
+        cache_dir: a local directory to keep remote shards in, shared by every process on the
+            machine that passes it (None: no cache).
+        cache_limit: bytes the cache may take (None: no bound); the same in every process.
+        prefetch: with a cache, how many of the slot's next shards download in the background.
+
+    Raises:
+        ValueError: ``cache_limit`` or ``prefetch`` out of range, or ``cache_limit`` without ``cache_dir``.
+    """
+
+    def __init__(
+        self,
+        storage_options: Mapping[str, Any] | None,
+        cache_dir: str | os.PathLike[str] | None,
+        cache_limit: int | None,
+        prefetch: int,
+    ) -> None:
+        check_int_arg("prefetch", prefetch, minimum=0)
+        if cache_limit is not None:
+            check_int_arg("cache_limit", cache_limit, minimum=1)
+            if cache_dir is None:
+                raise ValueError(f"cache_limit={cache_limit} needs cache_dir= (the cache it bounds), but got None")
+        self._remote = Remote(storage_options)
+        self.storage_options = self._remote.storage_options
+        self._shard_cache = None if cache_dir is None else CachedRemote(self._remote, cache_dir, cache_limit, prefetch)
+
+    def planner(self) -> Callable[[Sequence[Any]], None] | None:
+        """With a cache, what takes the shards the reading slot reads next, in order (the rest of its
+        epoch, then the next): :class:`ShardedIterable` calls it as it moves from shard to shard."""
+        return None if self._shard_cache is None else self._shard_cache.plan
+
+    def _remote_identity(self, url: str) -> str:
+        """The object's size and ETag, asked now (and noted for the cache)."""
+        return (self._remote if self._shard_cache is None else self._shard_cache).identity(url)
+
+    def _local_copy(self, shard: Any, load: Callable[[str], Any], *, wait: bool) -> Any | None:
+        """``load(path)`` of a remote shard's cached copy (downloaded first with ``wait``), held while
+        the slot reads it; None without a cache, for a local path, or when not cached yet."""
+        if self._shard_cache is None or not is_url(shard):
+            return None
+        return self._shard_cache.local(str(shard), load, wait=wait)

@@ -5,11 +5,12 @@ its holder and a free lock says its holder is gone.
 Locks are per open file, not per process: two threads that open the same path exclude each other
 as two processes do.
 
-Fork. A process forked while one of its threads holds a lock (a DataLoader worker started while a
-background download holds the cache's accounting lock) inherits a copy of that open file, and the
-lock lasts until every copy is closed: the child, which never closes its copy, would wait forever
-for a lock that only it keeps. So every descriptor opened here is noted while it is open, and a
-forked child closes its copies at once.
+Fork. A child forked while another thread holds a lock (a cache's background download, when a
+DataLoader starts its workers) inherits that open file, and with it the lock, which would then
+stay held for the child's life although no thread of the child holds it: every process waiting
+for it would wait forever. So the child closes its copies of the files other threads hold locks
+through (the parent's thread closes its own), and of the shards in use (:func:`open_shared`): it
+holds them for the parent, which may release them at any time.
 """
 
 from __future__ import annotations
@@ -18,82 +19,86 @@ import contextlib
 import fcntl
 import os
 import threading
+import weakref
 from collections.abc import Iterator
+from typing import BinaryIO
 
-# Descriptors of lock files open in this process. The guard is held while one is opened and noted,
-# or closed and forgotten (never while waiting for a lock), and across a fork, so that a child's
-# set names every lock file descriptor it inherits.
-_OPEN: set[int] = set()
-_GUARD = threading.Lock()
+_OPEN: dict[int, int] = {}  # descriptor -> the thread holding (or taking) a lock through it
+_GUARD = threading.Lock()  # held while a descriptor opens or closes, and across a fork
+_SHARED: weakref.WeakSet[BinaryIO] = weakref.WeakSet()  # files of open_shared(), while open
+_WATCHING = False  # whether the fork hooks are registered
 
 
 def _close_inherited() -> None:
-    """In a forked child: close the copies of the parent's lock file descriptors."""
-    global _GUARD
-    for fd in _OPEN:
-        os.close(fd)
-    _OPEN.clear()
-    _GUARD = threading.Lock()  # the parent's, held across the fork, stays held in the child's copy
-
-
-def _hold_guard() -> None:
-    _GUARD.acquire()
-
-
-def _release_guard() -> None:
+    """In a forked child: close the descriptors of locks that threads of the parent held (see above)."""
+    forking = threading.get_ident()
+    for fd, thread in list(_OPEN.items()):
+        if thread != forking:
+            del _OPEN[fd]
+            os.close(fd)
+    for file in list(_SHARED):
+        file.close()
     _GUARD.release()
 
 
-_HOOKED: list[bool] = []  # whether the fork hooks are registered (on first use, not at import)
+def _watch_forks() -> None:
+    """Register the fork hooks, once, at the first lock (under ``_GUARD``): importing registers nothing."""
+    global _WATCHING
+    if not _WATCHING:
+        os.register_at_fork(before=_GUARD.acquire, after_in_parent=_GUARD.release, after_in_child=_close_inherited)
+        _WATCHING = True
 
 
-def _open(path: str, flags: int) -> int:
-    if not _HOOKED:
-        with _GUARD:
-            if not _HOOKED:
-                os.register_at_fork(before=_hold_guard, after_in_parent=_release_guard, after_in_child=_close_inherited)
-                _HOOKED.append(True)
+@contextlib.contextmanager
+def _lock_file(path: str, flags: int) -> Iterator[int]:
+    """``os.open(path, flags)`` for the block, noted as this thread's, so that a fork can tell."""
     with _GUARD:
+        _watch_forks()
         fd = os.open(path, flags, 0o644)
-        _OPEN.add(fd)
-    return fd
+        _OPEN[fd] = threading.get_ident()
+    try:
+        yield fd
+    finally:
+        with _GUARD:
+            del _OPEN[fd]
+            os.close(fd)
 
 
-def _close(fd: int) -> None:
+def open_shared(path: str) -> BinaryIO:
+    """``open(path, "rb")`` with a shared lock on it until the file is closed (in this process only:
+    a forked child closes its copy)."""
     with _GUARD:
-        _OPEN.discard(fd)
-        os.close(fd)
+        _watch_forks()
+        file = open(path, "rb")  # noqa: SIM115 -- the caller closes it
+        _SHARED.add(file)
+    fcntl.flock(file.fileno(), fcntl.LOCK_SH)
+    return file
 
 
 @contextlib.contextmanager
 def flocked(path: str, operation: int) -> Iterator[int]:
     """Hold ``flock(operation)`` on ``path`` (created if absent) for the block; yields the descriptor."""
-    fd = _open(path, os.O_RDWR | os.O_CREAT)
-    try:
+    with _lock_file(path, os.O_RDWR | os.O_CREAT) as fd:
         fcntl.flock(fd, operation)
         yield fd
-    finally:
-        _close(fd)
 
 
 @contextlib.contextmanager
 def try_exclusive(path: str) -> Iterator[bool | None]:
     """Try to lock ``path`` exclusively without waiting: yields True (held for the block), False (some
     open file holds a lock on it) or None (no such file)."""
-    try:
-        fd = _open(path, os.O_RDONLY)
-    except FileNotFoundError:
-        yield None
-        return
-    try:
+    with contextlib.ExitStack() as stack:
+        try:
+            fd = stack.enter_context(_lock_file(path, os.O_RDONLY))
+        except FileNotFoundError:
+            yield None
+            return
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             yield False
         else:
             yield True
-    finally:
-        _close(fd)
 
 
 def held(path: str) -> bool:

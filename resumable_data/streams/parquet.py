@@ -23,7 +23,8 @@ from typing import IO, Any
 
 from ..core.state import check_int_arg
 from ..errors import ResumeError
-from ..storage.files import Remote, is_url
+from ..storage.cached import RemoteReading
+from ..storage.files import is_url
 
 __all__ = ["ParquetReader"]
 
@@ -45,7 +46,7 @@ def _pyarrow_parquet() -> Any:
     return pq
 
 
-class ParquetReader:
+class ParquetReader(RemoteReading):
     """Rows of a Parquet shard; the cursor is a row number and a restore reads one row group.
 
     Use it as ``read_shard`` of a :class:`ShardedIterable`, one shard per Parquet file. Works with
@@ -65,6 +66,14 @@ class ParquetReader:
             decoded once. 0 disables the cache. Each entry holds one row group's columns in memory.
         storage_options: for URLs, the filesystem's options as fsspec takes them (see
             :mod:`resumable_data.storage`).
+        cache_dir: a local directory to keep remote shards in, shared by every process on the
+            machine that passes it (None: no cache). A shard read from its first row is read from
+            the cache (downloaded once per machine, the slot's next ``prefetch`` shards in the
+            background, as for :class:`TokenShardReader`); a read from another row (a restore, a
+            shuffle's rows by key) takes the cached copy if it is there, else reads by ranged
+            requests. Not with ``opener``.
+        cache_limit: bytes the cache may take (None: no bound); the same in every process.
+        prefetch: with a cache, how many of the slot's next shards download in the background.
 
     Example::
 
@@ -82,6 +91,9 @@ class ParquetReader:
         opener: Callable[[Any], IO[bytes]] | None = None,
         cache_row_groups: int = 4,
         storage_options: dict[str, Any] | None = None,
+        cache_dir: str | os.PathLike[str] | None = None,
+        cache_limit: int | None = None,
+        prefetch: int = 2,
     ) -> None:
         if isinstance(columns, str):
             raise TypeError(f"columns must be a list of column names, got the string {columns!r}; pass [{columns!r}]")
@@ -89,27 +101,31 @@ class ParquetReader:
         if parse is not None and not callable(parse):
             raise TypeError(f"parse must be callable, got {type(parse).__name__}")
         self.parse = parse
+        if opener is not None and cache_dir is not None:
+            raise ValueError(
+                "cache_dir= caches the URLs ParquetReader opens itself, not what an opener returns: pass one of them"
+            )
         self.opener = opener
-        self._remote = Remote(storage_options)
-        self.storage_options = self._remote.storage_options
+        super().__init__(storage_options, cache_dir, cache_limit, prefetch)
         self.cache_row_groups = check_int_arg("cache_row_groups", cache_row_groups, minimum=0)
-        self._cache: OrderedDict[tuple[Any, ...], Any] = OrderedDict()
+        self._row_groups: OrderedDict[tuple[Any, ...], Any] = OrderedDict()
         _pyarrow_parquet()  # fail at construction, not in a worker, when pyarrow is missing
 
     def __getstate__(self) -> dict[str, Any]:
         # Worker processes get the reader without the decoded row groups of the main process.
         state = self.__dict__.copy()
-        state["_cache"] = OrderedDict()
+        state["_row_groups"] = OrderedDict()
         return state
 
     # -- opening ----------------------------------------------------------------------------------
-    def _open(self, shard: Any) -> Any:
-        """The shard's ``pyarrow.parquet.ParquetFile`` (reads only its footer)."""
+    def _open(self, shard: Any, *, wait: bool = False) -> Any:
+        """The shard's ``pyarrow.parquet.ParquetFile`` (reads only its footer); with a cache, from the
+        cached copy when there is one (downloaded first with ``wait``)."""
         pq = _pyarrow_parquet()
         name = str(shard)
         try:
             # Closed with close(force=True): the file is ours whether pyarrow or the opener opened it.
-            parquet = pq.ParquetFile(self._source(shard))
+            parquet = pq.ParquetFile(self._source(shard, wait))
         except FileNotFoundError as exc:
             raise ResumeError(f"parquet shard {name!r} is missing: {exc}") from exc
         except (OSError, ValueError) as exc:  # pyarrow's ArrowInvalid is a ValueError
@@ -124,10 +140,14 @@ class ParquetReader:
                 raise ResumeError(f"parquet shard {name!r} lacks the column(s) {missing}; its columns are {names}")
         return parquet
 
-    def _source(self, shard: Any) -> Any:
-        """What pyarrow reads the shard from: the opener's file, a remote file, or the local path."""
+    def _source(self, shard: Any, wait: bool) -> Any:
+        """What pyarrow reads the shard from: the opener's file, a cached copy, a remote file, or the
+        local path."""
         if self.opener is not None:
             return self.opener(shard)
+        cached = self._local_copy(shard, str, wait=wait)
+        if cached is not None:
+            return open(cached, "rb")  # open now: the slot may release the shard before pyarrow reads it
         if is_url(shard):
             return self._remote.open(shard, block_size=_PARQUET_BLOCK)
         return os.fspath(shard)
@@ -139,7 +159,7 @@ class ParquetReader:
         name = str(shard)
         try:
             if self.opener is None and is_url(shard):
-                return self._remote.identity(shard)
+                return self._remote_identity(shard)
             with open(os.fspath(shard), "rb") if self.opener is None else self.opener(shard) as file:
                 size = file.seek(0, os.SEEK_END)
                 if size < 12:
@@ -164,7 +184,7 @@ class ParquetReader:
     # -- reading ----------------------------------------------------------------------------------
     def __call__(self, shard: Any, start: int) -> Iterator[Any]:
         """Rows from row number ``start``; reads nothing before the row group that holds it."""
-        parquet = self._open(shard)
+        parquet = self._open(shard, wait=start == 0)  # a restore reads by ranges until it is cached
         metadata = parquet.metadata
         if start > metadata.num_rows:
             parquet.close(force=True)
@@ -205,9 +225,9 @@ class ParquetReader:
             metadata.serialized_size,
             metadata.row_group(group).total_byte_size,
         )
-        table = self._cache.get(key)
+        table = self._row_groups.get(key)
         if table is not None:
-            self._cache.move_to_end(key)
+            self._row_groups.move_to_end(key)
             return table
         try:
             table = parquet.read_row_group(group, columns=self.columns, use_threads=False)
@@ -216,7 +236,7 @@ class ParquetReader:
                 f"parquet shard {str(shard)!r}: row group {group} is unreadable (truncated or corrupt?): {exc}"
             ) from exc
         if self.cache_row_groups:
-            self._cache[key] = table
-            while len(self._cache) > self.cache_row_groups:
-                self._cache.popitem(last=False)
+            self._row_groups[key] = table
+            while len(self._row_groups) > self.cache_row_groups:
+                self._row_groups.popitem(last=False)
         return table

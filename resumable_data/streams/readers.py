@@ -3,13 +3,15 @@
 Both raise :class:`~resumable_data.ResumeError` naming the shard and the offset when a shard is
 missing, or shorter than a saved cursor (truncated or replaced since the checkpoint), before
 yielding anything. Both read URLs (``s3://bucket/x.bin``, see :mod:`resumable_data.storage`): token
-windows by ranged reads, text lines by seeking in the remote file; local paths are read as files.
+windows by ranged reads, text lines by seeking in the remote file, or either from a node-local
+cache with ``cache_dir=``; local paths are read as files.
 """
 
 from __future__ import annotations
 
 import hashlib
 import itertools
+import mmap
 import os
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator, Sequence
@@ -20,8 +22,8 @@ import torch
 
 from ..core.state import check_int_arg
 from ..errors import ResumeError
-from ..storage.cached import CachedRemote
-from ..storage.files import Remote, is_url
+from ..storage.cached import RemoteReading
+from ..storage.files import is_url
 
 __all__ = ["TextLineReader", "TokenShardReader", "file_identity"]
 
@@ -52,11 +54,11 @@ def file_identity(file: BinaryIO) -> str:
     return f"{size}:{digest.hexdigest()}"
 
 
-def _path_identity(shard: Any, what: str, remote: Remote | CachedRemote) -> str:
+def _path_identity(shard: Any, what: str, remote_identity: Callable[[str], str]) -> str:
     """The identity of a local file (:func:`file_identity`) or of a remote object (size and ETag)."""
     try:
         if is_url(shard):
-            return remote.identity(shard)
+            return remote_identity(shard)
         with open(os.fspath(shard), "rb") as file:
             return file_identity(file)
     except FileNotFoundError as exc:
@@ -87,7 +89,7 @@ def _npy_header(file: BinaryIO, size: int) -> tuple[int, int, np.dtype] | None:
     return data, int(shape[0]), dtype
 
 
-class TokenShardReader:
+class TokenShardReader(RemoteReading):
     """Fixed-length token windows from a ``.npy`` file or a raw ``.bin`` token file, via memmap.
 
     Record ``i`` of a shard is ``tokens[i * stride : i * stride + window]`` as an int64 tensor; a
@@ -136,9 +138,7 @@ class TokenShardReader:
         self.window = check_int_arg("window", window, minimum=1)
         self.stride = window if stride is None else check_int_arg("stride", stride, minimum=1)
         self.dtype = np.dtype(dtype)
-        self._remote = Remote(storage_options)
-        self.storage_options = self._remote.storage_options
-        self._cache = None if cache_dir is None else CachedRemote(self._remote, cache_dir, cache_limit, prefetch)
+        super().__init__(storage_options, cache_dir, cache_limit, prefetch)
         self._mapped: OrderedDict[tuple[str, int, int], np.ndarray] = OrderedDict()
         # Sizes of remote shards that identity() has just read, each taken by the next read of its
         # shard instead of a second HEAD: a restore checks the shard, then reads from its cursor.
@@ -149,7 +149,7 @@ class TokenShardReader:
         return {**self.__dict__, "_mapped": OrderedDict(), "_checked": {}}
 
     def tokens(self, shard: Any) -> np.ndarray:
-        """The shard's tokens as a read-only memmap (an empty array for an empty file).
+        """The shard's tokens as a read-only array over a memory mapping (empty for an empty file).
 
         The last few shards' mappings are kept, keyed by path, size and modification time: a
         shuffled read fetches a handful of records from each of many shards at a time, and mapping
@@ -183,9 +183,12 @@ class TokenShardReader:
                     f"token shard {name!r} holds {size} bytes, not a multiple of {self.dtype.itemsize} "
                     f"({self.dtype}): it is truncated or written with another dtype"
                 )
-            if size == 0:  # numpy refuses to memmap an empty file
+            if size == 0:  # an empty file cannot be mapped
                 return np.empty(0, dtype=self.dtype)
-            return np.memmap(path, dtype=self.dtype, mode="r")
+            # mmap and a read-only view: a few times cheaper than np.memmap, and a shuffle reading
+            # by key maps a cached shard each time it moves to it (see storage.cached).
+            with open(path, "rb") as file:
+                return np.frombuffer(mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ), dtype=self.dtype)
         except FileNotFoundError as exc:
             raise ResumeError(f"token shard {name!r} is missing: {exc}") from exc
         except ValueError as exc:  # np.load on a .npy whose data is shorter than its header says
@@ -230,8 +233,8 @@ class TokenShardReader:
             size = self._checked.pop(url, None)
             if size is None:
                 size, tag = self._remote.size_and_tag(url)
-                if self._cache is not None:
-                    self._cache.note(url, size, tag)
+                if self._shard_cache is not None:
+                    self._shard_cache.note(url, size, tag)
             if not url.endswith(".npy"):
                 self._check_size(url, size)
                 return 0, size // self.dtype.itemsize, self.dtype
@@ -251,21 +254,14 @@ class TokenShardReader:
     def identity(self, shard: Any) -> str:
         """The shard's size and a digest of its first and last bytes (see :func:`file_identity`), or for
         a URL its size and ETag (the size is then kept for the shard's next read)."""
-        identity = _path_identity(shard, "token", self._remote if self._cache is None else self._cache)
+        identity = _path_identity(shard, "token", self._remote_identity)
         if is_url(shard):
             self._checked[str(shard)] = int(identity.split(":", 1)[0])
         return identity
 
-    def planner(self) -> Callable[[Sequence[Any]], None] | None:
-        """With a cache, what takes the shards the reading slot reads next, in order (the rest of its
-        epoch, then the next): :class:`ShardedIterable` calls it as it moves from shard to shard."""
-        return None if self._cache is None else self._cache.plan
-
     def _cached(self, shard: Any, *, wait: bool) -> np.ndarray | None:
         """The remote shard's tokens memmapped from the cache (downloaded first with ``wait``), or None."""
-        if self._cache is None or not is_url(shard):
-            return None
-        return self._cache.local(str(shard), lambda path: self._map(path, os.stat(path).st_size, str(shard)), wait=wait)
+        return self._local_copy(shard, lambda path: self._map(path, os.stat(path).st_size, str(shard)), wait=wait)
 
     def count_windows(self, n_tokens: int) -> int:
         """Records in a shard of ``n_tokens`` tokens: how an index file's token counts give the sizes
@@ -365,19 +361,26 @@ class TokenShardReader:
             yield from chunk
 
 
-class TextLineReader:
+class TextLineReader(RemoteReading):
     """Lines of a text or JSONL file; the cursor is a byte offset, so a restore seeks, not replays.
 
     Each line (without its newline) is decoded and passed to ``parse`` (e.g. ``json.loads``).
     Offsets are bytes: a restore checks that the saved offset is at a line start of the file and
     ``seek``\\ s there. A shard named by a URL is read through a seekable fsspec file (ranged
-    requests of a few MiB each), so a restore fetches the block it seeks to, not the file.
+    requests of a few MiB each), so a restore fetches the block it seeks to, not the file. With
+    ``cache_dir``, a remote shard read from its start is read from the node-local cache (downloaded
+    once per machine, the slot's next ``prefetch`` shards in the background, as for
+    :class:`TokenShardReader`); a read from another offset takes the cached copy if it is there.
 
     Args:
         parse: applied to each decoded line; the line string itself when None.
         encoding: text encoding of the file.
         storage_options: for URLs, the filesystem's options as fsspec takes them (see
             :mod:`resumable_data.storage`).
+        cache_dir: a local directory to keep remote shards in, shared by every process on the
+            machine that passes it (None: no cache).
+        cache_limit: bytes the cache may take (None: no bound); the same in every process.
+        prefetch: with a cache, how many of the slot's next shards download in the background.
 
     Example::
 
@@ -391,21 +394,23 @@ class TextLineReader:
         *,
         encoding: str = "utf-8",
         storage_options: dict[str, Any] | None = None,
+        cache_dir: str | os.PathLike[str] | None = None,
+        cache_limit: int | None = None,
+        prefetch: int = 2,
     ) -> None:
         self.parse = parse
         self.encoding = encoding
-        self._remote = Remote(storage_options)
-        self.storage_options = self._remote.storage_options
+        super().__init__(storage_options, cache_dir, cache_limit, prefetch)
 
     def identity(self, shard: Any) -> str:
         """The file's size and a digest of its first and last bytes (see :func:`file_identity`), or for
         a URL its size and ETag."""
-        return _path_identity(shard, "text", self._remote)
+        return _path_identity(shard, "text", self._remote_identity)
 
     def read_from(self, shard: Any, start: int) -> Iterator[tuple[int, Any]]:
         """``(byte offset after the line, parsed line)`` from byte offset ``start``."""
         path = str(shard) if is_url(shard) else os.fspath(shard)
-        with self._open(path, start) as file:
+        with self._open(path, start, wait=start == 0) as file:  # a restore seeks remotely until it is cached
             self._seek_line(file, path, start)
             offset = start
             for line in file:
@@ -421,7 +426,7 @@ class TextLineReader:
         if not offsets:
             return []
         records = []
-        with self._open(path, offsets[0]) as file:
+        with self._open(path, offsets[0], wait=False) as file:
             position = -1
             for offset in offsets:
                 if offset != position:
@@ -436,8 +441,13 @@ class TextLineReader:
                 records.append(self._decode(line))
         return records
 
-    def _open(self, path: str, start: int) -> BinaryIO:
+    def _open(self, path: str, start: int, *, wait: bool) -> BinaryIO:
+        """The shard's file: the cached copy of a remote one if cached (downloaded first with ``wait``),
+        else a seekable remote file or the local file."""
         try:
+            cached = self._local_copy(path, str, wait=wait)
+            if cached is not None:
+                return open(cached, "rb")
             return self._remote.open(path, block_size=_TEXT_BLOCK) if is_url(path) else open(path, "rb")
         except FileNotFoundError as exc:
             raise ResumeError(f"text shard {path!r} is missing (cursor at byte {start}): {exc}") from exc

@@ -12,6 +12,9 @@ refused through the cache by name.
 from __future__ import annotations
 
 import hashlib
+import json
+import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -21,6 +24,7 @@ import pytest
 
 from harness import json_roundtrip, resumed_run
 from resumable_data import ResumeError
+from resumable_data.storage import ShardCache
 from resumable_data.streams import ShardedIterable, StreamLoader, TokenShardReader, mix
 from resumable_data.testing import assert_same
 
@@ -204,3 +208,52 @@ def test_a_shard_changed_on_the_server_is_refused_through_the_cache(s3_server: A
     )
     allowed.load_state_dict(state)
     assert next(iter(allowed))[0].item() == 7 + offset * WINDOW  # the shard as it is now, read through the cache
+
+
+# A second process sharing the cache: the same pipeline (two slots: its two readers), one epoch.
+SLOT_PROCESS = """
+import json, sys
+from resumable_data.streams import StreamLoader
+sys.path[:0] = [{tests!r}, {tests!r} + "/.."]
+from test_remote_cache import two_slot_pipeline
+config = json.loads(sys.argv[1])
+for _ in StreamLoader(two_slot_pipeline(**config), batch_size=64):
+    pass
+"""
+
+
+def two_slot_pipeline(urls: list[str], options: dict[str, Any], cache: str, limit: int) -> Any:
+    """Two readers on one cache over the same shards, each a slot: a window shuffle spanning three
+    shards, reading by key, and an in-order read, which waits for the download of each shard."""
+
+    def reader() -> TokenShardReader:
+        return TokenShardReader(WINDOW, storage_options=options, cache_dir=cache, cache_limit=limit, prefetch=1)
+
+    by_key = ShardedIterable(urls, read_shard=reader(), seed=1).shuffle_window(3 * BOUND_SHARD // WINDOW, seed=2)
+    in_order = ShardedIterable(urls, read_shard=reader(), seed=1, sizes="unknown")
+    return mix([by_key, in_order], [0.5, 0.5], seed=3)
+
+
+BOUND_SHARD, BOUND_SHARDS = 4096, 20  # tokens per shard (8 KiB) and shards in the bound's test
+
+
+def test_the_cache_exceeds_its_limit_by_at_most_one_shard_per_slot(s3_server: Any, tmp_path: Path) -> None:
+    bucket = Bucket(s3_server, [BOUND_SHARD] * BOUND_SHARDS)
+    shard_bytes, cache = 2 * BOUND_SHARD, tmp_path / "cache"
+    config = {"urls": bucket.urls, "options": s3_server.options(), "cache": str(cache), "limit": 2 * shard_bytes}
+    code = SLOT_PROCESS.format(tests=str(Path(__file__).parent))
+    other = subprocess.Popen([sys.executable, "-c", code, json.dumps(config)], stderr=subprocess.PIPE)
+    try:
+        loader = StreamLoader(two_slot_pipeline(**config), batch_size=64, num_workers=2, timeout=60)
+        batches = sum(1 for _ in loader)
+        _, errors = other.communicate(timeout=90)
+    finally:
+        other.kill()
+    assert other.returncode == 0, errors.decode()[-3000:]
+    assert batches == 2 * BOUND_SHARDS * BOUND_SHARD // WINDOW // 64
+    slots = 2 * 3  # two readers in each of two workers and the other process
+    # The high-water mark taken at every reservation (under the lock each process takes for it).
+    peak = ShardCache.peak_bytes(cache)
+    print(f"peak {peak} bytes: limit {config['limit']} + {peak - config['limit']} ({slots} slots of {shard_bytes})")
+    # Above the limit (the in-order reads find no room and go over it), by at most a shard per slot.
+    assert config["limit"] < peak <= config["limit"] + slots * shard_bytes

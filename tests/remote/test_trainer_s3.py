@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 
 from helpers.trainer_runs import end_weights, final_checkpoint, losses, tiny
+from resumable_data.storage import ShardCache
 from resumable_data.streams import ShardIndex, write_token_shards
 from resumable_data.testing import assert_same
 from script_runner import run_script
@@ -78,14 +79,25 @@ def run_trainer(config: TrainConfig, kill_at: int | None = None) -> int:
     return code
 
 
-@pytest.mark.usefixtures("s3_environment")
-def test_trainer_on_s3_shards_sigkilled_and_resumed_ends_as_an_uninterrupted_local_run(
-    s3_server: Any, tokens_url: str, tmp_path: Path
-) -> None:
+@pytest.fixture(scope="module")
+def reference(s3_server: Any, tokens_url: str, tmp_path_factory: pytest.TempPathFactory) -> TrainConfig:
+    """The uninterrupted run over the bucket's files read locally."""
     bucket_folder = s3_server.root / tokens_url.removeprefix("s3://")  # the same files, read locally
-    reference = tiny(tmp_path, "local", data=bucket_folder, max_steps=MAX_STEPS, num_workers=WORKERS)
-    interrupted = replace(reference, run_dir=str(tmp_path / "s3"), data=tokens_url)
-    assert run_trainer(reference) == 0
+    config = tiny(
+        tmp_path_factory.mktemp("reference"), "local", data=bucket_folder, max_steps=MAX_STEPS, num_workers=WORKERS
+    )
+    assert run_trainer(config) == 0
+    return config
+
+
+@pytest.mark.usefixtures("s3_environment")
+@pytest.mark.parametrize("cached", [False, True], ids=["no-cache", "cache-below-the-data"])
+def test_trainer_on_s3_shards_sigkilled_and_resumed_ends_as_an_uninterrupted_local_run(
+    reference: TrainConfig, tokens_url: str, tmp_path: Path, cached: bool
+) -> None:
+    # --cache-dir (tiny() sets one for text corpora) caches the shards too; --cache-limit: 3 of the 8 shards.
+    cache = {"cache_dir": str(tmp_path / "shards"), "cache_limit": 3 * SHARD_TOKENS} if cached else {"cache_dir": None}
+    interrupted = replace(reference, run_dir=str(tmp_path / "s3"), data=tokens_url, **cache)
     assert run_trainer(interrupted, kill_at=KILL_AT) == -signal.SIGKILL
     assert run_trainer(interrupted) == 0
 
@@ -100,3 +112,4 @@ def test_trainer_on_s3_shards_sigkilled_and_resumed_ends_as_an_uninterrupted_loc
     final_local, final_s3 = final_checkpoint(reference.run_dir), final_checkpoint(interrupted.run_dir)
     for key in (MODEL, OPTIMIZER):
         assert_same(final_local[key], final_s3[key], f"final {key}")
+    assert (ShardCache.peak_bytes(tmp_path / "shards") > 0) == cached  # the shards were read through the cache

@@ -14,10 +14,12 @@ import pickle
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -26,6 +28,7 @@ from remote_folder import FolderRemote, disk_usage, make_remote
 from resumable_data.core import Permutation
 from resumable_data.errors import ResumeError
 from resumable_data.storage.cache import RemoteShard, ShardCache
+from resumable_data.storage.locks import flocked, held, try_exclusive
 
 CHILD = Path(__file__).with_name("cache_child.py")
 TIMEOUT = 120  # seconds a cache process may take (they take about one on an idle machine)
@@ -137,6 +140,7 @@ def test_the_limit_holds_with_two_processes_over_three_epochs(tmp_path: Path) ->
     # with room for five nothing forces a read past the limit.
     assert len(usages) >= count and max(usages) <= limit, (max(usages), limit)
     assert disk_usage(tmp_path / "cache") <= limit
+    assert max(usages) <= ShardCache.peak_bytes(tmp_path / "cache") <= limit
 
 
 def test_a_read_exceeds_the_limit_only_by_the_shards_in_use(tmp_path: Path) -> None:
@@ -154,6 +158,8 @@ def test_a_read_exceeds_the_limit_only_by_the_shards_in_use(tmp_path: Path) -> N
     with cache.use(shards[3]):
         assert disk_usage(tmp_path / "cache") <= 2 * 4096
     assert cache.counters.evictions == 2
+    # The high-water mark, taken at each reservation under the accounting lock: the three in use.
+    assert cache.counters.peak_bytes == ShardCache.peak_bytes(tmp_path / "cache") == 3 * 4096
 
 
 def test_a_shard_evicted_while_a_reader_opens_it_is_downloaded_again(tmp_path: Path) -> None:
@@ -313,3 +319,58 @@ def test_bad_arguments_are_named_with_what_was_expected(tmp_path: Path, kwargs: 
 def test_a_bad_remote_shard_is_named() -> None:
     with pytest.raises(ValueError, match="RemoteShard size should be an integer >= 0, but got RemoteShard size=-1"):
         RemoteShard("s3://bucket/a.bin", -1, "1:etag")
+
+
+def forked_child() -> Any:
+    """A forked child process that lives 30 s, started and past the fork's hooks; kill it after."""
+    fork = multiprocessing.get_context("fork")
+    started = fork.Event()
+
+    def live() -> None:
+        started.set()
+        time.sleep(30)
+
+    child = fork.Process(target=live)
+    child.start()
+    assert started.wait(TIMEOUT)
+    return child
+
+
+def test_a_child_forked_while_a_thread_holds_a_cache_lock_does_not_keep_it(tmp_path: Path) -> None:
+    # What a DataLoader does when it starts its workers while the cache downloads in the background:
+    # the child's copy of the locked file must not keep the lock after the parent's thread lets go.
+    path, taken, release = str(tmp_path / "lock"), threading.Event(), threading.Event()
+
+    def hold() -> None:
+        with flocked(path, fcntl.LOCK_EX):
+            taken.set()
+            release.wait(TIMEOUT)
+
+    holder = threading.Thread(target=hold)
+    holder.start()
+    taken.wait(TIMEOUT)
+    child = forked_child()
+    try:
+        release.set()
+        holder.join(TIMEOUT)
+        assert not held(path), "the forked child kept the parent's lock"
+    finally:
+        child.kill()
+        child.join(TIMEOUT)
+
+
+def test_a_shard_in_use_when_a_child_is_forked_is_released_by_the_parent_alone(tmp_path: Path) -> None:
+    names = make_remote(tmp_path / "remote", 1, 4096)
+    remote = FolderRemote(tmp_path / "remote", tmp_path / "downloads.log")
+    cache = ShardCache(tmp_path / "cache", None, download=remote)
+    handle = cache.use(remote.shard(names[0]))
+    child = forked_child()
+    try:
+        with try_exclusive(handle.path) as taken:
+            assert taken is False  # in use: not evictable
+        handle.close()
+        with try_exclusive(handle.path) as taken:
+            assert taken is True, "the forked child still holds the shard the parent released"
+    finally:
+        child.kill()
+        child.join(TIMEOUT)
