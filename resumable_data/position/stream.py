@@ -254,10 +254,11 @@ def _rank_batches(
 
     def restore(g: int) -> Callable[[], None]:
         def prepare() -> None:
-            batched.check(layout.slots[g])()
+            apply = batched.check(layout.slots[g])
             saved = [s for s in batched.saved_slots(layout.slots[g]) if s != (g, num_slots)]
             if saved:
                 raise ResumeError(f"{_WHAT} state: slot {g} holds a pipeline state saved for slot {saved[0][0]}")
+            apply()
 
         return prepare
 

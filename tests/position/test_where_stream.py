@@ -8,6 +8,8 @@ resume into another layout, whose slots read pending records first),
 * ``where_stream(state, pipeline, next=n)`` is, rank by rank, the ``(shard, record)`` of every record
   of the next ``n`` batches of a loader restored from the state (each record carries its own key);
 * it reads no record: at 10**7 records, deep in the epoch, the reader is never called;
+* the capability under it, ``Stream.upcoming_keys(n)``, is on a live pipeline (mid-iteration, also in
+  a window of pending records) the keys its iteration yields next, reading nothing;
 * a pipeline whose next records depend on the records it reads (shuffle_buffer, filter, mix, pack,
   take) or a source that reads by cursors is refused, the error naming the stage and what works.
 """
@@ -53,10 +55,12 @@ def build(config: dict[str, Any], reader: Reader | None = None) -> Stream:
     stream: Stream = ShardedIterable(
         [f"s{i}" for i in range(len(sizes))], read_shard=reader or Reader(sizes), seed=config["seed"], sizes=sizes
     )
-    if config["map"]:
+    if config["map"] == "below":
         stream = stream.map(shifted)
     if config["window"]:
         stream = stream.shuffle_window(config["window"], seed=config["seed"] + 1)
+    if config["map"] == "above":
+        stream = stream.map(shifted)
     return stream
 
 
@@ -84,7 +88,7 @@ def run(loader: StreamLoader) -> Iterator[torch.Tensor]:
 
 
 def keys_of(batch: torch.Tensor, config: dict[str, Any]) -> list[tuple[str, int]]:
-    offset = 10**6 if config["map"] else 0
+    offset = 10**6 if config["map"] is not None else 0
     return [(f"s{int(i)}", int(r) - offset) for i, r in batch.tolist()]
 
 
@@ -118,7 +122,7 @@ CONFIGS = st.fixed_dictionaries(
         "sizes": st.lists(st.integers(1, 9), min_size=1, max_size=6),
         "batch_size": st.integers(1, 4),
         "window": st.sampled_from([None, 1, 3, 5, 16]),
-        "map": st.booleans(),
+        "map": st.sampled_from([None, "below", "above"]),  # a map below or above the window
         "drop_last": st.booleans(),
         "seed": st.integers(0, 2**16),
     }
@@ -169,7 +173,7 @@ def test_where_after_a_layout_change_names_the_pending_records_first(config, old
         check_against_loader(config, each.state_dict(), n, rank)
 
 
-WIDE = {"sizes": [9, 9, 9, 9, 7], "batch_size": 2, "window": 5, "map": False, "drop_last": False, "seed": 0}
+WIDE = {"sizes": [9, 9, 9, 9, 7], "batch_size": 2, "window": 5, "map": None, "drop_last": False, "seed": 0}
 
 
 @pytest.mark.parametrize("world", [1, 2])
@@ -197,7 +201,7 @@ def test_a_resume_into_fewer_slots_reads_the_held_records_first(window, more):
 
 
 def test_one_ranks_own_state_answers_for_that_rank():
-    config = {"sizes": [5, 7, 3], "batch_size": 2, "window": 3, "map": False, "drop_last": False, "seed": 1}
+    config = {"sizes": [5, 7, 3], "batch_size": 2, "window": 3, "map": None, "drop_last": False, "seed": 1}
     ranks = [loader(config, r, 2, 0) for r in range(2)]
     for each in ranks:
         next(iter(each))
@@ -210,7 +214,7 @@ def test_one_ranks_own_state_answers_for_that_rank():
 
 
 def test_a_pipeline_ending_in_batch_gives_the_batch_size():
-    config = {"sizes": [4, 6], "batch_size": 3, "window": 2, "map": True, "drop_last": True, "seed": 5}
+    config = {"sizes": [4, 6], "batch_size": 3, "window": 2, "map": "below", "drop_last": True, "seed": 5}
     plain = StreamLoader(build(config).batch(3, drop_last=True))
     next(iter(plain))
     report = where_stream(plain.state_dict(), build(config).batch(3, drop_last=True), next=3)
@@ -221,7 +225,7 @@ def test_a_pipeline_ending_in_batch_gives_the_batch_size():
 
 def test_a_state_deep_in_an_epoch_of_ten_million_records_is_answered_without_reading():
     sizes = [1_000_000] * 10
-    config = {"sizes": sizes, "batch_size": 64, "window": 10_000, "map": True, "drop_last": False, "seed": 3}
+    config = {"sizes": sizes, "batch_size": 64, "window": 10_000, "map": "below", "drop_last": False, "seed": 3}
     reader = Reader(sizes)
     pipeline = build(config, reader)
     # Move the source 7,654,321 records into its epoch (seek reads nothing), then take 5 records of the
@@ -250,7 +254,7 @@ REFUSED: dict[str, tuple[str, Callable[[Stream], Stream]]] = {
     "mix": ("Mix", lambda s: mix([s, build(SMALL)], seed=0)),
     "window over a filter": ("Filter", lambda s: s.filter(lambda r: True).shuffle_window(3)),
 }
-SMALL = {"sizes": [5, 4, 6], "batch_size": 2, "window": None, "map": False, "drop_last": False, "seed": 0}
+SMALL = {"sizes": [5, 4, 6], "batch_size": 2, "window": None, "map": None, "drop_last": False, "seed": 0}
 
 
 @pytest.mark.parametrize("name", sorted(REFUSED))
@@ -341,3 +345,23 @@ def test_the_command_imports_the_pipeline_and_reads_a_checkpoint(tmp_path, monke
         assert out == "" and len(err.splitlines()) == 1 and fragment in err, err
     assert main([*argv[:3], "nowhere:build", "--batch-size", "2"]) == 1
     assert "--pipeline: cannot import 'nowhere'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("window", [None, 3, 5])
+@pytest.mark.parametrize("taken", [0, 1, 4, 9])
+def test_upcoming_keys_of_a_live_pipeline_are_the_keys_it_yields_next(window, taken):
+    # Stream.upcoming_keys mid-iteration (where_stream asks freshly loaded pipelines): a slot resumed
+    # into fewer slots, its pending records (held windows of the old slots) then its own positions.
+    config = {**WIDE, "window": window}
+    resumed = loader(config, 0, 1, 0)
+    resumed.load_state_dict(StreamLoader.merge_states(states_after(config, 2, 2, 1)))
+    reader = Reader(config["sizes"])
+    pipeline = build(config, reader)
+    Batch(pipeline, 1).load_state_dict(resumed.state_dict()["slots"]["0"])
+    records = pipeline.iter_keyed()
+    for _ in range(taken):
+        next(records)
+    calls = reader.calls
+    upcoming = pipeline.upcoming_keys(12)
+    assert reader.calls == calls
+    assert upcoming == [key for key, _ in itertools.islice(records, 12)]
