@@ -5,10 +5,23 @@ sample indices of any batch and the batch of any sample, at the cost of one posi
 epoch's order is a keyed permutation and its inverse). ``skip`` moves a checkpoint's data position
 past a bad stretch and records the skipped range in the state, publishing a new checkpoint and
 leaving the old one as it was. Both are also commands: ``python -m resumable_data where`` and
-``python -m resumable_data skip``.
+``python -m resumable_data skip``. ``where_stream`` answers for a ``StreamLoader`` state, given the
+pipeline (code, which the checkpoint does not hold): the shard and record of its next batches.
 """
 
 from .skip import skip, skip_state
+from .stream import StreamBatch, StreamWhereReport, where_stream
 from .where import BatchReport, SampleReport, WhereReport, locate, where
 
-__all__ = ["BatchReport", "SampleReport", "WhereReport", "locate", "skip", "skip_state", "where"]
+__all__ = [
+    "BatchReport",
+    "SampleReport",
+    "StreamBatch",
+    "StreamWhereReport",
+    "WhereReport",
+    "locate",
+    "skip",
+    "skip_state",
+    "where",
+    "where_stream",
+]

@@ -7,15 +7,19 @@ A bad input (a bad checkpoint, a skip past the epoch's end, a malformed argument
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
+import os
 import sys
 from typing import Any
 
 from ..errors import ResumeError
+from ..streams.base import Stream
 from .skip import skip
-from .where import locate, where
+from .stream import StreamWhereReport, where_stream
+from .where import WhereReport, locate, where
 
-__all__ = ["add_skip", "add_where", "run_skip", "run_where"]
+__all__ = ["add_skip", "add_where", "load_pipeline", "run_skip", "run_where"]
 
 CHECKPOINT_HELP = "a step-N checkpoint folder or a state file, as `inspect` takes it"
 
@@ -61,7 +65,8 @@ def add_where(commands: Any) -> None:
         description="For a map-style data state (ResumableSampler, ResumableDataLoader) in a checkpoint: the "
         "sample indices of the next or previous N batches of every rank, of a step, or of a range of positions; "
         "or, with --sample, in which epoch, position, step and rank a sample is read. Skipped batches (see "
-        "`skip`) are shown as skipped. O(1) per batch at any dataset size.",
+        "`skip`) are shown as skipped. O(1) per batch at any dataset size. For a StreamLoader state, with "
+        "--pipeline: the shard and record of each record of the next N batches of every rank.",
     )
     command.add_argument("checkpoint", metavar="CHECKPOINT", help=CHECKPOINT_HELP)
     query = command.add_mutually_exclusive_group()
@@ -72,9 +77,19 @@ def add_where(commands: Any) -> None:
     query.add_argument("--sample", metavar="I", help="where sample I is read in the epoch")
     command.add_argument("--epoch", metavar="E", help="with --sample: this epoch (default: the state's)")
     command.add_argument("--rank", metavar="R", help="only rank R's indices")
-    command.add_argument("--batch-size", metavar="B", help="for a sampler's state, which has none")
+    command.add_argument(
+        "--batch-size", metavar="B", help="for a sampler's state, which has none; with --pipeline, the loader's"
+    )
     command.add_argument("--state", metavar="KEY", help="which data state, by the key path `inspect` prints")
     command.add_argument("--json", action="store_true", help="print the answer as JSON")
+    command.add_argument(
+        "--pipeline",
+        metavar="MODULE:FUNCTION",
+        help="for a StreamLoader state: the shard and record of each record of the next N batches. FUNCTION() "
+        "(importable from the current folder) returns the stream the loader was built over, as the training "
+        "script builds it; this RUNS that code. Needs --batch-size (unless the stream ends in .batch(n))",
+    )
+    command.add_argument("--drop-last", action="store_true", help="with --pipeline: the loader's drop_last")
 
 
 def add_skip(commands: Any) -> None:
@@ -101,7 +116,22 @@ def run_where(args: argparse.Namespace) -> int:
         positions = _positions(args.positions)
         if n["epoch"] is not None and n["sample"] is None:
             raise ResumeError("--epoch: only with --sample")
-        if n["sample"] is not None:
+        if args.pipeline is not None:
+            others = [flag for flag in ("previous", "step", "positions", "sample", "epoch") if getattr(args, flag)]
+            if others:
+                raise ResumeError(f"--{others[0]}: not with --pipeline (a stream's state answers --next N only)")
+            report: WhereReport | StreamWhereReport = where_stream(
+                args.checkpoint,
+                load_pipeline(args.pipeline),
+                batch_size=n["batch_size"],
+                drop_last=args.drop_last,
+                next=1 if n["next"] is None else n["next"],
+                rank=n["rank"],
+                key=args.state,
+            )
+        elif args.drop_last:
+            raise ResumeError("--drop-last: only with --pipeline (a map-style state holds its own)")
+        elif n["sample"] is not None:
             report = locate(args.checkpoint, n["sample"], epoch=n["epoch"], batch_size=n["batch_size"], key=args.state)
         else:
             report = where(
@@ -118,6 +148,26 @@ def run_where(args: argparse.Namespace) -> int:
         return _error(e)
     print(json.dumps(report.as_json(), indent=2) if args.json else "\n".join(report.lines()))
     return 0
+
+
+def load_pipeline(spec: str) -> Stream:
+    """Call ``MODULE:FUNCTION`` (the module imported from the current folder or the path) for a stream."""
+    module_name, _, name = spec.partition(":")
+    if not module_name or not name:
+        raise ResumeError(f"--pipeline: expected MODULE:FUNCTION (e.g. train:build_stream), got {spec!r}")
+    if os.getcwd() not in sys.path:  # as `python -m` and `python script.py` find the user's modules
+        sys.path.insert(0, os.getcwd())
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as e:
+        raise ResumeError(f"--pipeline: cannot import {module_name!r}: {e}") from None
+    factory = getattr(module, name, None)
+    if not callable(factory):
+        raise ResumeError(f"--pipeline: {module_name} has no function {name!r}")
+    pipeline = factory()
+    if not isinstance(pipeline, Stream):
+        raise ResumeError(f"--pipeline: {spec}() returned a {type(pipeline).__name__}, expected a Stream")
+    return pipeline
 
 
 def run_skip(args: argparse.Namespace) -> int:

@@ -31,7 +31,8 @@ __all__ = ["STREAM_STATES", "MapLayout", "is_map_state"]
 STREAM_STATES = (
     "a stream's state (StreamLoader, ShardedIterable, shuffle_buffer, shuffle_window) names records by shard "
     "cursors and slot states whose meaning depends on the pipeline (shard list, sizes, reader, stages), "
-    "which the checkpoint does not hold"
+    "which the checkpoint does not hold: for a StreamLoader's, give `where` the pipeline (--pipeline "
+    "MODULE:FUNCTION, or position.where_stream)"
 )
 
 _WHAT = "data"

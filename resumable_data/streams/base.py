@@ -52,6 +52,7 @@ through these public methods of :class:`Stream`, which a custom stage implements
   shards whose records a stage above holds and re-reads by key on restore (a shuffle buffer's);
 * :meth:`~Stream.positional` -- an optional capability: records addressed by position
   (:mod:`~resumable_data.streams.positional`), what the shuffles' fast paths use;
+* :meth:`~Stream.upcoming_keys` -- optional: the next records' keys, computed (``where``'s answer);
 * :attr:`~Stream.POSITION_KEYS` -- the fields of the stage's own state that say where it stands.
 
 A one-source stage subclasses :class:`~resumable_data.streams.wrapper.Wrapper`, which forwards all
@@ -296,6 +297,12 @@ class Stream:
         """This stage's records addressed by position (see :mod:`~resumable_data.streams.positional`),
         or None (the default): what ``shuffle_window`` and ``shuffle_buffer`` ask their source for
         to read by position instead of in order."""
+        return None
+
+    def upcoming_keys(self, count: int) -> list[Key] | None:
+        """The keys of the next ``count`` records this stage yields in its epoch (fewer at its end),
+        computed from its state, nothing read or moved; None (the default) where they depend on the
+        records (a filter's predicate, a buffer's draws over what it holds)."""
         return None
 
     # -- public behaviour shared by all stages -------------------------------------------------

@@ -84,6 +84,9 @@ class Map(Wrapper):
         inner = self.source.positional()
         return None if inner is None else PassThrough(self, inner)
 
+    def upcoming_keys(self, count: int) -> list[Key] | None:
+        return self.source.upcoming_keys(count)  # the source's keys, in its order
+
     def fetch(self, key: Key) -> Any:
         return self._call(key, self.source.fetch(key))
 

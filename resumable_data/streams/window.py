@@ -121,10 +121,7 @@ class ShuffleWindow(Wrapper):
         if self._permutation is None or self._permutation[0] != which:
             # One per window, not per chunk: a window of up to 2**14 records is an exact keyed
             # shuffle whose table is built on first use, O(window) each time it is built.
-            self._permutation = (
-                which,
-                Permutation(self._count, hash_ints(self.seed, self._window - 1) >> 1, self._epoch),
-            )
+            self._permutation = (which, window_permutation(self._count, self.seed, self._window, self._epoch))
         return self._permutation[1](np.arange(start, stop, dtype=np.int64))
 
     def iter_keyed(self) -> Iterator[tuple[Key | None, Any]]:
@@ -202,6 +199,54 @@ class ShuffleWindow(Wrapper):
             for key, record in zip(keys, view.fetch_many(keys), strict=True):
                 self._taken += 1
                 yield key, record
+
+    def upcoming_keys(self, count: int) -> list[Key] | None:
+        """The keys of the next ``count`` records, computed: the open window's rest in its order, then
+        the windows that the source's next keys make (its pending records first, in windows of their
+        own), each in its order; None over a source that is not positional (windows read whole)."""
+        view = self.source.positional()
+        if view is None or view.position is None:
+            return None
+        keys: list[Key] = []
+        skip, pending = 0, view.pending_count  # skip: source keys that are the open window's
+        if self._open():
+            permutation = window_permutation(self._count, self.seed, self._window, self._epoch)
+            order = permutation(np.arange(self._taken, min(self._count, self._taken + count), dtype=np.int64))
+            if self._positional:
+                keys = view.keys_at(order + (view.position - self._count))
+            elif self._keys is not None:  # a window of pending records, taken from the source
+                keys = [self._keys[p] for p in order.tolist()]
+            elif self._records is None and pending >= self._count:  # restored: its source stands at its start
+                held = self.source.upcoming_keys(self._count)
+                if held is None:
+                    return None
+                keys = [held[p] for p in order.tolist()]
+                skip, pending = self._count, pending - self._count
+            else:
+                return None  # a window read from its source
+        need = count - len(keys)
+        if need <= 0:
+            return keys
+        # Whole windows: of the pending records first, then of the records by position.
+        if need <= pending:
+            ask = min(pending, -(-need // self.size) * self.size)
+        else:
+            ask = pending + -(-(need - pending) // self.size) * self.size
+        ahead = self.source.upcoming_keys(skip + ask)
+        if ahead is None:
+            return None
+        ahead = ahead[skip:]
+        split = min(pending, len(ahead))
+        window = self._window
+        for part in (ahead[:split], ahead[split:]):
+            for start in range(0, len(part), self.size):
+                if len(keys) >= count:
+                    return keys
+                chunk = part[start : start + self.size]
+                window += 1
+                shuffled = window_permutation(len(chunk), self.seed, window, self._epoch)
+                keys.extend(chunk[p] for p in shuffled(np.arange(min(len(chunk), count - len(keys)))).tolist())
+        return keys
 
     # -- state ---------------------------------------------------------------------------------
     def _open(self) -> bool:
@@ -285,7 +330,7 @@ class ShuffleWindow(Wrapper):
         for state in states:
             count, taken, source = state[COUNT], state[TAKEN], state[SOURCE]
             if count:
-                permutation = Permutation(count, hash_ints(self.seed, state[WINDOW] - 1) >> 1, state[EPOCH])
+                permutation = window_permutation(count, self.seed, state[WINDOW], state[EPOCH])
                 order = permutation(np.arange(taken, count, dtype=np.int64))
                 position = None if view is None else view.saved_position(source)
                 first_pending = None if view is None or position is None else view.split_pending(source, count)
@@ -306,6 +351,11 @@ class ShuffleWindow(Wrapper):
                     )
             split.append(state)
         return super().rebalance(split, num_slots, pending + held)
+
+
+def window_permutation(count: int, seed: int, window: int, epoch: int) -> Permutation:
+    """The order of window number ``window`` (counted from 1) of ``count`` records in epoch ``epoch``."""
+    return Permutation(count, hash_ints(seed, window - 1) >> 1, epoch)
 
 
 def take_records(records: Iterator[tuple[Key | None, Any]], n: int) -> list[tuple[Key | None, Any]]:

@@ -356,6 +356,9 @@ class ShardedIterable(Stream):
         self._position, self._identities = stop, identities
         return keys
 
+    def upcoming_keys(self, count: int) -> list[Key] | None:
+        return self._here().upcoming_keys(self._shards, count)  # computed: nothing read or moved
+
     # -- reading -----------------------------------------------------------------------------------
     def fetch(self, key: Key) -> Any:
         return self.fetch_many([key])[0]

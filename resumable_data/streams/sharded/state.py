@@ -23,8 +23,8 @@ from ...core.state import (
     require_mapping,
 )
 from ...errors import ResumeError
-from ..base import EPOCH, MAX_COUNT, STREAM_STATE_VERSION, Slot, check_same, require_count, require_epoch
-from ..pending import NO_RECORDS, listed_records, parse_pending
+from ..base import EPOCH, MAX_COUNT, STREAM_STATE_VERSION, Key, Slot, check_same, require_count, require_epoch
+from ..pending import NO_RECORDS, listed_records, parse_pending, record_keys
 from .checks import Reads, check_record
 from .keys import (
     COUNT,
@@ -89,6 +89,18 @@ class ShardState:
         if self.position is None:
             return [list(entry) for entry in self.remaining]
         return self.layout(shards).listed(self.position)
+
+    def upcoming_keys(self, shards: Shards, count: int) -> list[Key] | None:
+        """The keys of the slot's next ``count`` records (fewer at its end): its pending records, then
+        those at its next positions; None when it lists cursors (a shard's end is known by reading)."""
+        if self.position is None:
+            return None
+        keys = record_keys(self.epoch, self.pending[:count])
+        if len(keys) < count:
+            layout = self.layout(shards)
+            stop = min(self.position + count - len(keys), layout.total)
+            keys += layout.keys(self.epoch, np.arange(self.position, stop, dtype=np.int64))
+        return keys
 
     def reads(self, shards: Shards) -> Reads:
         """What this state has read, for the key checks (an array over the shards: at 10^5 shards a
