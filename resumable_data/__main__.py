@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from .audit.cli import add_verify, run_verify
 from .checkpoint.inspect import inspect_checkpoint
 from .errors import ResumeError
 from .streams.write import SHARD_NAME, jsonl_documents, write_token_shards
@@ -113,7 +114,10 @@ def main(argv: list[str] | None = None) -> int:
     inspect_parser.add_argument("--json", action="store_true", help="print the report as JSON")
     _add_write_shards(commands)
     commands.add_parser("demo", help="stop a loader mid-epoch and resume it exactly")
+    add_verify(commands)
     args = parser.parse_args(argv)
+    if args.command == "verify":
+        return run_verify(args)
     if args.command == "inspect":
         return inspect(args.path, as_json=args.json)
     return write_shards(args) if args.command == "write-shards" else demo()
