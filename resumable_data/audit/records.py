@@ -33,7 +33,8 @@ LOG = "log"  # a line's "kind": the values the user logged for a step
 
 _lock = threading.Lock()
 _loader_ids = itertools.count()
-_file: tuple[int, IO[str]] | None = None  # (the pid that opened it, the file): a forked worker opens its own
+# (the pid and folder it was opened for, the file): a forked worker, or another folder, gets a file of its own.
+_file: tuple[int, str, IO[str]] | None = None
 
 
 def _folder() -> str | None:
@@ -48,12 +49,15 @@ def _write(record: dict[str, Any]) -> None:
         return
     line = json.dumps(record, separators=(",", ":"), allow_nan=True) + "\n"
     with _lock:
-        if _file is None or _file[0] != os.getpid():
+        if _file is None or _file[:2] != (os.getpid(), folder):
+            if _file is not None and _file[0] == os.getpid():
+                _file[2].close()
             Path(folder).mkdir(parents=True, exist_ok=True)
             # The rank (torchrun's), the start time and the pid: relaunches and ranks never share a file.
             name = f"rank{os.environ.get('RANK', '0')}-{time.time_ns()}-{os.getpid()}.jsonl"
-            _file = (os.getpid(), open(Path(folder) / name, "a", buffering=1, encoding="utf-8"))  # noqa: SIM115
-        _file[1].write(line)
+            handle = open(Path(folder) / name, "a", buffering=1, encoding="utf-8")  # noqa: SIM115  # kept open
+            _file = (os.getpid(), folder, handle)
+        _file[2].write(line)
 
 
 def loader_id() -> int | None:
