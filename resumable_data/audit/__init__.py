@@ -20,7 +20,7 @@ from __future__ import annotations
 from typing import Any
 
 from .records import AUDIT_ENV, log_values
-from .verify import VerifyResult, verify
+from .verifier import VerifyResult, verify
 
 __all__ = ["AUDIT_ENV", "VerifyResult", "log", "verify"]
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from .verify import verify
+from .verifier import verify
 
 __all__ = ["add_verify", "run_verify"]
 

@@ -27,7 +27,8 @@ import torch
 
 __all__ = ["AUDIT_ENV", "Recorder", "digest", "loader_id", "log_values", "recorder"]
 
-AUDIT_ENV = "RESUMABLE_DATA_AUDIT"  # the folder the audit files go to; unset: no audit, no cost
+AUDIT_ENV = "RESUMABLE_DATA_AUDIT"
+"""The environment variable naming the folder audit files go to; unset, nothing is recorded."""
 BATCH = "batch"  # a line's "kind": a batch a loader handed out
 LOG = "log"  # a line's "kind": the values the user logged for a step
 
