@@ -20,9 +20,9 @@ from __future__ import annotations
 from typing import Any
 
 from .records import AUDIT_ENV, log_values
-from .verifier import VerifyResult, verify
+from .verifier import RUN_DIR, VerifyResult, verify
 
-__all__ = ["AUDIT_ENV", "VerifyResult", "log", "verify"]
+__all__ = ["AUDIT_ENV", "RUN_DIR", "VerifyResult", "log", "verify"]
 
 
 def log(step: int, **values: Any) -> None:

@@ -28,7 +28,8 @@ from .tail import Point, Progress
 
 __all__ = ["RUN_DIR", "VerifyResult", "verify"]
 
-RUN_DIR = "{run_dir}"  # replaced, in the command, by the run's fresh folder
+RUN_DIR = "{run_dir}"
+"""In ``verify``'s command, replaced by the run's fresh folder (also its working directory)."""
 _POLL_S = 0.002  # how often a launch's audit records are read while it runs: kills land close to their step
 
 

@@ -60,3 +60,15 @@ def test_every_example_passes(name: str, tmp_path: Path, monkeypatch: pytest.Mon
     else:
         command = [sys.executable, path, "--smoke"]
     check(command, tmp_path, monkeypatch, kills=2)
+
+
+@pytest.mark.slow
+def test_the_trainers_verify_resume_harness_runs_verify_with_random_kills(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from system.cli import main as system_main
+
+    monkeypatch.chdir(ROOT)
+    argv = ["verify-resume", "--max-steps", "20", "--kill-at-step", "12", "--random-kills", "2"]
+    assert system_main([*argv, "--run-dir", str(tmp_path / "runs")]) == 0
+    assert (tmp_path / "runs" / "random-kills" / "interrupted").is_dir()
