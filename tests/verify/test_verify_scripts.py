@@ -89,3 +89,38 @@ def test_the_command_line_exits_1_on_a_failure_and_2_on_a_bad_command_line(
     assert main(argv) == 2  # the work dir now holds files: refused, and nothing in it is touched
     assert "work_dir should be empty or new" in capsys.readouterr().out
     assert (tmp_path / "runs" / "keep.txt").read_text() == "a user's file"
+
+
+def test_a_script_that_logs_nothing_is_lined_up_by_its_loader_and_passes(tmp_path: Path) -> None:
+    result = audit.verify(
+        [sys.executable, str(SCRIPTS / "tiny_train.py"), "--no-log"],
+        kills=2,
+        timeout=LAUNCH_TIMEOUT_S,
+        work_dir=tmp_path / "runs",
+        echo=None,
+    )
+    assert result.passed, result.report
+    assert "35 batches on rank 0" in result.report and "interrupted: 2 SIGKILLs" in result.report
+
+
+def batch(epoch: int, position: int, digest: str = "d") -> compare.Batch:
+    return compare.Batch(0, 0, epoch, position, (position,), digest)
+
+
+def test_a_relaunch_is_lined_up_by_its_first_batch_and_one_the_reference_never_read_fails() -> None:
+    reference = compare.Launch(streams={(0, 0): [batch(0, p) for p in range(0, 40, 4)]})
+    killed = compare.Launch(streams={(0, 0): [batch(0, p) for p in range(0, 20, 4)]})
+    resumed = compare.Launch(streams={(0, 0): [batch(0, p) for p in range(12, 40, 4)]})
+    assert compare.compare(reference, [killed, resumed]) is None
+    # The same steps, one with other bytes: the first such step is named, with the cause.
+    changed = compare.Launch(streams={(0, 0): [batch(0, 12), batch(0, 16, "other"), *resumed.streams[(0, 0)][2:]]})
+    finding = compare.compare(reference, [killed, changed])
+    assert finding is not None and finding.where.startswith("batch 5 of loader 0") and "launch 2" in finding.where
+    assert finding.cause == compare.RNG_NOT_RESTORED
+    # A relaunch that starts where the reference never was.
+    elsewhere = compare.Launch(streams={(0, 0): [batch(0, 13), batch(0, 17)]})
+    finding = compare.compare(reference, [killed, elsewhere])
+    assert finding is not None and finding.cause == compare.OTHER_POSITION
+    # A series that stops early misses steps.
+    finding = compare.compare(reference, [killed])
+    assert finding is not None and finding.cause == compare.MISSING and finding.where.startswith("batch 6 ")
