@@ -19,7 +19,7 @@ from typing import Any
 
 from .records import BATCH, LOG
 
-__all__ = ["CAUSES", "Batch", "Finding", "Launch", "Unit", "compare", "read_launch"]
+__all__ = ["Batch", "Finding", "Launch", "Unit", "compare", "read_launch"]
 
 # The likely causes a failure names (tests match on these texts).
 LOADER_NOT_RESTORED = (
@@ -47,7 +47,6 @@ NOT_DETERMINISTIC = (
 )
 MISSING = "the interrupted series never ran this step (it stopped early, or skipped it on resume)"
 EXTRA = "the interrupted series ran a step the uninterrupted run did not (the run went on past its end)"
-CAUSES = (LOADER_NOT_RESTORED, OTHER_POSITION, EPOCH_RESTARTED, RNG_NOT_RESTORED, PLAIN_LOADER)
 
 
 @dataclass(frozen=True)

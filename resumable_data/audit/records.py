@@ -77,12 +77,12 @@ class Recorder:
         self.loader = loader
         self.rank = rank
 
-    def batch(self, batch: Any, *, epoch: int, position: Any, indices: list[int] | None = None, **more: Any) -> None:
+    def batch(self, batch: Any, *, epoch: int, position: Any, indices: list[int] | None = None) -> None:
         """Record a batch handed out at ``position`` of ``epoch`` (the loader's key for it)."""
         record = {"kind": BATCH, "loader": self.loader, "rank": self.rank, "epoch": epoch, "position": position}
         if indices is not None:
             record["indices"] = indices
-        _write({**record, **more, "digest": digest(batch)})
+        _write({**record, "digest": digest(batch)})
 
 
 def recorder(loader: int | None, rank: int) -> Recorder | None:

@@ -9,12 +9,12 @@ from typing import IO, Any
 from .compare import Launch
 from .records import BATCH, LOG
 
-__all__ = ["Point", "Progress"]
+__all__ = ["Point", "Watch"]
 
 Point = tuple[str, Any]  # (LOG, step) or (BATCH, a batch's key): one step of rank 0, in the reference's order
 
 
-class Progress:
+class Watch:
     """How far a launch has come, in the reference run's steps, from the lines its rank 0 has written."""
 
     def __init__(self, folder: Path, points: list[Point], target: int) -> None:

@@ -24,7 +24,7 @@ from pathlib import Path
 from .compare import Finding, Launch, compare, read_launch, reference_units
 from .processes import kill_tree
 from .records import AUDIT_ENV, LOG
-from .tail import Point, Progress
+from .tail import Point, Watch
 
 __all__ = ["RUN_DIR", "VerifyResult", "verify"]
 
@@ -72,7 +72,8 @@ def verify(
             reference run's steps.
         seed: chooses the kill steps.
         workers_flag: arguments that turn DataLoader workers on (``"--num-workers 2"``): a second
-            interrupted series runs with them, compared with the same reference.
+            reference and interrupted series run with them (workers may change which process's
+            RNG dropout draws from, so they are compared with each other).
         timeout: seconds each launch may take.
         work_dir: an empty or new folder for the runs; a fresh temporary one when None.
         echo: where progress lines and the report go (None: nowhere).
@@ -163,7 +164,7 @@ def _reference(
     if code != 0:
         raise _Failed(f"the uninterrupted run{label} exited with code {code}; see {log}")
     reference = read_launch(audit)
-    points = Progress.points(reference)
+    points = Watch.points(reference)
     if not points:
         raise _Failed(
             f"the uninterrupted run left no audit records in {audit}: it reads through neither ResumableDataLoader "
@@ -195,7 +196,7 @@ def _series(
     done = []
     for number, step in enumerate([*steps, None], start=1):
         audit = base / "audit" / name / f"launch-{number}"
-        watch = None if step is None else Progress(audit, points, step)
+        watch = None if step is None else Watch(audit, points, step)
         code = _launch(argv, run_dir, audit, base / f"{name}-{number}.log", timeout, watch)
         launches.append(read_launch(audit))
         if watch is not None and watch.killed:
@@ -215,7 +216,7 @@ def _series(
     return launches
 
 
-def _launch(argv: list[str], run_dir: Path, audit: Path, log: Path, timeout: float, watch: Progress | None) -> int:
+def _launch(argv: list[str], run_dir: Path, audit: Path, log: Path, timeout: float, watch: Watch | None) -> int:
     """Run ``argv`` in ``run_dir`` with records to ``audit``; SIGKILL its process group when ``watch`` says.
 
     Returns:
