@@ -1,4 +1,5 @@
-"""Command line: ``inspect PATH``, ``where`` and ``skip`` (``position.cli``), ``write-shards`` and ``demo``.
+"""Command line: ``inspect PATH``, ``where`` and ``skip`` (``position.cli``), ``verify`` (``audit.cli``),
+``write-shards`` and ``demo``.
 
 ``inspect`` verifies a checkpoint (manifest, size, sha256) and prints its step, data position (epoch,
 position, world size) and sizes; it loads with ``torch.load(weights_only=True)`` only, so nothing in
@@ -18,6 +19,7 @@ from typing import Any
 
 import torch
 
+from .audit.cli import add_verify, run_verify
 from .checkpoint.inspect import inspect_checkpoint
 from .errors import ResumeError
 from .position import cli as position_cli
@@ -25,7 +27,8 @@ from .streams.write import SHARD_NAME, jsonl_documents, write_token_shards
 
 DESCRIPTION = (
     "Inspect resumable_data checkpoints, see which batch reads which sample (where), skip a bad stretch "
-    "(skip), write token shards, or watch a loader resume exactly (demo)."
+    "(skip), prove a training script resumes exactly (verify), write token shards, or watch a loader resume "
+    "exactly (demo)."
 )
 
 
@@ -119,7 +122,10 @@ def main(argv: list[str] | None = None) -> int:
     commands.add_parser("demo", help="stop a loader mid-epoch and resume it exactly")
     position_cli.add_where(commands)
     position_cli.add_skip(commands)
+    add_verify(commands)
     args = parser.parse_args(argv)
+    if args.command == "verify":
+        return run_verify(args)
     if args.command == "inspect":
         return inspect(args.path, as_json=args.json)
     if args.command in ("where", "skip"):

@@ -41,6 +41,7 @@ NAMESPACES = [
     "resumable_data.position",
     "resumable_data.distributed",
     "resumable_data.testing",
+    "resumable_data.audit",
     "resumable_data.torchrun",
     "resumable_data.integrations.accelerate",
     "resumable_data.integrations.lightning",

@@ -264,6 +264,7 @@ def _train(config: TrainConfig, par: parallel.Parallel) -> TrainResult:
             state.tokens_seen += tokens_per_step
             event = {"step": state.step, "lr": lr, "tokens": state.tokens_seen, "epoch": loader.epoch}
             pending.append((event, loss, par.local(grad_norm).detach()))
+            resumable_data.audit.log(state.step, loss=loss, lr=lr)  # a no-op unless `resumable_data verify` runs us
 
             evaluate_now = state.step % config.eval_every == 0 or state.step == config.max_steps
             # Checkpoints fall on optimizer-step boundaries only, so gradient accumulation never

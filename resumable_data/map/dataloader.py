@@ -26,6 +26,7 @@ import torch.distributed as dist
 import torch.utils.data
 from torch.utils.data import DataLoader, DistributedSampler
 
+from ..audit.records import Recorder, loader_id, recorder
 from ..core.cursor import EpochCursor, Progress, Segment
 from ..core.dist import distributed_defaults
 from ..core.growth import ERROR
@@ -143,6 +144,7 @@ class ResumableDataLoader(DataLoader):
         self._seed_generator = torch.Generator()
         self._cursor = sampler.cursor
         self._progress = Progress()  # this loader's own: another loader or pass over the sampler does not move it
+        self._audit_id = loader_id()  # None unless RESUMABLE_DATA_AUDIT asks for batch records
         self._batches = ResumableBatchSampler(
             sampler,
             batch_size,
@@ -259,7 +261,8 @@ class ResumableDataLoader(DataLoader):
             self._warm_pass = warm.handle
         else:
             inner = self._worker_iterator(segment, None)
-        return _ResumableIterator(inner, self._cursor, self._progress, self._batches, segment, self._open)
+        audit = recorder(self._audit_id, self.sampler.rank)
+        return _ResumableIterator(inner, self._cursor, self._progress, self._batches, segment, self._open, audit)
 
     def _pin_device(self) -> str | None:
         """Where DataLoader's pin thread would pin batches (None: it would not), for warm start."""
@@ -372,6 +375,7 @@ class _ResumableIterator(Iterator[Any]):
         batches: ResumableBatchSampler,
         segment: Segment,
         reopen: Callable[[], _ResumableIterator] | None = None,
+        audit: Recorder | None = None,
     ) -> None:
         self._inner = inner
         self._cursor = cursor
@@ -381,6 +385,7 @@ class _ResumableIterator(Iterator[Any]):
         self._n_batches = batches.batch_count(segment.epoch, segment.start)
         self._yielded = 0
         self._reopen = reopen  # the loader's _open, until the first batch is drawn
+        self._audit = audit
 
     def __iter__(self) -> _ResumableIterator:
         return self
@@ -400,6 +405,10 @@ class _ResumableIterator(Iterator[Any]):
         except StopIteration:
             self._cursor.advance(self._segment, sampler.end_position(epoch, start), True, self._progress)
             raise
+        if self._audit is not None:  # the batch's place in the epoch and its indices, before it counts
+            where = self._batches.position_after(epoch, start, self._yielded)
+            indices = list(self._batches.batch(self._segment, self._yielded))
+            self._audit.batch(batch, epoch=epoch, position=where, indices=indices)
         self._yielded += 1
         position = self._batches.position_after(epoch, start, self._yielded)
         self._cursor.advance(self._segment, position, sampler.is_end(epoch, position), self._progress)

@@ -69,6 +69,7 @@ import itertools
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
+from ..audit.records import loader_id, recorder
 from ..core.cursor import EpochCursor
 from ..core.dist import distributed_defaults
 from ..core.hash import hash_ints
@@ -188,6 +189,7 @@ class StreamLoader:
         # Each local slot's state as of the batches handed out, and which slot is next.
         self._ledger = SlotLedger(self._stream, workers=self.num_workers > 0)
         self._start_epoch(0)
+        self._audit_id = loader_id()  # None unless RESUMABLE_DATA_AUDIT asks for batch records
 
     @property
     def epoch(self) -> int:
@@ -227,7 +229,7 @@ class StreamLoader:
             self._start_epoch(epoch)
         pinned, fresh = self._cursor.pinned, self._fresh
         segment = self._cursor.begin()
-        yielded = False
+        yielded, audit = False, recorder(self._audit_id, self.rank)
         # From here on the pipeline may move (or workers move their copies): nothing is known to
         # hold a recorded state until a batch arrives.
         ledger = self._ledger
@@ -238,6 +240,8 @@ class StreamLoader:
             # With 0 workers the pipeline stopped right after this batch: it holds the state just
             # recorded, and keeps holding it if the caller stops here (the generator closes at the yield).
             ledger.record(local, count, update)
+            if audit is not None:  # the (global slot, batches it has yielded) pair is the batch's key
+                audit.batch(batch, epoch=segment.epoch, position=[self.rank * self._local + local, count])
             self._fresh, yielded = False, True
             self._cursor.advance(segment, 0, False)
             try:

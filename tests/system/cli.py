@@ -47,6 +47,13 @@ def _parser() -> argparse.ArgumentParser:
         default=None,
         help="run each job under torchrun with this many ranks, plus elastic resumes on 1 and NPROC+1 ranks",
     )
+    verify.add_argument(
+        "--random-kills",
+        type=int,
+        default=0,
+        metavar="K",
+        help="then also run `python -m resumable_data verify` on the same run with K SIGKILLs at random steps",
+    )
     add_threads_flag(verify)
     _add_chaos_and_smoke(commands)
     return parser
@@ -107,7 +114,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.command == "verify-resume":
             set_threads(args.threads)
-            return 0 if verify_resume(config_from_args(args), args.kill_at_step, args.nproc) else 1
+            return 0 if verify_resume(config_from_args(args), args.kill_at_step, args.nproc, args.random_kills) else 1
         if args.command == "chaos":
             return _chaos(args)
         return 0 if gpu_smoke(args.steps, args.run_dir) else 1

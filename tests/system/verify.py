@@ -26,7 +26,7 @@ from dataclasses import fields, replace
 from pathlib import Path
 from typing import Any
 
-from resumable_data import CheckpointManager
+from resumable_data import CheckpointManager, audit
 from resumable_data.testing import first_difference
 from trainer.checkpointing import CHECKPOINT_FOLDER, MODEL, OPTIMIZER
 from trainer.config import TrainConfig, flag
@@ -38,7 +38,7 @@ from trainer.model import ModelConfig
 from . import index_log
 from .killpoints import ENTRY
 
-__all__ = ["VERIFY_DEFAULTS", "VERIFY_KILL_AT", "child_env", "config_to_argv", "verify_resume"]
+__all__ = ["VERIFY_DEFAULTS", "VERIFY_KILL_AT", "child_env", "config_to_argv", "verify_random_kills", "verify_resume"]
 
 # verify-resume's defaults: small enough for a few minutes on 2 CPU cores, with dropout on so the
 # RNG restore matters, and checkpoints that do not fall on the kill step so steps get replayed.
@@ -121,13 +121,15 @@ def _final_state(run_dir: Path) -> dict[str, Any]:
         return manager.load()
 
 
-def verify_resume(config: TrainConfig, kill_at_step: int, nproc: int | None = None) -> bool:
+def verify_resume(config: TrainConfig, kill_at_step: int, nproc: int | None = None, random_kills: int = 0) -> bool:
     """Run the three jobs under ``config.run_dir`` and print the comparison.
 
     Args:
         config: the training run to check (``run_dir`` is the parent of the runs' folders).
         kill_at_step: the step during which the second run is killed.
         nproc: run each job under ``torchrun`` with this many ranks, and add the elastic checks.
+        random_kills: then also run the library's ``verify`` with this many SIGKILLs at random
+            steps (:func:`verify_random_kills`).
 
     Returns:
         True when every step's loss and the final model and optimizer states are bitwise equal.
@@ -156,7 +158,28 @@ def verify_resume(config: TrainConfig, kill_at_step: int, nproc: int | None = No
     if nproc:
         for world, target in elastic.items():
             all_same &= _verify_elastic(target, nproc, world)
+    if random_kills:
+        all_same &= verify_random_kills(config, random_kills, nproc)
     return all_same
+
+
+def verify_random_kills(config: TrainConfig, kills: int, nproc: int | None = None) -> bool:
+    """``python -m resumable_data verify`` on ``config``: ``kills`` SIGKILLs from outside at random
+    steps, each launch resuming with ``--resume auto``, every step's batches and loss compared.
+
+    The runs go under ``RUN_DIR/random-kills``; the trainer must import from the working directory
+    (the checkout's root), which ``verify`` puts on ``PYTHONPATH``.
+    """
+    launcher = [
+        sys.executable,
+        *(["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"] if nproc else []),
+    ]
+    run = replace(config, run_dir=audit.RUN_DIR, resume="auto", progress=False)
+    work = Path(config.run_dir) / "random-kills"
+    shutil.rmtree(work, ignore_errors=True)
+    print(f"random kills: resumable_data verify with {kills} SIGKILLs, in {work}", flush=True)
+    command = [*launcher, "-m", "trainer", "train", *config_to_argv(run)]
+    return audit.verify(command, kills=kills, work_dir=work, timeout=JOB_TIMEOUT_S).passed
 
 
 def _run_jobs(straight: TrainConfig, killed: TrainConfig, kill_at: int, nproc: int | None, copies: list[str]) -> bool:

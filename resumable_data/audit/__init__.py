@@ -1,0 +1,40 @@
+"""Audit what a training run consumed, and prove that it resumes exactly.
+
+With ``RESUMABLE_DATA_AUDIT=<folder>`` in the environment, ``ResumableDataLoader`` and
+``StreamLoader`` record every batch they hand out (no user code), and :func:`log` records the
+script's per-step values; :func:`verify` (``python -m resumable_data verify -- COMMAND``) runs a
+command uninterrupted and SIGKILLed, relaunched, and compares the two step by step, bitwise.
+Without the variable nothing is recorded and nothing costs anything.
+
+Example::
+
+    from resumable_data import audit
+
+    for step, (x, y) in enumerate(loader, start=first_step):
+        loss = train_step(x, y)
+        audit.log(step, loss=loss, lr=scheduler.get_last_lr()[0])  # a no-op unless verify runs
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .records import AUDIT_ENV, log_values
+from .verifier import RUN_DIR, VerifyResult, verify
+
+__all__ = ["AUDIT_ENV", "RUN_DIR", "VerifyResult", "log", "verify"]
+
+
+def log(step: int, **values: Any) -> None:
+    """Record the values of training step ``step`` (``loss=``, ``lr=``, ...) for ``verify`` to compare.
+
+    A no-op unless ``RESUMABLE_DATA_AUDIT`` is set. Floats, and tensors of one element (a loss
+    tensor), are kept as the exact bits of the float (``float.hex``), so the comparison is bitwise.
+    Log every step on each rank, right after the step: the batches a loader handed out since the
+    previous call are counted as this step's.
+
+    Args:
+        step: the step number, as the script counts it (it continues after a resume).
+        **values: the step's values: ``loss``, ``lr``, or any others (numbers, strings).
+    """
+    log_values(step, values)

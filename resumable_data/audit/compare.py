@@ -1,0 +1,287 @@
+"""Read audit files back, line up the steps of two runs, and name the first difference and its cause.
+
+A run's records become *units*: what one step consumed on one rank. When a process logs its steps
+(``audit.log``), the batches it read since its previous logged step belong to the next one; a process
+that logs nothing is lined up by its loaders' own positions: each loader's first batch in a launch
+is found in the reference run's batches of that loader, and the batches after it follow one by one.
+The interrupted series' launches are read in order; a step read again after a relaunch must equal
+the reference each time.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from itertools import zip_longest
+from pathlib import Path
+from typing import Any
+
+from .records import BATCH, LOG
+
+__all__ = ["Batch", "Finding", "Launch", "Unit", "compare", "read_launch"]
+
+# The likely causes a failure names (tests match on these texts).
+LOADER_NOT_RESTORED = (
+    "the model was restored but the loader state was not: the resumed run read samples the "
+    "reference read before the kill (load the loader's state_dict from the checkpoint)"
+)
+OTHER_POSITION = "the loader resumed at a different position than the uninterrupted run (a stale or other checkpoint?)"
+EPOCH_RESTARTED = (
+    "the epoch went back: the epoch loop restarted at 0 after the resume (set_epoch misuse; loop "
+    "`for epoch in range(loader.epoch, num_epochs)` or `for epoch in loader.epochs(num_epochs)`)"
+)
+RNG_NOT_RESTORED = (
+    "RNG state not restored (dropout/augmentation): save capture_rng_state() with the checkpoint "
+    "and restore_rng_state() it on resume"
+)
+PLAIN_LOADER = (
+    "the data after the resume differs: the script reads no batch through resumable_data's loaders "
+    "(a plain DataLoader; skipping batches over a RandomSampler does not give back the same order), "
+    "so only the logged values were compared"
+)
+SCHEDULER_NOT_RESTORED = "the learning-rate schedule was not restored (save and load the scheduler's state_dict)"
+NOT_DETERMINISTIC = (
+    "the run is not deterministic: the interrupted series differs before its first kill (seed the "
+    "model and loaders; see torch.use_deterministic_algorithms)"
+)
+MISSING = "the interrupted series never ran this step (it stopped early, or skipped it on resume)"
+EXTRA = "the interrupted series ran a step the uninterrupted run did not (the run went on past its end)"
+
+
+@dataclass(frozen=True)
+class Batch:
+    """One batch a loader handed out: where it was in the epoch, its sample indices, its bytes."""
+
+    loader: int | None
+    rank: int
+    epoch: int
+    position: Any  # a map-style loader's global sample position; a stream's [slot, batches it yielded]
+    indices: tuple[int, ...] | None
+    digest: str
+
+    @property
+    def key(self) -> tuple[Any, ...]:
+        return (self.loader, self.rank, self.epoch, json.dumps(self.position))
+
+    def describe(self) -> str:
+        indices = "" if self.indices is None else f", samples {_short(list(self.indices))}"
+        return f"loader {self.loader} epoch {self.epoch} position {self.position}{indices}, bytes {self.digest[:12]}"
+
+
+@dataclass
+class Unit:
+    """What one step consumed on one rank, and the values the script logged for it."""
+
+    batches: list[Batch] = field(default_factory=list)
+    values: dict[str, Any] | None = None
+
+
+# (step or batch number, rank, loader (-1 for a logged step), "step" or "batch")
+UnitKey = tuple[int, int, int, str]
+
+
+@dataclass
+class Launch:
+    """One process tree's records: logged steps as units, and the batches of processes that log nothing."""
+
+    units: dict[UnitKey, Unit] = field(default_factory=dict)
+    streams: dict[tuple[int, int], list[Batch]] = field(default_factory=dict)  # (rank, loader) -> batches
+
+    @property
+    def has_batches(self) -> bool:
+        return bool(self.streams) or any(u.batches for u in self.units.values())
+
+
+@dataclass(frozen=True)
+class Finding:
+    """The first step that differs: where, what differed, and the likely cause."""
+
+    where: str
+    what: list[str]
+    cause: str
+
+    def lines(self) -> list[str]:
+        return [f"FAIL at {self.where}", *(f"  {line}" for line in self.what), f"likely cause: {self.cause}"]
+
+
+def read_records(folder: Path) -> Iterable[list[dict[str, Any]]]:
+    """Each audit file's complete lines in ``folder`` (a line cut by a kill is left out)."""
+    for path in sorted(folder.glob("*.jsonl")) if folder.is_dir() else []:
+        records = []
+        for line in path.read_text(encoding="utf-8").splitlines():
+            try:
+                records.append(json.loads(line))
+            except json.JSONDecodeError:
+                break  # the process was killed in the middle of this line
+        yield records
+
+
+def _batch(record: dict[str, Any]) -> Batch:
+    indices = record.get("indices")
+    return Batch(
+        record.get("loader"),
+        int(record["rank"]),
+        int(record["epoch"]),
+        record["position"],
+        None if indices is None else tuple(indices),
+        str(record["digest"]),
+    )
+
+
+def read_launch(folder: Path) -> Launch:
+    """A launch's units from the audit files in ``folder`` (one file per process)."""
+    launch = Launch()
+    for records in read_records(folder):
+        if any(r.get("kind") == LOG for r in records):
+            pending: list[Batch] = []
+            for record in records:
+                if record.get("kind") == BATCH:
+                    pending.append(_batch(record))
+                elif record.get("kind") == LOG:
+                    key = (int(record["step"]), int(record["rank"]), -1, "step")
+                    launch.units[key] = Unit(pending, record.get("values", {}))
+                    pending = []
+            # Batches after the last logged step belong to a step the kill cut short: not compared.
+        else:
+            for record in records:
+                if record.get("kind") == BATCH:
+                    batch = _batch(record)
+                    launch.streams.setdefault((batch.rank, batch.loader or 0), []).append(batch)
+    return launch
+
+
+def reference_units(reference: Launch) -> dict[UnitKey, Unit]:
+    """The reference's units: its logged steps, and each batch of a loader whose process logs nothing."""
+    units = dict(reference.units)
+    for (rank, loader), batches in reference.streams.items():
+        for number, batch in enumerate(batches, start=1):
+            units[(number, rank, loader, "batch")] = Unit([batch])
+    return units
+
+
+def aligned_units(launch: Launch, reference: Launch) -> tuple[dict[UnitKey, Unit], list[Finding]]:
+    """A launch's units, its batch streams lined up on the reference's (by their first batch)."""
+    units, findings = dict(launch.units), []
+    for (rank, loader), batches in launch.streams.items():
+        known = reference.streams.get((rank, loader))
+        if known is None:
+            continue  # a loader only a resume makes (a peek at the next batch): nothing to compare with
+        starts = {b.key: i for i, b in enumerate(known)}
+        first = starts.get(batches[0].key)
+        if first is None:
+            where = f"rank {rank} loader {loader}, the launch's first batch"
+            findings.append(
+                Finding(where, [f"read: {batches[0].describe()}", "which the reference never read"], OTHER_POSITION)
+            )
+            continue
+        for number, batch in enumerate(batches, start=first + 1):
+            units[(number, rank, loader, "batch")] = Unit([batch])
+    return units, findings
+
+
+def describe_key(key: UnitKey) -> str:
+    number, rank, loader, kind = key
+    return f"step {number} (rank {rank})" if kind == "step" else f"batch {number} of loader {loader} (rank {rank})"
+
+
+def compare(reference: Launch, launches: list[Launch], *, first_kill_launch: int = 1) -> Finding | None:
+    """The first step (in the reference's order) where a launch of the series differs, or None.
+
+    Args:
+        reference: the uninterrupted run.
+        launches: the interrupted series' launches, in order.
+        first_kill_launch: launches before this one ran before any kill (a difference there is not
+            a resume's fault).
+    """
+    expected = reference_units(reference)
+    got: dict[UnitKey, list[tuple[int, Unit]]] = {}
+    for number, launch in enumerate(launches):
+        units, findings = aligned_units(launch, reference)
+        if findings:
+            return findings[0]
+        for key, unit in units.items():
+            got.setdefault(key, []).append((number, unit))
+    for key in sorted(expected):
+        attempts = got.get(key)
+        if not attempts:
+            return Finding(
+                describe_key(key), ["the reference ran it; the interrupted series has no record of it"], MISSING
+            )
+        for number, unit in attempts:
+            if unit != expected[key]:
+                early = number < first_kill_launch
+                return _diagnose(key, expected[key], unit, number, expected, reference.has_batches, early)
+    extra = sorted(set(got) - set(expected))
+    if extra:
+        return Finding(describe_key(extra[0]), ["the reference has no such step"], EXTRA)
+    return None
+
+
+def _diagnose(
+    key: UnitKey,
+    want: Unit,
+    have: Unit,
+    launch: int,
+    expected: dict[UnitKey, Unit],
+    has_batches: bool,
+    early: bool,
+) -> Finding:
+    where = f"{describe_key(key)}, launch {launch + 1} of the interrupted series"
+    for want_batch, have_batch in zip_longest(want.batches, have.batches):
+        if want_batch == have_batch:
+            continue
+        what = [
+            f"reference read:   {want_batch.describe() if want_batch else 'no batch'}",
+            f"interrupted read: {have_batch.describe() if have_batch else 'no batch'}",
+        ]
+        if early:
+            return Finding(where, what, NOT_DETERMINISTIC)
+        if want_batch is None or have_batch is None:
+            return Finding(where, what, OTHER_POSITION)
+        if have_batch.epoch < want_batch.epoch:
+            return Finding(where, what, EPOCH_RESTARTED)
+        if have_batch.key == want_batch.key and have_batch.indices == want_batch.indices:
+            return Finding(where, [*what, "same samples, different bytes (augmentation)"], RNG_NOT_RESTORED)
+        earlier = _read_before(have_batch, key, expected)
+        if earlier is not None:
+            what.append(f"the reference read these samples at {describe_key(earlier)}, before this step")
+            return Finding(where, what, LOADER_NOT_RESTORED)
+        return Finding(where, what, OTHER_POSITION)
+    names = sorted(set(want.values or {}) | set(have.values or {}))
+    differ = [n for n in names if (want.values or {}).get(n) != (have.values or {}).get(n)]
+    what = [f"{n}: reference {_value(want.values, n)}, interrupted {_value(have.values, n)}" for n in differ]
+    if want.batches:
+        what.insert(
+            0,
+            f"same batches ({len(want.batches)}: {want.batches[0].describe()}{', ...' if len(want.batches) > 1 else ''})",
+        )
+    if early:
+        cause = NOT_DETERMINISTIC
+    elif not has_batches:
+        what.insert(0, "no batch records: the script reads through none of resumable_data's loaders")
+        cause = PLAIN_LOADER
+    elif differ == ["lr"]:
+        cause = SCHEDULER_NOT_RESTORED
+    else:
+        cause = RNG_NOT_RESTORED
+    return Finding(where, what, cause)
+
+
+def _read_before(batch: Batch, key: UnitKey, expected: dict[UnitKey, Unit]) -> UnitKey | None:
+    """The earlier reference step that read ``batch``'s samples (same position, or same bytes)."""
+    for other in sorted(k for k in expected if k < key):
+        if any(b.key == batch.key or b.digest == batch.digest for b in expected[other].batches):
+            return other
+    return None
+
+
+def _value(values: dict[str, Any] | None, name: str) -> str:
+    value = (values or {}).get(name)
+    if isinstance(value, dict) and "hex" in value:
+        return f"{float.fromhex(value['hex'])!r} ({value['hex']})"
+    return "not logged" if value is None else repr(value)
+
+
+def _short(values: list[int], shown: int = 8) -> str:
+    return str(values) if len(values) <= shown else f"[{', '.join(map(str, values[:shown]))}, ... ({len(values)})]"
