@@ -51,9 +51,7 @@ class TrainConfig:
     cache_limit: int | None = _option(None, "bytes the shard cache may take (default: no bound; needs --cache-dir)", 1)
     prefetch: int = _option(2, "token shards each reader downloads ahead into the shard cache", 0)
     resume: str = _option("auto", "'auto' (newest valid checkpoint, if any), 'never', or a checkpoint path")
-    skip_batches: int = _option(
-        0, "on resume, skip the next N batches of the restored position, within its epoch (kept as skipped)", 0
-    )
+    skip_batches: int = _option(0, "on resume, skip the next N batches of the epoch (recorded as skipped)", 0)
     # Architecture: None means "from the checkpoint on resume, else ModelConfig's default".
     block_size: int | None = _option(None, "context length in bytes")
     n_layer: int | None = _option(None, "transformer blocks")

@@ -142,8 +142,7 @@ def _train(config: TrainConfig, par: parallel.Parallel) -> TrainResult:
             if config.skip_batches:  # past a bad stretch: the data state records those batches as skipped
                 loader.load_state_dict(skip_state(loader.state_dict(), batches=config.skip_batches))
             scheduler.load_state_dict(checkpoint[ckpt.LR_SCHEDULER])
-            # After a world-size change the batches are cut differently, and a skip (--skip-batches, or `python -m
-            # resumable_data skip` on the checkpoint: its last skipped range ends here) moved them on: only the lr compares.
+            # A world-size change cuts batches differently, and a skip (ending here) moved them on: only the lr compares.
             same_world, data_state = "world_size" not in plan.changes, loader.state_dict()
             compare = same_world and data_state.get("skipped", [[0, -1]])[-1][1] != data_state.get("position")
             next_batch = ckpt.next_step_fingerprint(data, grad_accum, par) if compare else None
