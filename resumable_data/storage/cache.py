@@ -67,7 +67,7 @@ from typing import Any, BinaryIO, Literal
 
 from ..core.state import check_int_arg
 from ..errors import ResumeError
-from .locks import flocked, held, remove, try_exclusive
+from .locks import flocked, held, remove, try_exclusive, unlock
 
 __all__ = ["CacheCounters", "CachedShard", "RemoteShard", "ShardCache"]
 
@@ -116,9 +116,12 @@ class CachedShard:
         self.shard = shard
         self.path = path
         self._file = file  # holds a shared flock on the shard file while open
+        self._owner = os.getpid()
 
     def close(self) -> None:
         """Release the shard: it may be evicted from now on."""
+        if not self._file.closed:
+            unlock(os.dup(self._file.fileno()), self._owner)  # released also where a forked process has a copy
         self._file.close()
 
     def __enter__(self) -> str:
@@ -233,7 +236,7 @@ class ShardCache:
         with self._accounting():
             remove(self._plan_path)
             remove(self._plan_lock)
-            os.close(self._plan_fd)
+            unlock(self._plan_fd, self._pid)
             self._plan_fd = None
         self._keys, self._shards = [], []
 

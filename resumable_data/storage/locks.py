@@ -3,7 +3,9 @@ file and released when that file is closed, also when its process dies, so a loc
 its holder and a free lock says its holder is gone.
 
 Locks are per open file, not per process: two threads that open the same path exclude each other
-as two processes do.
+as two processes do. The process that took a lock releases it explicitly (``LOCK_UN``) before it
+closes the file: a process forked while another thread held it has a copy of the descriptor, which
+would otherwise keep it held as long as that process lives (and a child never releases its parent's).
 """
 
 from __future__ import annotations
@@ -17,12 +19,12 @@ from collections.abc import Iterator
 @contextlib.contextmanager
 def flocked(path: str, operation: int) -> Iterator[int]:
     """Hold ``flock(operation)`` on ``path`` (created if absent) for the block; yields the descriptor."""
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    fd, owner = os.open(path, os.O_RDWR | os.O_CREAT, 0o644), os.getpid()
     try:
         fcntl.flock(fd, operation)
         yield fd
     finally:
-        os.close(fd)
+        unlock(fd, owner)
 
 
 @contextlib.contextmanager
@@ -30,7 +32,7 @@ def try_exclusive(path: str) -> Iterator[bool | None]:
     """Try to lock ``path`` exclusively without waiting: yields True (held for the block), False (some
     open file holds a lock on it) or None (no such file)."""
     try:
-        fd = os.open(path, os.O_RDONLY)
+        fd, owner = os.open(path, os.O_RDONLY), os.getpid()
     except FileNotFoundError:
         yield None
         return
@@ -41,6 +43,16 @@ def try_exclusive(path: str) -> Iterator[bool | None]:
             yield False
         else:
             yield True
+    finally:
+        unlock(fd, owner)
+
+
+def unlock(fd: int, owner: int) -> None:
+    """Close ``fd``, first releasing its lock if this is the process ``owner`` that took it (see the
+    module docstring for why)."""
+    try:
+        if os.getpid() == owner:
+            fcntl.flock(fd, fcntl.LOCK_UN)
     finally:
         os.close(fd)
 
