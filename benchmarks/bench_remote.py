@@ -34,6 +34,7 @@ import gc
 import itertools
 import os
 import pickle
+import re
 import statistics
 import subprocess
 import sys
@@ -74,6 +75,7 @@ OURS_LRU = "resumable_data, remote, LRU eviction"
 LOCAL = "resumable_data, local files"
 MOSAIC = "Mosaic Streaming 0.13.0"
 LITDATA = "litdata 0.2.76"
+LIBRARIES = ((OURS, "ours"), (MOSAIC, "mosaic"), (LITDATA, "litdata"))  # (method, its folder in the bucket)
 
 
 # -- the loaders, built by name in a cell process ----------------------------------------------------
@@ -189,9 +191,10 @@ def probe_cell(method: str, data: dict[str, Any], cache: str) -> dict[str, Any]:
         next(iter(build(method, data, Path(cache), None)))
     except Exception as exc:  # any failure to read is the answer
         # A worker's error arrives wrapped ("Caught ... in DataLoader worker", its traceback): the
-        # first line and the original error's last line say what happened.
+        # first line and the original error's last "SomeError: ..." line say what happened.
         lines = [line for line in f"{type(exc).__name__}: {exc}".splitlines() if line.strip()]
-        return {"error_text": "\n".join(dict.fromkeys([lines[0], lines[-1]]))[:1500]}
+        named = [line for line in lines if re.match(r"[\w.]+(Error|Exception): ", line)]
+        return {"error_text": "\n".join(dict.fromkeys([lines[0], *named[-1:]]))[:1500]}
     return {"error_text": None}
 
 
@@ -255,17 +258,15 @@ class Bench:
             },
             "litdata_remote": True,
             "shards": {name: len(files) for name, files in shard_files.items()},
-            "bytes": {
-                method: sum(p.stat().st_size for p in shard_files[name])
-                for method, name in ((OURS, "ours"), (MOSAIC, "mosaic"), (LITDATA, "litdata"))
-            },
+            "bytes": {method: sum(p.stat().st_size for p in shard_files[name]) for method, name in LIBRARIES},
         }
 
-    def cell(self, fn: Any, latency: float, **kwargs: Any) -> dict[str, Any]:
-        """``fn`` in a fresh process with ``latency`` added per request; the proxy's count of its bytes."""
+    def cell(self, fn: Any, latency: float, timeout_s: float = 300, **kwargs: Any) -> dict[str, Any]:
+        """``fn`` in a fresh process with ``latency`` added per request; the proxy's count of its bytes.
+        A cell still running after ``timeout_s`` is killed and reported as failed."""
         self.proxy.latency = latency
         self.proxy.reset_counters()
-        result = run_isolated(fn, {**kwargs, "cache": self.cache()}, timeout_s=900)
+        result = run_isolated(fn, {**kwargs, "cache": self.cache()}, timeout_s=timeout_s)
         result["bytes_down"], result["requests"] = self.proxy.bytes_down, dict(self.proxy.methods)
         return result
 
@@ -322,8 +323,9 @@ def run(bench: Bench, data: dict[str, Any], rounds: int, restore_rounds: int) ->
         print(f"litdata cannot read the server: {reason}")
     litdata_name = LITDATA if data["litdata_remote"] else f"{LITDATA} (local disk)"
     out += [
-        f"Data: {data['records']:,} records (the int64 pair [i, i]) in {data['shards']} shards per library "
-        f"(ours, Mosaic, litdata); shard bytes {data['bytes']}. Batches of {BATCH}, {WORKERS} workers, "
+        f"Data: {data['records']:,} records (the int64 pair [i, i]); shards (files, bytes): "
+        + ", ".join(f"{m} {data['shards'][name]}, {data['bytes'][m]:,}" for m, name in LIBRARIES)
+        + f". Batches of {BATCH}, {WORKERS} workers, "
         f"ours `shuffle_window({window(data):,})`, `prefetch={PREFETCH}`.",
         "",
     ]
@@ -397,7 +399,7 @@ def run(bench: Bench, data: dict[str, Any], rounds: int, restore_rounds: int) ->
     for r in range(restore_rounds):
         for method, latency, f in rotated(cells, r):
             state, expected = taken[method][f]
-            result = bench.cell(restore_cell, latency, method=method, data=data, state=state, expected=expected)
+            result = bench.cell(restore_cell, latency, 120, method=method, data=data, state=state, expected=expected)
             if failed(result, f"restore, round {r}, {method}, {latency * 1000:.0f} ms, {FRACTIONS[f]:.0%}", failures):
                 continue
             times[method, latency, f].append(result["seconds"])
@@ -428,7 +430,7 @@ def run(bench: Bench, data: dict[str, Any], rounds: int, restore_rounds: int) ->
     byte_methods = [OURS, OURS_LRU, MOSAIC] + ([LITDATA] if data["litdata_remote"] else [])
     downloaded = {}
     for method in byte_methods:
-        result = bench.cell(epochs_cell, 0.0, method=method, data=data, epochs=3, cache_fraction=0.5)
+        result = bench.cell(epochs_cell, 0.0, 600, method=method, data=data, epochs=3, cache_fraction=0.5)
         if not failed(result, f"bytes, {method}", failures):
             downloaded[method] = result["bytes_down"]
     byte_methods = [m for m in byte_methods if m in downloaded]
@@ -448,7 +450,8 @@ def run(bench: Bench, data: dict[str, Any], rounds: int, restore_rounds: int) ->
     out += [
         "## 3. Bytes downloaded over 3 epochs, cache = half the dataset",
         "",
-        "Counted at the proxy (response bytes: bodies and headers, listings and index files included); "
+        "Counted at the proxy (response bytes: bodies and headers, listings, index files and ranged reads "
+        "included, so a method may exceed 3 D); "
         "each method's cache set to half its own dataset's shard bytes D. Ours evicts by next use "
         '(the default) or by recency (`ShardCache(policy="lru")`, swapped in by the benchmark).',
         "",
