@@ -132,10 +132,6 @@ def build(method: str, data: dict[str, Any], cache: Path, cache_fraction: float 
     return _peers.litdata_loader(data["litdata_local"], batch_size=BATCH, workers=WORKERS)
 
 
-def batch_ids(batch: Any) -> list[int]:
-    return record_ids(batch["tokens"] if isinstance(batch, dict) else batch)
-
-
 # -- cells -------------------------------------------------------------------------------------------
 def epochs_cell(
     method: str, data: dict[str, Any], cache: str, epochs: int, cache_fraction: float | None
@@ -149,7 +145,7 @@ def epochs_cell(
             loader.set_epoch(epoch)  # ours; the peers count their epochs themselves
         gc.collect()
         start = time.perf_counter()
-        seen = [i for batch in loader for i in batch_ids(batch)]
+        seen = [i for batch in loader for i in record_ids(batch)]
         seconds.append(time.perf_counter() - start)
         if sorted(seen) != list(range(data["records"])):
             return {"error": f"epoch {epoch} did not yield every record once ({len(seen)} records)"}
@@ -167,7 +163,7 @@ def checkpoints_cell(method: str, data: dict[str, Any], cache: str) -> dict[str,
         for _ in itertools.islice(batches, target - consumed):
             pass
         state = pickle.dumps(loader.state_dict())
-        taken.append((state, batch_ids(next(batches))))
+        taken.append((state, record_ids(next(batches))))
         consumed = target + 1
     return {"taken": taken}
 
@@ -180,7 +176,7 @@ def restore_cell(method: str, data: dict[str, Any], cache: str, state: bytes, ex
     gc.collect()
     start = time.perf_counter()
     loader.load_state_dict(pickle.loads(state))
-    first = batch_ids(next(iter(loader)))
+    first = record_ids(next(iter(loader)))
     seconds = time.perf_counter() - start
     return {"seconds": seconds, "exact": first == expected}
 
@@ -476,7 +472,7 @@ def failed(result: dict[str, Any], what: str, failures: list[str]) -> bool:
         failures.append(f"{what}: `{error[0][:300]}`" + (f" … `{error[-1][:300]}`" if len(error) > 1 else ""))
         print(f"FAILED {what}: {result['error'][-2000:]}")
         return True
-    print(f"{what}: {result.get('seconds', result.get('bytes_down', ''))}")
+    print(f"{what}: { ({key: value for key, value in result.items() if key != 'taken'}) }")  # every figure, as it comes
     return False
 
 
