@@ -21,9 +21,10 @@ three cache arguments with their checks.
 
 from __future__ import annotations
 
+import itertools
 import os
 from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 from ..core.state import check_int_arg
@@ -61,9 +62,12 @@ class CachedRemote:
         self._cache: ShardCache | None = None
         # The shard read now, what load() made of it, and the process holding it (a forked copy does not).
         self._held: tuple[CachedShard, Any, int] | None = None
+        self._partial = False  # whether the cache was given only the known head of the schedule
+        self._schedule: list[str] = []  # the slot's shards from the one it reads now, as last planned
+        self._lookups: tuple[ThreadPoolExecutor, list[Future[str]], int] | None = None  # and their process
 
     def __getstate__(self) -> dict[str, Any]:
-        return {**self.__dict__, "_cache": None, "_held": None}
+        return {**self.__dict__, "_cache": None, "_held": None, "_lookups": None}
 
     @property
     def cache(self) -> ShardCache:
@@ -92,17 +96,41 @@ class CachedRemote:
 
     def plan(self, upcoming: Sequence[Any]) -> None:
         """The shards this slot reads next, in order (the rest of its epoch, then the next one): the
-        cache prefetches the first ones and evicts by these next uses. Local paths are skipped."""
+        cache prefetches the first ones and evicts by these next uses. Local paths are skipped.
+
+        Sizes and identities of shards not seen yet are asked in the background (a restore's first
+        batch waits for none of them): until they are known, the cache is given the schedule's known
+        head, and the whole schedule at the first read after they are.
+        """
         urls = [str(shard) for shard in upcoming if is_url(shard)]
         if not urls and self._cache is None:  # local shards only: no cache to open
             return
+        self._schedule = urls
         unknown = list(dict.fromkeys(url for url in urls if url not in self._known))
-        if unknown:
-            with ThreadPoolExecutor(min(_LOOKUPS, len(unknown))) as pool:
-                list(pool.map(self.identity, unknown))
-        self.cache.plan([self._shard(url) for url in urls])
+        if unknown and not self._looking_up():
+            if self._lookups is None or self._lookups[2] != os.getpid():  # none yet, or a forked copy's
+                self._lookups = (ThreadPoolExecutor(_LOOKUPS, thread_name_prefix="shard-lookup"), [], os.getpid())
+            pool = self._lookups[0]
+            self._lookups = (pool, [pool.submit(self.identity, url) for url in unknown], os.getpid())
+        self._send_plan()
         if self._held is not None and self._held[0].shard.url not in urls[:_NEAR]:  # read: now evictable
             self.release()
+
+    def _looking_up(self) -> bool:
+        """Whether this process's lookups of planned shards are still running (a failed one raises)."""
+        if self._lookups is None or self._lookups[2] != os.getpid():
+            return False
+        if not all(future.done() for future in self._lookups[1]):
+            return True
+        for future in self._lookups[1]:
+            future.result()  # a lookup's error (a shard deleted, no credentials) surfaces at a read
+        return False
+
+    def _send_plan(self) -> None:
+        """Give the cache the schedule's head whose shards are known (all of it once they are)."""
+        known = list(itertools.takewhile(self._known.__contains__, self._schedule))
+        self.cache.plan([self._known[url] for url in known])
+        self._partial = len(known) < len(self._schedule)
 
     def local(self, url: str, load: Callable[[str], Any], *, wait: bool) -> Any | None:
         """``load(local path)`` of the shard's cached copy, the shard held against eviction until the
@@ -112,6 +140,9 @@ class CachedRemote:
         if self._held is not None and self._held[0].shard == shard and self._held[2] == os.getpid():
             return self._held[1]
         self.release()
+        if self._partial and url in self._schedule and not self._looking_up():  # the lookups are in
+            self._schedule = self._schedule[self._schedule.index(url) :]
+            self._send_plan()
         handle = self.cache.use(shard) if wait else self.cache.cached(shard)
         if handle is None:
             return None

@@ -14,6 +14,7 @@ import struct
 import threading
 import time
 from collections import Counter, deque
+from collections.abc import Callable
 
 __all__ = ["CUT", "RESET", "SLOWDOWN", "FaultProxy"]
 
@@ -48,6 +49,7 @@ class FaultProxy:
         bytes_down: response bytes forwarded so far; ``requests``: requests seen (faulted or not),
             ``methods`` the same by method (``{"HEAD": 1, "GET": 1}``), ``log`` each one's
             ``(method, path, Range header or None)``, in order of arrival.
+        hold: a predicate of (method, path): the requests it is true for wait for :meth:`release`.
     """
 
     def __init__(self, upstream: tuple[str, int]) -> None:
@@ -60,6 +62,9 @@ class FaultProxy:
         self.methods: Counter[str] = Counter()
         self.log: list[tuple[str, str, str | None]] = []
         self.faulted = 0
+        # Requests (method, path) for which ``hold`` is true wait (at most 60 s) until ``release()``.
+        self.hold: Callable[[str, str], bool] | None = None
+        self._released = threading.Event()
         self._faults: deque[str] = deque()
         self._lock = threading.Lock()
         self._listener = socket.create_server(("127.0.0.1", 0))
@@ -88,6 +93,10 @@ class FaultProxy:
             self._faults.clear()
             self.always, self.latency, self.bandwidth = None, 0.0, None
 
+    def release(self) -> None:
+        """Let the requests ``hold`` holds go on (and the later ones through)."""
+        self._released.set()
+
     def close(self) -> None:
         self._closed = True
         self._listener.close()
@@ -102,7 +111,9 @@ class FaultProxy:
             self.log.append((method, path.split("?", 1)[0], ranges[0] if ranges else None))
             fault = self._faults.popleft() if self._faults else self.always
             self.faulted += fault is not None
-            return fault
+        if self.hold is not None and self.hold(method, path.split("?", 1)[0]):
+            self._released.wait(60)
+        return fault
 
     def _accept(self) -> None:
         while not self._closed:

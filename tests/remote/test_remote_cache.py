@@ -15,6 +15,7 @@ import hashlib
 import json
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -25,7 +26,7 @@ import pytest
 from harness import json_roundtrip, resumed_run
 from resumable_data import ResumeError
 from resumable_data.storage import ShardCache
-from resumable_data.streams import ShardedIterable, StreamLoader, TokenShardReader, mix
+from resumable_data.streams import ShardedIterable, StreamLoader, TokenShardReader, mix, write_token_shards
 from resumable_data.testing import assert_same
 
 WINDOW = 8
@@ -257,3 +258,44 @@ def test_the_cache_exceeds_its_limit_by_at_most_one_shard_per_slot(s3_server: An
     print(f"peak {peak} bytes: limit {config['limit']} + {peak - config['limit']} ({slots} slots of {shard_bytes})")
     # Above the limit (the in-order reads find no room and go over it), by at most a shard per slot.
     assert config["limit"] < peak <= config["limit"] + slots * shard_bytes
+
+
+def test_a_restore_over_an_index_waits_for_no_lookup_of_the_shards_it_reads_later(
+    s3_server: Any, proxy: Any, tmp_path: Path
+) -> None:
+    # Shards listed by an index: their sizes are known, their ETags are not until asked. The schedule
+    # a restore hands the cache names every shard of the rest of the epoch and of the next one; the
+    # first batch must not wait for those lookups (one round trip each, 8 at a time), only for the
+    # identity check of the shard it resumes in and its ranged read.
+    bucket = s3_server.bucket()
+    folder = f"s3://{bucket}/tokens"
+    tokens = (np.arange(16 * 8 * 64) % 65536).astype(np.uint16)
+    index = write_token_shards([tokens], folder, shard_tokens=8 * 64, storage_options=s3_server.options())
+    local = write_token_shards([tokens], tmp_path / "local", shard_tokens=8 * 64)
+
+    def source(index: str, cache: Path | None, options: dict[str, Any] | None) -> ShardedIterable:
+        reader = TokenShardReader(WINDOW, storage_options=options, cache_dir=cache, prefetch=2 if cache else 0)
+        return ShardedIterable.from_index(index, read_shard=reader, storage_options=options, seed=9)
+
+    options = s3_server.options(proxy.endpoint)
+    first = source(index, tmp_path / "first", options)
+    reading = iter(first)
+    read_before = [next(reading) for _ in range(len(tokens) // WINDOW * 9 // 10)]
+    state = json_roundtrip(first.state_dict())
+    resumes_in = first.keys_at(np.array([first.position]))[0][1]
+    restored = source(index, tmp_path / "cold", options)
+    restored.load_state_dict(state)
+    resumed_path = f"/{bucket}/tokens/shard-{resumes_in:05d}.bin"
+    proxy.reset_counters()
+    proxy.hold = lambda method, path: method == "HEAD" and path != resumed_path  # other shards' lookups
+    head: list[Any] = []
+    reading = iter(restored)
+    first_batch = threading.Thread(target=lambda: head.extend(next(reading) for _ in range(4)), daemon=True)
+    first_batch.start()
+    first_batch.join(30)
+    held = [entry for entry in proxy.log if entry[0] == "HEAD" and entry[1] != resumed_path]
+    proxy.release()
+    assert len(head) == 4, "the first batch waited for the lookups of shards it reads later"
+    assert held, "no lookup of a later shard was asked: the test no longer holds what it meant to"
+    reference = list(source(local, None, None))
+    assert_same(read_before + head + list(reading), reference, "restored over an index, lookups held")
