@@ -42,8 +42,9 @@ accounting lock, so the high-water mark taken there (:meth:`ShardCache.peak_byte
 
 Integration: a reader plans, then uses each shard (see the :class:`ShardCache` example);
 ``download(url, dest_path)`` writes the object to ``dest_path`` and returns the identity it read (from
-the same response, so it names the bytes written). One thread per slot calls :meth:`ShardCache.plan`
-and :meth:`ShardCache.use`; the background downloads run in the cache's own threads.
+the same response, so it names the bytes written). One slot calls :meth:`ShardCache.plan` and
+:meth:`ShardCache.use` (a plan may come from another thread: the two take turns on the schedule); the
+background downloads run in the cache's own threads.
 """
 
 from __future__ import annotations
@@ -195,15 +196,14 @@ class ShardCache:
         """This process's own plan, pool and counters (a forked copy must not share its parent's)."""
         self._pid = os.getpid()
         self.counters = CacheCounters()
-        self._mutex = threading.Lock()
+        self._mutex, self._planning = threading.Lock(), threading.Lock()  # counters; schedule (plan vs use)
         self._pool: ThreadPoolExecutor | None = None
         self._futures: dict[RemoteShard, Future[None]] = {}
         self._keys: list[str] = []
         self._shards: list[RemoteShard] = []
         self._cursor = 0
         stem = os.path.join(self.cache_dir, "plans", uuid.uuid4().hex)
-        self._plan_path = stem + ".plan"
-        self._plan_lock = stem + ".lock"
+        self._plan_path, self._plan_lock = stem + ".plan", stem + ".lock"
         # Registered under the accounting lock, so that no scan takes the new lock file for a dead one.
         with self._accounting():
             self._plan_fd: int | None = os.open(self._plan_lock, os.O_RDWR | os.O_CREAT, 0o644)
@@ -260,13 +260,12 @@ class ShardCache:
         for shard in shards:
             if not isinstance(shard, RemoteShard):
                 raise ValueError(f"plan() takes RemoteShard values, but got {shard!r}")
-        self._shards = shards
-        self._keys = [_key(shard.url, 32) for shard in shards]
-        self._cursor = 0
-        header = f"{0:0{_CURSOR_WIDTH}d}\n".encode()
-        with self._accounting(), open(self._plan_path, "wb") as out:
-            out.write(header + "\n".join(self._keys).encode())
-        self._top_up()
+        with self._planning:  # a reader may plan from another thread than the one in use()
+            self._shards, self._keys, self._cursor = shards, [_key(shard.url, 32) for shard in shards], 0
+            header = f"{0:0{_CURSOR_WIDTH}d}\n".encode()
+            with self._accounting(), open(self._plan_path, "wb") as out:
+                out.write(header + "\n".join(self._keys).encode())
+            self._top_up()
 
     def use(self, shard: RemoteShard) -> CachedShard:
         """The local copy of ``shard``, downloaded first if no process on the machine has it.
@@ -289,8 +288,9 @@ class ShardCache:
             self._count(hits=1)
         while handle is None:  # again only if the fresh copy was deleted from outside the cache
             handle = self._download(shard, horizon=None)
-        self._advance(_key(shard.url, 32))
-        self._top_up()
+        with self._planning:
+            self._advance(_key(shard.url, 32))
+            self._top_up()
         return handle
 
     def cached(self, shard: RemoteShard) -> CachedShard | None:

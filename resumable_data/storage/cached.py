@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import threading
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
@@ -65,9 +66,10 @@ class CachedRemote:
         self._partial = False  # whether the cache was given only the known head of the schedule
         self._schedule: list[str] = []  # the slot's shards from the one it reads now, as last planned
         self._lookups: tuple[ThreadPoolExecutor, list[Future[str]], int] | None = None  # and their process
+        self._guarded: tuple[threading.RLock, int] | None = None  # see _guard()
 
     def __getstate__(self) -> dict[str, Any]:
-        return {**self.__dict__, "_cache": None, "_held": None, "_lookups": None}
+        return {**self.__dict__, "_cache": None, "_held": None, "_lookups": None, "_guarded": None}
 
     @property
     def cache(self) -> ShardCache:
@@ -98,23 +100,34 @@ class CachedRemote:
         """The shards this slot reads next, in order (the rest of its epoch, then the next one): the
         cache prefetches the first ones and evicts by these next uses. Local paths are skipped.
 
-        Sizes and identities of shards not seen yet are asked in the background (a restore's first
-        batch waits for none of them): until they are known, the cache is given the schedule's known
-        head, and the whole schedule at the first read after they are.
+        Sizes and identities of shards not seen yet are asked in the background, 8 at a time (a
+        restore's first batch waits for none of them): until they are in, the cache is given the
+        schedule's known head, and the whole schedule as soon as they are.
         """
         urls = [str(shard) for shard in upcoming if is_url(shard)]
         if not urls and self._cache is None:  # local shards only: no cache to open
             return
-        self._schedule = urls
-        unknown = list(dict.fromkeys(url for url in urls if url not in self._known))
-        if unknown and not self._looking_up():
-            if self._lookups is None or self._lookups[2] != os.getpid():  # none yet, or a forked copy's
-                self._lookups = (ThreadPoolExecutor(_LOOKUPS, thread_name_prefix="shard-lookup"), [], os.getpid())
-            pool = self._lookups[0]
-            self._lookups = (pool, [pool.submit(self.identity, url) for url in unknown], os.getpid())
-        self._send_plan()
-        if self._held is not None and self._held[0].shard.url not in urls[:_NEAR]:  # read: now evictable
-            self.release()
+        with self._guard():
+            self._schedule = urls
+            unknown = list(dict.fromkeys(url for url in urls if url not in self._known))
+            if unknown and not self._looking_up():
+                if self._lookups is None or self._lookups[2] != os.getpid():  # none yet, or a forked copy's
+                    pool = ThreadPoolExecutor(_LOOKUPS, thread_name_prefix="shard-lookup")
+                    self._lookups = (pool, [], os.getpid())
+                futures = [self._lookups[0].submit(self.identity, url) for url in unknown]
+                self._lookups = (self._lookups[0], futures, os.getpid())
+                for future in futures:
+                    future.add_done_callback(self._looked_up)
+            self._send_plan()
+            if self._held is not None and self._held[0].shard.url not in urls[:_NEAR]:  # read: now evictable
+                self.release()
+
+    def _guard(self) -> threading.RLock:
+        """This process's lock over the schedule and the cache's plan (a forked copy gets its own: the
+        parent's may have been held by a lookup thread at the fork)."""
+        if self._guarded is None or self._guarded[1] != os.getpid():
+            self._guarded = (threading.RLock(), os.getpid())
+        return self._guarded[0]
 
     def _looking_up(self) -> bool:
         """Whether this process's lookups of planned shards are still running (a failed one raises)."""
@@ -125,6 +138,13 @@ class CachedRemote:
         for future in self._lookups[1]:
             future.result()  # a lookup's error (a shard deleted, no credentials) surfaces at a read
         return False
+
+    def _looked_up(self, _: Future[str]) -> None:
+        """When the last lookup is in: the cache gets the whole schedule (prefetch starts now)."""
+        with self._guard():
+            lookups = self._lookups[1] if self._lookups is not None else []
+            if self._partial and all(f.done() and f.exception() is None for f in lookups):
+                self._send_plan()
 
     def _send_plan(self) -> None:
         """Give the cache the schedule's head whose shards are known (all of it once they are)."""
@@ -139,10 +159,13 @@ class CachedRemote:
         shard = self._shard(url)
         if self._held is not None and self._held[0].shard == shard and self._held[2] == os.getpid():
             return self._held[1]
-        self.release()
-        if self._partial and url in self._schedule and not self._looking_up():  # the lookups are in
-            self._schedule = self._schedule[self._schedule.index(url) :]
-            self._send_plan()
+        with self._guard():
+            self.release()
+            if url in self._schedule[:_NEAR]:  # the schedule from the shard read now, for a late re-plan
+                self._schedule = self._schedule[self._schedule.index(url) :]
+            if self._partial and not self._looking_up():
+                self._send_plan()
+        # Not under the guard: a download may take long, and the lookups' re-plan must not wait for it.
         handle = self.cache.use(shard) if wait else self.cache.cached(shard)
         if handle is None:
             return None
