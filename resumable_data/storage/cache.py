@@ -486,7 +486,10 @@ class ShardCache:
             running_or_failed = future is not None and (not future.done() or future.exception() is not None)
             if running_or_failed or os.path.exists(self._entry_path(shard)):
                 continue  # a failure stays for use() to raise
-            self._futures[shard] = self._pool.submit(self._prefetch, shard, step)
+            try:
+                self._futures[shard] = self._pool.submit(self._prefetch, shard, step)
+            except RuntimeError:  # the interpreter is exiting (a late lookup's re-plan): nothing to fetch for
+                return
 
     def _prefetch(self, shard: RemoteShard, horizon: int) -> None:
         handle = self._download(shard, horizon)

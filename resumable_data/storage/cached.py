@@ -30,7 +30,7 @@ from typing import Any
 
 from ..core.state import check_int_arg
 from .cache import CachedShard, RemoteShard, ShardCache
-from .files import Remote, is_url
+from .files import LISTED, Remote, is_url
 
 __all__ = ["CachedRemote", "RemoteReading"]
 
@@ -38,6 +38,7 @@ __all__ = ["CachedRemote", "RemoteReading"]
 # moved past it (a shuffle reading by key from a few shards keeps the plan's head on the earliest).
 _NEAR = 4
 _LOOKUPS = 8  # concurrent requests for the sizes and identities of planned shards not seen yet
+_LISTING = 64  # planned shards looked up together (one listing of their folder, see Remote.identities)
 
 
 class CachedRemote:
@@ -65,7 +66,7 @@ class CachedRemote:
         self._held: tuple[CachedShard, Any, int] | None = None
         self._partial = False  # whether the cache was given only the known head of the schedule
         self._schedule: list[str] = []  # the slot's shards from the one it reads now, as last planned
-        self._lookups: tuple[ThreadPoolExecutor, list[Future[str]], int] | None = None  # and their process
+        self._lookups: tuple[ThreadPoolExecutor, list[Future[None]], int] | None = None  # and their process
         self._guarded: tuple[threading.RLock, int] | None = None  # see _guard()
 
     def __getstate__(self) -> dict[str, Any]:
@@ -86,6 +87,10 @@ class CachedRemote:
         self._known[url] = RemoteShard(url, int(identity.split(":", 1)[0]), identity)
         return identity
 
+    def _look_up(self, urls: list[str]) -> None:
+        for url, identity in self.remote.identities(urls).items():
+            self._known[url] = RemoteShard(url, int(identity.split(":", 1)[0]), identity)
+
     def note(self, url: str, size: int, tag: str | None) -> None:
         """A size and ETag the reader read anyway (counting records): no request for them later."""
         if tag is not None:
@@ -100,8 +105,9 @@ class CachedRemote:
         """The shards this slot reads next, in order (the rest of its epoch, then the next one): the
         cache prefetches the first ones and evicts by these next uses. Local paths are skipped.
 
-        Sizes and identities of shards not seen yet are asked in the background, 8 at a time (a
-        restore's first batch waits for none of them): until they are in, the cache is given the
+        Sizes and identities of shards not seen yet are asked in the background, 64 shards at a
+        time (a listing of their folder), 8 such at once (a restore's first batch waits for none
+        of them): until they are in, the cache is given the
         schedule's known head, and the whole schedule as soon as they are.
         """
         urls = [str(shard) for shard in upcoming if is_url(shard)]
@@ -114,7 +120,12 @@ class CachedRemote:
                 if self._lookups is None or self._lookups[2] != os.getpid():  # none yet, or a forked copy's
                     pool = ThreadPoolExecutor(_LOOKUPS, thread_name_prefix="shard-lookup")
                     self._lookups = (pool, [], os.getpid())
-                futures = [self._lookups[0].submit(self.identity, url) for url in unknown]
+                # An object store's shards 64 at a time (a listing of their folder answers for all of
+                # them: see Remote.identities), any other URL on its own.
+                listed = [url for url in unknown if url.split("://", 1)[0] in LISTED]
+                groups = [listed[i : i + _LISTING] for i in range(0, len(listed), _LISTING)]
+                groups += [[url] for url in unknown if url.split("://", 1)[0] not in LISTED]
+                futures = [self._lookups[0].submit(self._look_up, group) for group in groups]
                 self._lookups = (self._lookups[0], futures, os.getpid())
                 for future in futures:
                     future.add_done_callback(self._looked_up)
@@ -139,7 +150,7 @@ class CachedRemote:
             future.result()  # a lookup's error (a shard deleted, no credentials) surfaces at a read
         return False
 
-    def _looked_up(self, _: Future[str]) -> None:
+    def _looked_up(self, _: Future[None]) -> None:
         """When the last lookup is in: the cache gets the whole schedule (prefetch starts now)."""
         with self._guard():
             lookups = self._lookups[1] if self._lookups is not None else []
@@ -155,10 +166,15 @@ class CachedRemote:
     def local(self, url: str, load: Callable[[str], Any], *, wait: bool) -> Any | None:
         """``load(local path)`` of the shard's cached copy, the shard held against eviction until the
         slot reads another one; with ``wait``, downloaded first if no process has it, else None when
-        it is not cached yet. The shard held before is released first (see the module docstring)."""
+        it is not cached yet (or its size and identity are not known yet: the read goes on by ranged
+        requests rather than wait for them). The shard held before is released first (see the
+        module docstring)."""
+        if not wait and url not in self._known:
+            return None
         shard = self._shard(url)
-        if self._held is not None and self._held[0].shard == shard and self._held[2] == os.getpid():
-            return self._held[1]
+        held = self._held
+        if held is not None and held[0].shard == shard and held[2] == os.getpid():
+            return held[1]
         with self._guard():
             self.release()
             if url in self._schedule[:_NEAR]:  # the schedule from the shard read now, for a late re-plan
@@ -174,7 +190,9 @@ class CachedRemote:
         except BaseException:
             handle.close()
             raise
-        self._held = (handle, loaded, os.getpid())
+        with self._guard():  # a reader reading shards at once: the last one read is held
+            self.release()
+            self._held = (handle, loaded, os.getpid())
         return loaded
 
     def release(self) -> None:

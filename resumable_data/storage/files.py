@@ -17,6 +17,7 @@ cause; a missing object stays a :class:`FileNotFoundError` (the readers name the
 
 from __future__ import annotations
 
+import copy
 import glob as local_glob
 import hashlib
 import os
@@ -26,7 +27,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any, BinaryIO
 
-__all__ = ["GLOB_CHARS", "S3_DEFAULTS", "Remote", "StorageError", "expand_shards", "is_url"]
+__all__ = ["GLOB_CHARS", "LISTED", "S3_DEFAULTS", "Remote", "StorageError", "expand_shards", "is_url"]
 
 GLOB_CHARS = "*?["
 # botocore's client settings for s3:// unless storage_options' config_kwargs says otherwise: bounded
@@ -46,6 +47,7 @@ _EDGE = 4096  # bytes read at each end of an object without an ETag, for its ide
 # here, they are never collected.
 _RESOLVED: dict[int, Any] = {}
 _IN_EXTRA = ("fsspec", "s3fs", "aiohttp")  # the clients the remote extra installs (gcsfs, adlfs are not)
+LISTED = ("s3", "s3a", "gs", "gcs", "az", "abfs")  # object stores whose listings give sizes and ETags
 _DOWNLOAD_BLOCK = 16 << 20  # bytes a download asks for per request (and copies at a time)
 
 
@@ -88,7 +90,10 @@ class Remote:
         """The fsspec filesystem for ``url`` and the path within it."""
         options = self.storage_options
         if url.split("://", 1)[0] in ("s3", "s3a"):
-            config = {**S3_DEFAULTS, **options.get("config_kwargs", {})}
+            # A copy: botocore rewrites the retries dict it is given (max_attempts to
+            # total_max_attempts), and fsspec's instance for these options would then be another
+            # one at the next call (another client to build: tens of ms of CPU on a restore's path).
+            config = copy.deepcopy({**S3_DEFAULTS, **options.get("config_kwargs", {})})
             options = {**options, "config_kwargs": config}
         try:
             fs, path = _fsspec().core.url_to_fs(url, **options)
@@ -137,6 +142,30 @@ class Remote:
         starts = [0] if size <= _EDGE else [0, max(_EDGE, size - _EDGE)]
         edges = self.read_ranges(url, starts, [min(size, s + _EDGE) for s in starts])
         return f"{size}:{hashlib.blake2b(b''.join(edges), digest_size=8).hexdigest()}"
+
+    def identities(self, urls: Sequence[str]) -> dict[str, str]:
+        """:meth:`identity` of each URL. Where ``urls`` name several objects of one folder of an object
+        store (S3, GCS, Azure: their listings carry sizes and ETags), they come from one listing of
+        it (up to 1,000 objects a request) rather than a request each; any object the listing lacks,
+        and any other URL, is asked on its own (a missing one is a FileNotFoundError)."""
+        found: dict[str, str] = {}
+        folders: dict[str, list[str]] = {}
+        for url in urls:
+            if url.split("://", 1)[0] in LISTED and "?" not in url:
+                folders.setdefault(url.rsplit("/", 1)[0], []).append(url)
+        for folder, members in folders.items():
+            if len(members) < 2:
+                continue
+            fs, path = self.resolve(folder)
+            with self._failing(folder, "listing"):
+                fs.invalidate_cache(path)
+                entries = {str(entry["name"]).rsplit("/", 1)[-1]: entry for entry in fs.ls(path, detail=True)}
+            for url in members:
+                entry = entries.get(url.rsplit("/", 1)[1], {})
+                tag = _version_tag(entry) if entry.get("type") == "file" else None
+                if tag is not None:
+                    found[url] = f"{int(entry['size'])}:{tag}"
+        return {url: found[url] if url in found else self.identity(url) for url in urls}
 
     def read_ranges(self, url: str, starts: Sequence[int], ends: Sequence[int]) -> list[bytes]:
         """The bytes ``[start, end)`` of each range, requested concurrently; a short range (the object

@@ -62,6 +62,7 @@ of them to its source and nests the state; it then overrides only what it change
 
 from __future__ import annotations
 
+import functools
 import itertools
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
@@ -428,18 +429,28 @@ def position_keys() -> frozenset[str]:
     return frozenset(keys)
 
 
-def fetch_grouped(keys: Sequence[Key], field: int, fetch: Callable[[int, list[int]], list[Any]]) -> list[Any]:
+def fetch_grouped(
+    keys: Sequence[Key],
+    field: int,
+    fetch: Callable[[int, list[int]], list[Any]],
+    run: Callable[[Sequence[Callable[[], list[Any]]]], list[list[Any]]] | None = None,
+) -> list[Any]:
     """Records for ``keys`` in their order, read one group at a time: what ``fetch_many`` needs.
 
     A group is the keys sharing ``key[field]`` (a shard, a source); within it, positions come in
     ascending order of ``key[field:]`` (for a shard: ascending offsets, so reads go forward).
     ``fetch(group, positions)`` returns the records of ``keys[p]`` for those positions, in order.
+    ``run`` takes the groups' fetches (in ascending group order) and returns their results in that
+    order: by default they run one after the other; a source whose reads wait on the network runs
+    them at once.
     """
     ascending = sorted(range(len(keys)), key=lambda p: keys[p][field:])
+    groups = [(group, list(members)) for group, members in itertools.groupby(ascending, key=lambda p: keys[p][field])]
+    calls = [functools.partial(fetch, group, positions) for group, positions in groups]
+    fetched = [call() for call in calls] if run is None else run(calls)
     records: list[Any] = [None] * len(keys)
-    for group, members in itertools.groupby(ascending, key=lambda p: keys[p][field]):
-        positions = list(members)
-        for position, record in zip(positions, fetch(group, positions), strict=True):
+    for (_, positions), group_records in zip(groups, fetched, strict=True):
+        for position, record in zip(positions, group_records, strict=True):
             records[position] = record
     return records
 

@@ -23,7 +23,7 @@ import torch
 from ..core.state import check_int_arg
 from ..errors import ResumeError
 from ..storage.cached import RemoteReading
-from ..storage.files import is_url
+from ..storage.files import StorageError, is_url
 
 __all__ = ["TextLineReader", "TokenShardReader", "file_identity"]
 
@@ -124,6 +124,10 @@ class TokenShardReader(RemoteReading):
         window = next(iter(stream))  # torch.int64 tensor of 1025 tokens
     """
 
+    # Calls for different shards may come from several threads at once (no user code runs here):
+    # a restore's re-read of records from several remote shards fetches them all in one round trip.
+    reads_concurrently = True
+
     def __init__(
         self,
         window: int,
@@ -140,13 +144,15 @@ class TokenShardReader(RemoteReading):
         self.dtype = np.dtype(dtype)
         super().__init__(storage_options, cache_dir, cache_limit, prefetch)
         self._mapped: OrderedDict[tuple[str, int, int], np.ndarray] = OrderedDict()
-        # Sizes of remote shards that identity() has just read, each taken by the next read of its
-        # shard instead of a second HEAD: a restore checks the shard, then reads from its cursor.
-        self._checked: dict[str, int] = {}
+        # Sizes of remote shards as this process last read them (identity(), a first read): a later
+        # read of the shard takes it instead of asking again (a restore checks the shard, then reads
+        # from its cursor; a shuffle re-reads records of a shard a few at a time). A ranged read
+        # past the end of a shard that shrank since is an error of its own (StorageError).
+        self._sizes: dict[str, int] = {}
 
     def __getstate__(self) -> dict[str, Any]:
         # A worker maps the files (and checks the shards) itself; mappings and sizes are not sent along.
-        return {**self.__dict__, "_mapped": OrderedDict(), "_checked": {}}
+        return {**self.__dict__, "_mapped": OrderedDict(), "_sizes": {}}
 
     def tokens(self, shard: Any) -> np.ndarray:
         """The shard's tokens as a read-only array over a memory mapping (empty for an empty file).
@@ -230,9 +236,10 @@ class TokenShardReader(RemoteReading):
         (none right after :meth:`identity` read the size), and for a ``.npy`` file one ranged read
         of its header."""
         try:
-            size = self._checked.pop(url, None)
+            size = self._sizes.get(url)
             if size is None:
                 size, tag = self._remote.size_and_tag(url)
+                self._sizes[url] = size
                 if self._shard_cache is not None:
                     self._shard_cache.note(url, size, tag)
             if not url.endswith(".npy"):
@@ -256,7 +263,7 @@ class TokenShardReader(RemoteReading):
         a URL its size and ETag (the size is then kept for the shard's next read)."""
         identity = _path_identity(shard, "token", self._remote_identity)
         if is_url(shard):
-            self._checked[str(shard)] = int(identity.split(":", 1)[0])
+            self._sizes[str(shard)] = int(identity.split(":", 1)[0])
         return identity
 
     def _cached(self, shard: Any, *, wait: bool) -> np.ndarray | None:
@@ -299,10 +306,18 @@ class TokenShardReader(RemoteReading):
         """
         tokens = self._cached(shard, wait=False)
         if tokens is None and is_url(shard):
-            base, n_tokens, dtype = self._remote_layout(shard)
-            self._check_offsets(shard, self._count(n_tokens), offsets)
-            runs = list(self._runs(offsets, dtype.itemsize))
-            return list(self._run_windows(shard, base, dtype, runs))
+            url = str(shard)
+            if url.endswith(".npy") or url in self._sizes:
+                base, n_tokens, dtype = self._remote_layout(url)
+                self._check_offsets(url, self._count(n_tokens), offsets)
+                return list(self._run_windows(url, base, dtype, list(self._runs(offsets, dtype.itemsize))))
+            # A raw shard's records start at byte 0: read them without asking its size first (one
+            # round trip, not two); a read past its end is then checked against the size.
+            try:
+                return list(self._run_windows(url, 0, self.dtype, list(self._runs(offsets, self.dtype.itemsize))))
+            except StorageError:
+                self._check_offsets(url, self._count(self._remote_layout(url)[1]), offsets)
+                raise
         tokens = self.tokens(shard) if tokens is None else tokens
         self._check_offsets(shard, self._count(len(tokens)), offsets)
         return list(self._windows(tokens.view(np.ndarray), offsets))

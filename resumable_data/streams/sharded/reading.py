@@ -8,13 +8,20 @@ A reader is ``read_shard(shard, start)`` (records from record offset ``start``),
 * ``identity(shard)``: a short fingerprint of the shard as it is now (:class:`ShardedIterable`
   refuses a restore over a changed shard);
 * ``num_records(shard)``: the shard's record count, cheaply (:class:`RecordCounter`): asked for
-  every shard when a ShardedIterable is built, unless ``sizes=`` says otherwise.
+  every shard when a ShardedIterable is built, unless ``sizes=`` says otherwise;
+* ``reads_concurrently``: true when the reader may be called from several threads at once for
+  different shards, and gains from it (its reads wait on the network: the ready-made readers of
+  shards named by URL). A re-read of records from several shards then reads them all at once
+  (:func:`at_once`), and checks the shards' identities alongside: a restore's first batch costs
+  one round trip, not two per shard it touches.
 """
 
 from __future__ import annotations
 
 import itertools
-from collections.abc import Generator, Sequence
+import os
+from collections.abc import Callable, Generator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Protocol, runtime_checkable
 
 from ...core.state import check_int_arg
@@ -22,7 +29,18 @@ from ...errors import ResumeError
 from .keys import COUNT, UNKNOWN
 from .shards import Shards
 
-__all__ = ["RecordCounter", "count_records", "read_at", "records_from", "resolve_sizes"]
+__all__ = [
+    "RecordCounter",
+    "at_once",
+    "count_records",
+    "read_at",
+    "reads_concurrently",
+    "records_from",
+    "resolve_sizes",
+]
+
+_AT_ONCE = 8  # reads (and identity checks) of one re-read that run at the same time
+_pool: tuple[ThreadPoolExecutor, int] | None = None  # this process's threads for them, and its pid
 
 
 @runtime_checkable
@@ -169,3 +187,19 @@ def read_at(shards: Shards, reader: Any, index: int, offsets: list[int]) -> list
             )
         run.close()  # releases the reader's file now, not at garbage collection
     return records
+
+
+def reads_concurrently(reader: Any) -> bool:
+    """Whether ``reader`` takes calls for different shards from several threads at once (see the
+    module docstring)."""
+    return getattr(reader, "reads_concurrently", False) is True
+
+
+def at_once(calls: Sequence[Callable[[], Any]]) -> list[Any]:
+    """Each call's result, or the exception it raised, in call order; the calls run at the same time
+    (at most 8 at once) on this process's threads (a forked process makes its own)."""
+    global _pool
+    if _pool is None or _pool[1] != os.getpid():
+        _pool = (ThreadPoolExecutor(_AT_ONCE, thread_name_prefix="shard-read"), os.getpid())
+    futures = [_pool[0].submit(call) for call in calls]
+    return [future.exception() or future.result() for future in futures]

@@ -6,6 +6,7 @@ the key checks and the layout change live in the sibling modules.
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
@@ -15,7 +16,7 @@ import numpy as np
 from ...core.growth import APPEND, ERROR, check_growth
 from ...core.state import check_int_arg, require_int
 from ...errors import ResumeError
-from ...storage.files import expand_shards
+from ...storage.files import expand_shards, is_url
 from ..base import EPOCH, Key, Slot, Stream, fetch_grouped
 from ..pending import NO_RECORDS, record_keys
 from ..positional import Positional
@@ -24,7 +25,7 @@ from .checks import Reads, key_check, keys_check
 from .keys import DEALT, IDENTITIES, NUM_SHARDS, NUM_SLOTS, PENDING, POSITION, REMAINING, SLOT, WHAT
 from .layout import NO_CURSOR, Dealt, Layout
 from .plans import Plans
-from .reading import read_at, records_from, resolve_sizes
+from .reading import at_once, read_at, reads_concurrently, records_from, resolve_sizes
 from .rebalance import rebalance
 from .shards import Shards
 from .state import ShardState
@@ -216,9 +217,12 @@ class ShardedIterable(Stream):
     def _verify(self, index: int, where: str) -> None:
         """Before shard ``index`` is read again (``where``: from its cursor, or by key), refuse it if its
         restored identity differs from the file as it is now."""
-        if index not in self._unverified:
-            return
-        saved, now = self._identities[index], self.identity(index)
+        if index in self._unverified:
+            self._compare(index, where, self.identity(index))
+
+    def _compare(self, index: int, where: str, now: str | None) -> None:
+        """Refuse shard ``index`` if its restored identity differs from ``now``, the shard's as asked."""
+        saved = self._identities[index]
         if now is not None and now != saved:
             raise ResumeError(
                 f"shard {index} {self._shards.names[index]!r} ({where}) changed since the checkpoint: it was "
@@ -368,17 +372,38 @@ class ShardedIterable(Stream):
 
         A reader with ``read_records(shard, offsets)`` gets all of a shard's offsets in one call (the
         ready-made readers open the file once and slice or seek); any other reader is read in runs,
-        one ``read_shard`` call per run of consecutive records.
+        one ``read_shard`` call per run of consecutive records. A reader that ``reads_concurrently``
+        reads the shards at once, while the restored identities of those not checked yet are asked.
         """
-
         self._plan({key[1] for key in keys if key[0] == self._epoch})
+        indices = {key[1] for key in keys}
+        checks = sorted(indices & self._unverified)
+        together = (
+            reads_concurrently(self.read_shard)
+            and len(indices) + len(checks) > 1
+            and any(is_url(self._shards.items[index]) for index in indices)
+        )
+
+        def where(index: int) -> str:
+            return f"read again by key from offset {min(key[2] for key in keys if key[1] == index)}"
 
         def read(index: int, positions: list[int]) -> list[Any]:
-            offsets = [keys[p][2] for p in positions]
-            self._verify(index, f"read again by key from offset {offsets[0]}")
-            return read_at(self._shards, self.read_shard, index, offsets)
+            if not together:
+                self._verify(index, where(index))
+            return read_at(self._shards, self.read_shard, index, [keys[p][2] for p in positions])
 
-        return fetch_grouped(keys, 1, read)
+        def run(calls: Sequence[Callable[[], list[Any]]]) -> list[list[Any]]:
+            outcomes = at_once([*(functools.partial(self.identity, index) for index in checks), *calls])
+            for index, now in zip(checks, outcomes, strict=False):  # a changed shard first: it explains the rest
+                if isinstance(now, BaseException):
+                    raise now
+                self._compare(index, where(index), now)
+            for outcome in outcomes[len(checks) :]:
+                if isinstance(outcome, BaseException):
+                    raise outcome
+            return outcomes[len(checks) :]
+
+        return fetch_grouped(keys, 1, read, run if together else None)
 
     def iter_keyed(self) -> Iterator[tuple[Key, Any]]:
         epoch = self._epoch
