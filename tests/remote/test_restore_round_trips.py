@@ -45,12 +45,17 @@ def write(s3_server: Any, tmp_path: Path) -> tuple[str, Any, str]:
     return bucket, index, local
 
 
-def test_a_restored_window_reads_its_shards_and_checks_them_at_once(s3_server: Any, proxy: Any, tmp_path: Path) -> None:
+@pytest.mark.parametrize("read", [SHUFFLE + SHUFFLE // 3, SHUFFLE], ids=["a third into a window", "a window's end"])
+def test_a_restored_window_reads_its_shards_and_checks_them_at_once(
+    s3_server: Any, proxy: Any, tmp_path: Path, read: int
+) -> None:
+    # At a window's end the next record opens a window: the identities of the shards it enters are
+    # taken alongside its first reads (not one round trip each before them).
     bucket, index, local = write(s3_server, tmp_path)
     options = s3_server.options(proxy.endpoint)
     first = pipeline(index, options)
     reading = iter(first)
-    before = [next(reading) for _ in range(SHUFFLE + SHUFFLE // 3)]  # a third into the second window
+    before = [next(reading) for _ in range(read)]
     state = json_roundtrip(first.state_dict())
     restored = pipeline(index, options)
     restored.load_state_dict(state)
@@ -71,8 +76,9 @@ def test_a_restored_window_reads_its_shards_and_checks_them_at_once(s3_server: A
     got = {path for method, path, _ in held if method == "GET"}
     checked = {path for method, path, _ in held if method == "HEAD"}
     print(f"in flight at once: GET {sorted(got)}, HEAD {sorted(checked)}")
-    # The records of the restored window's first fetch come from several shards: all their ranged
-    # reads and the identity checks of the shards the checkpoint named are asked before any answer.
+    # The records of the first fetch come from several shards: all their ranged reads and the
+    # identity checks (of the shards the checkpoint named, or the window enters) are asked before
+    # any answer.
     assert len(got) >= 2, f"the shards were read one after the other: only {held} were asked before an answer"
     assert checked >= got, f"the identity checks waited for the reads (or the reads for them): {held}"
     assert len(head) == 1, "the restored stream gave no record once the requests were let through"
@@ -120,3 +126,23 @@ def test_the_identities_of_a_folders_shards_come_from_one_listing(s3_server: Any
     assert found == {url: remote.identity(url) for url in urls}
     with pytest.raises(FileNotFoundError):
         remote.identities([*urls, urls[0].rsplit("/", 1)[0] + "/gone.bin"])
+
+
+def test_a_shard_a_window_entered_and_changed_since_is_refused_by_name(s3_server: Any, tmp_path: Path) -> None:
+    # The identities a window's opening takes alongside its first reads end up in the state: a shard
+    # rewritten after the checkpoint is refused at the restore, naming it.
+    bucket, index, _ = write(s3_server, tmp_path)
+    options = s3_server.options()
+    first = pipeline(index, options)
+    reading = iter(first)
+    for _ in range(SHUFFLE + 1):  # the second window open, one record of it read
+        next(reading)
+    state = json_roundtrip(first.state_dict())
+    assert 3 in {int(k) for k in state["source"]["identities"]}  # a shard the second window entered
+    url = f"s3://{bucket}/tokens/shard-00003.bin"
+    original = s3_server.fs(url).cat_file(url.removeprefix("s3://"))
+    s3_server.put(url, bytes(reversed(original)))
+    restored = pipeline(index, options)
+    restored.load_state_dict(state)
+    with pytest.raises(ResumeError, match=r"shard-00003\.bin.*changed since the checkpoint"):
+        list(restored)

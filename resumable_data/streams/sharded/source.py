@@ -145,6 +145,10 @@ class ShardedIterable(Stream):
         # Every identity of this epoch, taken when a shard was entered or restored: what a stage
         # above that still holds a finished shard's records saves with them (with_identities, with_held).
         self._entered: dict[int, str] = {}
+        # Shards a seek entered at their start whose identities are taken alongside the next re-read
+        # of records (or before anything needs them): over remote shards, a window's opening then
+        # costs no round trip of its own.
+        self._untaken: list[int] = []
         self._position: int | None = None  # with sizes: records this slot has read in its shards' order
         self._dealt: Dealt = ()  # with sizes: the epoch's layout changes so far (see DEALT)
         self._pieces: tuple[int, ...] = (len(self.shards),)  # what the current epoch's order is built over
@@ -306,21 +310,33 @@ class ShardedIterable(Stream):
         shard entered at its start, so that a restore refuses a shard changed under them (a
         restored one is compared when the shard is next read).
         """
+        self._settle()
         layout = self._layout()
         start = self._position or 0
         first = layout.locate(start)
         last = layout.locate(position - 1) if position > start else first - 1
-        identities = {}
+        identities, untaken = {}, []
+        defer = self._identity is not None and reads_concurrently(self.read_shard)
         for index in layout.shards[first : last + 1].tolist():
             identity = self._identities.get(index)
+            if identity is None and defer and is_url(self._shards.items[index]):
+                untaken.append(index)
+                continue
             if identity is None:
                 identity = self._take_identity(index)
             if identity is not None:
                 identities[index] = identity
         self._remaining = layout.remaining_at(position)
         self._position = position
-        self._identities = identities
+        self._identities, self._untaken = identities, untaken
         self._unverified &= identities.keys()
+
+    def _settle(self, taken: Sequence[str | None] | None = None) -> None:
+        """Take the identities a seek left to take (``taken``: asked already, in their order)."""
+        untaken, self._untaken = self._untaken, []
+        for index, identity in zip(untaken, taken or [self.identity(index) for index in untaken], strict=True):
+            if identity is not None:
+                self._identities[index] = self._entered[index] = identity
 
     def take_keys(self, count: int) -> list[Key] | None:
         """The keys of this slot's next ``count`` records (fewer at its end), the slot moved past them
@@ -335,6 +351,7 @@ class ShardedIterable(Stream):
         """
         if self._position is None or len(self._pending) or getattr(self.read_shard, "read_records", None) is None:
             return None
+        self._settle()
         layout = self._layout()
         position = self._position
         stop = min(position + count, layout.total)
@@ -377,12 +394,14 @@ class ShardedIterable(Stream):
         """
         self._plan({key[1] for key in keys if key[0] == self._epoch})
         indices = {key[1] for key in keys}
-        checks = sorted(indices & self._unverified)
+        checks, untaken = sorted(indices & self._unverified), self._untaken
         together = (
             reads_concurrently(self.read_shard)
-            and len(indices) + len(checks) > 1
+            and len(indices) + len(checks) + len(untaken) > 1
             and any(is_url(self._shards.items[index]) for index in indices)
         )
+        if not together:
+            self._settle()
 
         def where(index: int) -> str:
             return f"read again by key from offset {min(key[2] for key in keys if key[1] == index)}"
@@ -393,19 +412,25 @@ class ShardedIterable(Stream):
             return read_at(self._shards, self.read_shard, index, [keys[p][2] for p in positions])
 
         def run(calls: Sequence[Callable[[], list[Any]]]) -> list[list[Any]]:
-            outcomes = at_once([*(functools.partial(self.identity, index) for index in checks), *calls])
+            asked = [functools.partial(self.identity, index) for index in [*checks, *untaken]]
+            outcomes = at_once([*asked, *calls])
+            for outcome in outcomes[len(checks) : len(asked)]:
+                if isinstance(outcome, BaseException):
+                    raise outcome
+            self._settle(outcomes[len(checks) : len(asked)])
             for index, now in zip(checks, outcomes, strict=False):  # a changed shard first: it explains the rest
                 if isinstance(now, BaseException):
                     raise now
                 self._compare(index, where(index), now)
-            for outcome in outcomes[len(checks) :]:
+            for outcome in outcomes[len(asked) :]:
                 if isinstance(outcome, BaseException):
                     raise outcome
-            return outcomes[len(checks) :]
+            return outcomes[len(asked) :]
 
         return fetch_grouped(keys, 1, read, run if together else None)
 
     def iter_keyed(self) -> Iterator[tuple[Key, Any]]:
+        self._settle()
         epoch = self._epoch
         if len(self._pending):
             # Records a shuffle buffer held before a layout change: re-read them together.
@@ -415,6 +440,7 @@ class ShardedIterable(Stream):
                 self._pending = self._pending[1:]
                 yield key, record
         while True:
+            self._settle()  # a seek between two records (a window above reading by position)
             if not self._remaining and self._position is not None:  # the next shard, from the position
                 self._remaining = self._layout().remaining_at(self._position)
             if not self._remaining:
@@ -443,7 +469,7 @@ class ShardedIterable(Stream):
         self._epoch = epoch
         s, num_slots = self._slot
         self._pending, self._identities, self._unverified, self._dealt = NO_RECORDS, {}, set(), ()
-        self._entered = {}
+        self._entered, self._untaken = {}, []
         self._pieces = (len(self.shards),)  # a new epoch's order covers every shard
         if self.sizes is None:
             self._remaining = [[index, 0] for index in self.shard_order(epoch)[s::num_slots]]
@@ -453,6 +479,7 @@ class ShardedIterable(Stream):
 
     def state_dict(self) -> dict[str, Any]:
         # A shard just finished keeps its identity while a window above holds its records (seek).
+        self._settle()
         return self._here().to_dict(self._shards)
 
     def check(self, state: Any) -> Callable[[], None]:
@@ -464,6 +491,7 @@ class ShardedIterable(Stream):
             self._pending = parsed.pending  # read-only: taking records slices it
             self._position, self._dealt = parsed.position, parsed.dealt
             self._identities, self._entered = dict(parsed.identities), dict(parsed.identities)
+            self._untaken = []
             # Compared when the shard is next read: a restore opens no shard it does not read.
             self._unverified = set() if self.allow_changed_shards else set(parsed.identities)
 
@@ -482,6 +510,7 @@ class ShardedIterable(Stream):
         return keys_check(self._reads(state))  # the state parsed once for both checks
 
     def with_identities(self, state: dict[str, Any]) -> dict[str, Any]:
+        self._settle()
         if not self._entered:
             return state
         # ``state`` is this source's own: its pending records (thousands after a layout change) need
@@ -497,6 +526,7 @@ class ShardedIterable(Stream):
         return {**state, IDENTITIES: {**identities, **saved}}
 
     def with_held(self, state: dict[str, Any], shards: Iterable[Key]) -> dict[str, Any]:
+        self._settle()
         # A held record's shard is (epoch, shard index); a shard still being read has its identity
         # in the state already, a finished one gets the identity noted when it was entered.
         saved = state[IDENTITIES]
