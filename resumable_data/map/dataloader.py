@@ -407,7 +407,7 @@ class _ResumableIterator(Iterator[Any]):
             raise
         if self._audit is not None:  # the batch's place in the epoch and its indices, before it counts
             where = self._batches.position_after(epoch, start, self._yielded)
-            indices = list(self._batches.batch(self._segment, self._yielded))
+            indices = self._batches.batch(self._segment, self._yielded).plain()  # the RNGs untouched
             self._audit.batch(batch, epoch=epoch, position=where, indices=indices)
         self._yielded += 1
         position = self._batches.position_after(epoch, start, self._yielded)

@@ -141,6 +141,11 @@ class BatchIndices(list[Any]):  # a plain list to everyone who reads it
         super().__init__(indices)
         self.key, self.seeding, self.prefix, self.main_fetch = key, seeding, prefix, main_fetch
 
+    def plain(self) -> list[Any]:
+        """The indices as a plain list, read without the fetch's seeding of the global RNGs: what a
+        record of the batch takes (iterating the batch in the main process seeds them, for the fetch)."""
+        return list(list.__iter__(self))
+
     def __reduce__(self) -> tuple[Callable[..., BatchIndices], tuple[Any, ...]]:
         return _arrive, (list(self), self.key, self.seeding, self.prefix, self.main_fetch)
 

@@ -130,3 +130,23 @@ def test_every_line_survives_a_sigkill_and_each_process_has_its_own_file(tmp_pat
     for path in files:
         steps = [json.loads(line)["step"] for line in path.read_text().splitlines()]
         assert steps == [1, 2, 3, 4, 5]
+
+
+@pytest.mark.parametrize("global_rng", ["batch", "sample"])
+def test_recording_a_batch_leaves_the_training_loops_random_numbers_as_they_were(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, global_rng: str
+) -> None:
+    # Audited or not, a run must train the same: the record of a batch read its indices by iterating
+    # them in the main process, which seeds the global RNGs for a fetch there (num_workers=0), so the
+    # loop's dropout drew other numbers from the first batch on (found by the chaos harness under
+    # torchrun: every audited run's losses differed from the unaudited ones).
+    def draws() -> list[tuple[list[int], float]]:
+        loader = ResumableDataLoader(list(range(20)), batch_size=4, seed=0, global_rng=global_rng)
+        torch.manual_seed(0)
+        return [(batch.tolist(), torch.rand(1).item()) for batch in loader]
+
+    monkeypatch.delenv(AUDIT_ENV, raising=False)
+    plain = draws()
+    monkeypatch.setenv(AUDIT_ENV, str(tmp_path / "records"))
+    assert draws() == plain
+    assert len([line for line in lines(tmp_path / "records") if line["kind"] == "batch"]) == 5
