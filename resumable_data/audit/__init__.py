@@ -17,12 +17,17 @@ Example::
 
 from __future__ import annotations
 
+import os
+from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
+from . import compare as _compare  # the package's `compare` stays the module
+from .compare import Finding, read_launch
 from .records import AUDIT_ENV, log_values
 from .verifier import RUN_DIR, VerifyResult, verify
 
-__all__ = ["AUDIT_ENV", "RUN_DIR", "VerifyResult", "log", "verify"]
+__all__ = ["AUDIT_ENV", "RUN_DIR", "Finding", "VerifyResult", "compare_launches", "log", "verify"]
 
 
 def log(step: int, **values: Any) -> None:
@@ -38,3 +43,20 @@ def log(step: int, **values: Any) -> None:
         **values: the step's values: ``loss``, ``lr``, or any others (numbers, strings).
     """
     log_values(step, values)
+
+
+def compare_launches(reference: str | os.PathLike[str], launches: Sequence[str | os.PathLike[str]]) -> Finding | None:
+    """The first step where an interrupted series differs from the uninterrupted run, or None: the
+    comparison :func:`verify` reports, for a harness that starts, kills and relaunches the runs
+    itself (each launch with ``RESUMABLE_DATA_AUDIT`` set to a folder of its own).
+
+    Args:
+        reference: the audit folder of the uninterrupted run.
+        launches: the audit folders of the series' launches, in the order they ran.
+
+    Returns:
+        None when every step of the reference was run by the series with the same batches (their
+        fingerprints) and logged values, bitwise; else where it first differs, what and the likely
+        cause (``Finding.lines()``).
+    """
+    return _compare.compare(read_launch(Path(reference)), [read_launch(Path(folder)) for folder in launches])

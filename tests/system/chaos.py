@@ -12,7 +12,12 @@ workers outlive a killed trainer for a few seconds) and sync and async saves. Ch
   killed process had finished saving (for async saves, the one before the last submitted);
 - no corrupt checkpoint selected: every checkpoint that verifies after a kill holds exactly the
   reference's state for its step, and the relaunch resumes from the newest of them;
-- every logged loss of every launch and the final state equal the uninterrupted run's, bitwise.
+- every logged loss of every launch and the final state equal the uninterrupted run's, bitwise;
+- what every step consumed equals the uninterrupted run's: each launch runs with
+  ``RESUMABLE_DATA_AUDIT`` set to a folder of its own (the loaders record each batch's fingerprint,
+  the trainer logs loss and lr through ``resumable_data.audit.log``), and the series is compared
+  with the reference by ``resumable_data.audit.compare_launches``, the comparison ``python -m
+  resumable_data verify`` reports.
 """
 
 from __future__ import annotations
@@ -32,7 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from helpers.trainer_runs import text_corpus, tiny
-from resumable_data import CheckpointManager, ResumeError
+from resumable_data import CheckpointManager, ResumeError, audit
 from resumable_data.testing import first_difference
 from trainer.checkpointing import CHECKPOINT_FOLDER
 from trainer.config import TrainConfig
@@ -113,6 +118,8 @@ class ChaosReport:
     losses_compared: int = 0
     loss_mismatches: int = 0
     final_mismatches: int = 0
+    runs_audited: int = 0
+    audit_mismatches: int = 0
     wall_s: float = 0.0
     failures: list[str] = field(default_factory=list)
 
@@ -142,6 +149,10 @@ class ChaosReport:
             ("resumed from another than the newest valid checkpoint", self.wrong_resume_point),
             ("logged losses different from the uninterrupted run", f"{self.loss_mismatches} of {self.losses_compared}"),
             ("final states different from the uninterrupted run", f"{self.final_mismatches} of {self.runs_completed}"),
+            (
+                "runs whose steps consumed other batches (audit)",
+                f"{self.audit_mismatches} of {self.runs_audited}",
+            ),
             ("wall time", f"{self.wall_s:.0f} s"),
         ]
         lines = ["| check | result |", "|---|---|", *(f"| {name} | {value} |" for name, value in rows)]
@@ -292,7 +303,11 @@ def start_logged(command: list[str], run_dir: str, header: str) -> subprocess.Po
         out.write(f"\n$ {header}\n")
         out.flush()
         # One thread per process: a launch is tiny, and contention on a shared machine only slows it.
-        env = {**child_env(), "OMP_NUM_THREADS": "1"}
+        records = audit_folders(run_dir)
+        records.mkdir(exist_ok=True)
+        launch = records / f"launch-{len(list(records.iterdir())) + 1:03d}"
+        launch.mkdir()  # now: a launch killed before its first record still has its number
+        env = {**child_env(), "OMP_NUM_THREADS": "1", audit.AUDIT_ENV: str(launch)}
         return subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, env=env)
 
 
@@ -348,8 +363,24 @@ def check_run(
             floor = check_kill(kill, own, floor, launch.async_save, newest, report)
             check_states(name, checkpoints.verified(launch.snapshot), newest, reference_state, report)
     check_losses(name, events, expected_losses, report)
+    check_consumed(name, run.run_dir, reference_dir, report)
     final = checkpoints.load(Path(run.run_dir) / checkpoints.folder / f"step-{run.max_steps:08d}")
     check_final(name, reference_state(run.max_steps), final, report)
+
+
+def audit_folders(run_dir: str | Path) -> Path:
+    """Where the launches of ``run_dir`` record what they consume, a folder each (beside the run)."""
+    return Path(f"{run_dir}.audit")
+
+
+def check_consumed(name: str, run_dir: str, reference_dir: Path, report: ChaosReport) -> None:
+    """Every step of the run's launches consumed the reference's batches and logged its loss and lr."""
+    (reference,) = sorted(audit_folders(reference_dir).iterdir())
+    finding = audit.compare_launches(reference, sorted(audit_folders(run_dir).iterdir()))
+    report.runs_audited += 1
+    if finding is not None:
+        report.audit_mismatches += 1
+        report.failures.append(f"{name}: " + " / ".join(finding.lines()))
 
 
 def check_resume_point(launch: str, own: list[dict[str, Any]], expected: int, report: ChaosReport) -> None:
