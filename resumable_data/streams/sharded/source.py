@@ -22,6 +22,7 @@ from ..pending import NO_RECORDS, record_keys
 from ..positional import Positional
 from ..shard_index import ShardIndex
 from .checks import Reads, key_check, keys_check
+from .identities import ShardIdentities
 from .keys import DEALT, IDENTITIES, NUM_SHARDS, NUM_SLOTS, PENDING, POSITION, REMAINING, SLOT, WHAT
 from .layout import NO_CURSOR, Dealt, Layout
 from .plans import Plans
@@ -139,16 +140,8 @@ class ShardedIterable(Stream):
             counted=counted,
             identity=getattr(read_shard, "identity", None),
         )
-        self._identity = getattr(read_shard, "identity", None)
-        self._identities: dict[int, str] = {}
-        self._unverified: set[int] = set()  # restored identities not compared with the shard yet
-        # Every identity of this epoch, taken when a shard was entered or restored: what a stage
-        # above that still holds a finished shard's records saves with them (with_identities, with_held).
-        self._entered: dict[int, str] = {}
-        # Shards a seek entered at their start whose identities are taken alongside the next re-read
-        # of records (or before anything needs them): over remote shards, a window's opening then
-        # costs no round trip of its own.
-        self._untaken: list[int] = []
+        # The shards' identities: in the state, checked after a restore, deferred by a window's opening.
+        self._ids = ShardIdentities(self.shards, self._shards.names, getattr(read_shard, "identity", None))
         self._position: int | None = None  # with sizes: records this slot has read in its shards' order
         self._dealt: Dealt = ()  # with sizes: the epoch's layout changes so far (see DEALT)
         self._pieces: tuple[int, ...] = (len(self.shards),)  # what the current epoch's order is built over
@@ -199,42 +192,12 @@ class ShardedIterable(Stream):
 
     def identity(self, index: int) -> str | None:
         """The reader's fingerprint of shard ``index`` as it is now (None: the reader gives none)."""
-        if self._identity is None:
-            return None
-        try:
-            return str(self._identity(self.shards[index]))
-        except OSError as exc:
-            raise ResumeError(f"cannot read shard {index} {self._shards.names[index]!r}: {exc}") from exc
+        return self._ids.ask(index)
 
     def _plan(self, reading: set[int] | frozenset[int] = frozenset()) -> None:
         """Tell a reader that caches the shards this slot reads from now on (see :mod:`.plans`)."""
         where = ((self._epoch, self._pieces), self._slot, self._dealt, self._position, self._remaining)
         self._plans.send(self.read_shard, self._shards, where, reading)
-
-    def _take_identity(self, index: int) -> str | None:
-        """The identity of shard ``index`` as it is now, noted as entered in this epoch."""
-        identity = self.identity(index)
-        if identity is not None:
-            self._entered[index] = identity
-        return identity
-
-    def _verify(self, index: int, where: str) -> None:
-        """Before shard ``index`` is read again (``where``: from its cursor, or by key), refuse it if its
-        restored identity differs from the file as it is now."""
-        if index in self._unverified:
-            self._compare(index, where, self.identity(index))
-
-    def _compare(self, index: int, where: str, now: str | None) -> None:
-        """Refuse shard ``index`` if its restored identity differs from ``now``, the shard's as asked."""
-        saved = self._identities[index]
-        if now is not None and now != saved:
-            raise ResumeError(
-                f"shard {index} {self._shards.names[index]!r} ({where}) changed since the checkpoint: it was "
-                f"{saved} (size:digest of its edges), it is {now} now; resuming would skip or repeat records. "
-                "Restore the shard the checkpoint read, or pass allow_changed_shards=True to ShardedIterable "
-                "to read it as it is"
-            )
-        self._unverified.discard(index)
 
     # -- known sizes: a slot's position <-> (shard, cursor) -------------------------------------------
     def _here(self) -> ShardState:
@@ -245,7 +208,7 @@ class ShardedIterable(Stream):
             self._pieces,
             self._remaining,
             self._pending,
-            self._identities,
+            self._ids.current,
             self._position,
             self._dealt,
         )
@@ -310,33 +273,26 @@ class ShardedIterable(Stream):
         shard entered at its start, so that a restore refuses a shard changed under them (a
         restored one is compared when the shard is next read).
         """
-        self._settle()
+        self._ids.settle()
         layout = self._layout()
         start = self._position or 0
         first = layout.locate(start)
         last = layout.locate(position - 1) if position > start else first - 1
         identities, untaken = {}, []
-        defer = self._identity is not None and reads_concurrently(self.read_shard)
+        defer = self._ids.given and reads_concurrently(self.read_shard)
         for index in layout.shards[first : last + 1].tolist():
-            identity = self._identities.get(index)
+            identity = self._ids.current.get(index)
             if identity is None and defer and is_url(self._shards.items[index]):
                 untaken.append(index)
                 continue
             if identity is None:
-                identity = self._take_identity(index)
+                identity = self._ids.take(index)
             if identity is not None:
                 identities[index] = identity
         self._remaining = layout.remaining_at(position)
         self._position = position
-        self._identities, self._untaken = identities, untaken
-        self._unverified &= identities.keys()
-
-    def _settle(self, taken: Sequence[str | None] | None = None) -> None:
-        """Take the identities a seek left to take (``taken``: asked already, in their order)."""
-        untaken, self._untaken = self._untaken, []
-        for index, identity in zip(untaken, taken or [self.identity(index) for index in untaken], strict=True):
-            if identity is not None:
-                self._identities[index] = self._entered[index] = identity
+        self._ids.current, self._ids.untaken = identities, untaken
+        self._ids.unverified &= identities.keys()
 
     def take_keys(self, count: int) -> list[Key] | None:
         """The keys of this slot's next ``count`` records (fewer at its end), the slot moved past them
@@ -351,30 +307,30 @@ class ShardedIterable(Stream):
         """
         if self._position is None or len(self._pending) or getattr(self.read_shard, "read_records", None) is None:
             return None
-        self._settle()
+        self._ids.settle()
         layout = self._layout()
         position = self._position
         stop = min(position + count, layout.total)
         if stop <= position:
             return []
         first, last = layout.locate(position), layout.locate(stop - 1)  # the shards of the first and last record
-        identities = dict(self._identities)
+        identities = dict(self._ids.current)
         for k in range(first, last + 1):  # what iter_keyed does as it enters each shard, and leaves it
             index = int(layout.shards[k])
             entry = position - int(layout.starts[k]) + int(layout.firsts[k]) if k == first else int(layout.firsts[k])
             done = k < last or stop == int(layout.starts[k + 1])
-            if index in self._unverified:
-                self._verify(index, f"cursor at offset {entry}")
-            elif entry == 0 and self._identity is not None:
+            if index in self._ids.unverified:
+                self._ids.verify(index, f"cursor at offset {entry}")
+            elif entry == 0 and self._ids.given:
                 # Taken for a shard the keys finish too: the buffer holds its records (with_held).
-                identity = self._take_identity(index)
+                identity = self._ids.take(index)
                 if identity is not None and not done:
                     identities[index] = identity
             if done:
                 identities.pop(index, None)
         keys = layout.keys(self._epoch, np.arange(position, stop, dtype=np.int64))
         self._remaining = layout.remaining_at(stop)
-        self._position, self._identities = stop, identities
+        self._position, self._ids.current = stop, identities
         return keys
 
     def upcoming_keys(self, count: int) -> list[Key] | None:
@@ -390,38 +346,31 @@ class ShardedIterable(Stream):
         A reader with ``read_records(shard, offsets)`` gets all of a shard's offsets in one call (the
         ready-made readers open the file once and slice or seek); any other reader is read in runs,
         one ``read_shard`` call per run of consecutive records. A reader that ``reads_concurrently``
-        reads the shards at once, while the restored identities of those not checked yet are asked.
+        reads the shards at once, asking the identities still to check or to take alongside.
         """
         self._plan({key[1] for key in keys if key[0] == self._epoch})
         indices = {key[1] for key in keys}
-        checks, untaken = sorted(indices & self._unverified), self._untaken
+        checks, untaken = sorted(indices & self._ids.unverified), self._ids.untaken
         together = (
             reads_concurrently(self.read_shard)
             and len(indices) + len(checks) + len(untaken) > 1
             and any(is_url(self._shards.items[index]) for index in indices)
         )
         if not together:
-            self._settle()
+            self._ids.settle()
 
         def where(index: int) -> str:
             return f"read again by key from offset {min(key[2] for key in keys if key[1] == index)}"
 
         def read(index: int, positions: list[int]) -> list[Any]:
             if not together:
-                self._verify(index, where(index))
+                self._ids.verify(index, where(index))
             return read_at(self._shards, self.read_shard, index, [keys[p][2] for p in positions])
 
         def run(calls: Sequence[Callable[[], list[Any]]]) -> list[list[Any]]:
             asked = [functools.partial(self.identity, index) for index in [*checks, *untaken]]
             outcomes = at_once([*asked, *calls])
-            for outcome in outcomes[len(checks) : len(asked)]:
-                if isinstance(outcome, BaseException):
-                    raise outcome
-            self._settle(outcomes[len(checks) : len(asked)])
-            for index, now in zip(checks, outcomes, strict=False):  # a changed shard first: it explains the rest
-                if isinstance(now, BaseException):
-                    raise now
-                self._compare(index, where(index), now)
+            self._ids.answered(checks, outcomes[: len(asked)], where)
             for outcome in outcomes[len(asked) :]:
                 if isinstance(outcome, BaseException):
                     raise outcome
@@ -430,7 +379,7 @@ class ShardedIterable(Stream):
         return fetch_grouped(keys, 1, read, run if together else None)
 
     def iter_keyed(self) -> Iterator[tuple[Key, Any]]:
-        self._settle()
+        self._ids.settle()
         epoch = self._epoch
         if len(self._pending):
             # Records a shuffle buffer held before a layout change: re-read them together.
@@ -440,19 +389,19 @@ class ShardedIterable(Stream):
                 self._pending = self._pending[1:]
                 yield key, record
         while True:
-            self._settle()  # a seek between two records (a window above reading by position)
+            self._ids.settle()  # a seek between two records (a window above reading by position)
             if not self._remaining and self._position is not None:  # the next shard, from the position
                 self._remaining = self._layout().remaining_at(self._position)
             if not self._remaining:
                 return
             self._plan()
             entry = self._remaining[0]
-            if entry[0] in self._unverified:  # before the shard's first record is read
-                self._verify(entry[0], f"cursor at offset {entry[1]}")
-            elif entry[1] == 0 and self._identity is not None:
-                identity = self._take_identity(entry[0])
+            if entry[0] in self._ids.unverified:  # before the shard's first record is read
+                self._ids.verify(entry[0], f"cursor at offset {entry[1]}")
+            elif entry[1] == 0 and self._ids.given:
+                identity = self._ids.take(entry[0])
                 if identity is not None:
-                    self._identities[entry[0]] = identity
+                    self._ids.current[entry[0]] = identity
             for next_offset, record in records_from(self._shards, self.read_shard, entry[0], entry[1]):
                 key = (epoch, entry[0], entry[1])
                 entry[1] = next_offset
@@ -460,7 +409,7 @@ class ShardedIterable(Stream):
                     self._position += 1
                 yield key, record
             del self._remaining[0]
-            self._identities.pop(entry[0], None)
+            self._ids.current.pop(entry[0], None)
 
     # -- epochs and state ------------------------------------------------------------------------
     def reset(self, epoch: int, slot: Slot | None) -> None:
@@ -468,8 +417,8 @@ class ShardedIterable(Stream):
             self._slot = slot
         self._epoch = epoch
         s, num_slots = self._slot
-        self._pending, self._identities, self._unverified, self._dealt = NO_RECORDS, {}, set(), ()
-        self._entered, self._untaken = {}, []
+        self._pending, self._dealt = NO_RECORDS, ()
+        self._ids.reset()
         self._pieces = (len(self.shards),)  # a new epoch's order covers every shard
         if self.sizes is None:
             self._remaining = [[index, 0] for index in self.shard_order(epoch)[s::num_slots]]
@@ -479,7 +428,7 @@ class ShardedIterable(Stream):
 
     def state_dict(self) -> dict[str, Any]:
         # A shard just finished keeps its identity while a window above holds its records (seek).
-        self._settle()
+        self._ids.settle()
         return self._here().to_dict(self._shards)
 
     def check(self, state: Any) -> Callable[[], None]:
@@ -490,10 +439,8 @@ class ShardedIterable(Stream):
             self._remaining = [list(entry) for entry in parsed.remaining]
             self._pending = parsed.pending  # read-only: taking records slices it
             self._position, self._dealt = parsed.position, parsed.dealt
-            self._identities, self._entered = dict(parsed.identities), dict(parsed.identities)
-            self._untaken = []
             # Compared when the shard is next read: a restore opens no shard it does not read.
-            self._unverified = set() if self.allow_changed_shards else set(parsed.identities)
+            self._ids.restore(parsed.identities, check=not self.allow_changed_shards)
 
         return apply
 
@@ -510,8 +457,8 @@ class ShardedIterable(Stream):
         return keys_check(self._reads(state))  # the state parsed once for both checks
 
     def with_identities(self, state: dict[str, Any]) -> dict[str, Any]:
-        self._settle()
-        if not self._entered:
+        self._ids.settle()
+        if not self._ids.entered:
             return state
         # ``state`` is this source's own: its pending records (thousands after a layout change) need
         # no check again, only their shards.
@@ -520,20 +467,20 @@ class ShardedIterable(Stream):
         saved = state.get(IDENTITIES, {})
         identities = {
             str(index): identity
-            for index, identity in self._entered.items()
+            for index, identity in self._ids.entered.items()
             if cursors[index] != NO_CURSOR or index in held
         }
         return {**state, IDENTITIES: {**identities, **saved}}
 
     def with_held(self, state: dict[str, Any], shards: Iterable[Key]) -> dict[str, Any]:
-        self._settle()
+        self._ids.settle()
         # A held record's shard is (epoch, shard index); a shard still being read has its identity
         # in the state already, a finished one gets the identity noted when it was entered.
         saved = state[IDENTITIES]
         added = {}
         for shard in shards:
             index = shard[1]
-            identity = self._entered.get(index)
+            identity = self._ids.entered.get(index)
             if identity is not None and str(index) not in saved:
                 added[str(index)] = identity
         return {**state, IDENTITIES: {**saved, **added}} if added else state
