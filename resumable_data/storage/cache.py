@@ -295,10 +295,12 @@ class ShardCache:
 
     def cached(self, shard: RemoteShard) -> CachedShard | None:
         """The local copy of ``shard`` if some process on the machine has it now (held, as from
-        :meth:`use`), else None: nothing is downloaded and the schedule does not move.
+        :meth:`use`), else None, and the schedule does not move.
 
-        What a read that should not wait calls (a restore's first records, read by ranged requests
-        while the shard downloads in the background).
+        What a read that should not wait calls (a restore's first records, a shuffle's records read
+        by key, by ranged requests meanwhile). A planned shard found missing downloads in the
+        background (with ``prefetch`` > 0), with room as for a prefetch of its place in the plan:
+        a window reading by key from more shards than ``prefetch`` covers gets them all cached.
         """
         self._this_process()
         if not isinstance(shard, RemoteShard):
@@ -306,6 +308,10 @@ class ShardCache:
         handle = self._open_cached(shard)
         if handle is not None:
             self._count(hits=1)
+        elif self.prefetch:
+            with self._planning:
+                if shard in self._shards[self._cursor :]:
+                    self._fetch(shard, self._shards.index(shard, self._cursor) - self._cursor)
         return handle
 
     # -- reading and downloading ----------------------------------------------------------------------
@@ -479,17 +485,24 @@ class ShardCache:
         """Keep the next ``prefetch`` planned shards downloading (or cached), nearest first."""
         if self.prefetch == 0:
             return
+        for step, shard in enumerate(self._shards[self._cursor : self._cursor + self.prefetch]):
+            if not self._fetch(shard, step):
+                return
+
+    def _fetch(self, shard: RemoteShard, step: int) -> bool:
+        """Download ``shard`` (``step`` shards ahead in the plan) in the background unless it is cached
+        or downloading; False when the interpreter is exiting (no new work is taken then)."""
         if self._pool is None:
             self._pool = ThreadPoolExecutor(self._workers, thread_name_prefix="shard-cache")
-        for step, shard in enumerate(self._shards[self._cursor : self._cursor + self.prefetch]):
-            future = self._futures.get(shard)
-            running_or_failed = future is not None and (not future.done() or future.exception() is not None)
-            if running_or_failed or os.path.exists(self._entry_path(shard)):
-                continue  # a failure stays for use() to raise
-            try:
-                self._futures[shard] = self._pool.submit(self._prefetch, shard, step)
-            except RuntimeError:  # the interpreter is exiting (a late lookup's re-plan): nothing to fetch for
-                return
+        future = self._futures.get(shard)
+        running_or_failed = future is not None and (not future.done() or future.exception() is not None)
+        if running_or_failed or os.path.exists(self._entry_path(shard)):
+            return True  # a failure stays for use() to raise
+        try:
+            self._futures[shard] = self._pool.submit(self._prefetch, shard, step)
+        except RuntimeError:  # the interpreter is exiting (a late lookup's re-plan)
+            return False
+        return True
 
     def _prefetch(self, shard: RemoteShard, horizon: int) -> None:
         handle = self._download(shard, horizon)

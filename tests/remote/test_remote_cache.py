@@ -299,3 +299,22 @@ def test_a_restore_over_an_index_waits_for_no_lookup_of_the_shards_it_reads_late
     assert held, "no lookup of a later shard was asked: the test no longer holds what it meant to"
     reference = list(source(local, None, None))
     assert_same(read_before + head + list(reading), reference, "restored over an index, lookups held")
+
+
+def test_a_window_reading_by_key_from_more_shards_than_prefetch_gets_them_all_cached(
+    s3_server: Any, proxy: Any, tmp_path: Path
+) -> None:
+    # A shuffle window spanning four shards reads their records by key, ahead of the one-shard
+    # prefetch: each shard it reads that is not cached yet downloads in the background, so the
+    # second epoch reads nothing from the server (before, half of the shards stayed uncached and
+    # were read by ranged requests every epoch).
+    bucket = Bucket(s3_server, EVEN)
+    stream = bucket.source(proxy.endpoint, tmp_path / "cache", seed=5, prefetch=1).shuffle_window(4 * 4096, seed=6)
+    epochs_read(stream, 1)
+    deadline = time.monotonic() + 10  # the last downloads may still be finishing
+    while time.monotonic() < deadline and len(cached_files(tmp_path / "cache")) < len(bucket.urls):
+        time.sleep(0.05)
+    assert cached_files(tmp_path / "cache") == {url_key(url) for url in bucket.urls}
+    proxy.reset_counters()
+    epochs_read(stream, 2)
+    assert proxy.methods.get("GET", 0) <= 1, f"the second epoch read from the server: {proxy.log}"
