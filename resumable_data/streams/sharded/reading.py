@@ -10,10 +10,10 @@ A reader is ``read_shard(shard, start)`` (records from record offset ``start``),
 * ``num_records(shard)``: the shard's record count, cheaply (:class:`RecordCounter`): asked for
   every shard when a ShardedIterable is built, unless ``sizes=`` says otherwise;
 * ``reads_concurrently``: true when the reader may be called from several threads at once for
-  different shards, and gains from it (its reads wait on the network: the ready-made readers of
-  shards named by URL). A re-read of records from several shards then reads them all at once
-  (:func:`at_once`), and checks the shards' identities alongside: a restore's first batch costs
-  one round trip, not two per shard it touches.
+  different remote shards, and gains from it (its reads wait on the network:
+  :class:`~resumable_data.streams.TokenShardReader`). A re-read of records from several shards, all
+  named by URL, then reads them all at once (:func:`at_once`) and checks the shards' identities
+  alongside: a restore's first batch costs one round trip, not two per shard it touches.
 """
 
 from __future__ import annotations

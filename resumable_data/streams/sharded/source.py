@@ -354,7 +354,7 @@ class ShardedIterable(Stream):
         together = (
             reads_concurrently(self.read_shard)
             and len(indices) + len(checks) + len(untaken) > 1
-            and any(is_url(self._shards.items[index]) for index in indices)
+            and all(is_url(self._shards.items[index]) for index in indices)  # local reads gain nothing
         )
         if not together:
             self._ids.settle()
