@@ -88,6 +88,7 @@ class CachedRemote:
         return identity
 
     def _look_up(self, urls: list[str]) -> None:
+        """Note the sizes and identities of ``urls`` (a listing of their folder where it can answer)."""
         for url, identity in self.remote.identities(urls).items():
             self._known[url] = RemoteShard(url, int(identity.split(":", 1)[0]), identity)
 
@@ -105,10 +106,10 @@ class CachedRemote:
         """The shards this slot reads next, in order (the rest of its epoch, then the next one): the
         cache prefetches the first ones and evicts by these next uses. Local paths are skipped.
 
-        Sizes and identities of shards not seen yet are asked in the background, 64 shards at a
-        time (a listing of their folder), 8 such at once (a restore's first batch waits for none
-        of them): until they are in, the cache is given the
-        schedule's known head, and the whole schedule as soon as they are.
+        Sizes and identities of shards not seen yet are asked in the background, an object store's
+        64 at a time (a listing of their folder), 8 such at once (a restore's first batch waits for
+        none of them): until they are in, the cache is given the schedule's known head, and the
+        whole schedule as soon as they are.
         """
         urls = [str(shard) for shard in upcoming if is_url(shard)]
         if not urls and self._cache is None:  # local shards only: no cache to open
