@@ -310,8 +310,11 @@ class ShardCache:
             self._count(hits=1)
         elif self.prefetch:
             with self._planning:
-                if shard in self._shards[self._cursor :]:
-                    self._fetch(shard, self._shards.index(shard, self._cursor) - self._cursor)
+                try:
+                    step = self._shards.index(shard, self._cursor) - self._cursor
+                except ValueError:  # not planned: nothing says it is read again
+                    return None
+                self._fetch(shard, step)
         return handle
 
     # -- reading and downloading ----------------------------------------------------------------------

@@ -30,7 +30,7 @@ from typing import Any
 
 from ..core.state import check_int_arg
 from .cache import CachedShard, RemoteShard, ShardCache
-from .files import LISTED, Remote, is_url
+from .files import Remote, in_listing, is_url
 
 __all__ = ["CachedRemote", "RemoteReading"]
 
@@ -83,14 +83,17 @@ class CachedRemote:
 
     def identity(self, url: str) -> str:
         """The object's identity asked now (:meth:`Remote.identity`), noted for the cache."""
-        identity = self.remote.identity(url)
+        return self._remember(url, self.remote.identity(url))
+
+    def _remember(self, url: str, identity: str) -> str:
+        """Note ``identity`` (``"size:tag"``) as the object at ``url`` last read."""
         self._known[url] = RemoteShard(url, int(identity.split(":", 1)[0]), identity)
         return identity
 
     def _look_up(self, urls: list[str]) -> None:
         """Note the sizes and identities of ``urls`` (a listing of their folder where it can answer)."""
         for url, identity in self.remote.identities(urls).items():
-            self._known[url] = RemoteShard(url, int(identity.split(":", 1)[0]), identity)
+            self._remember(url, identity)
 
     def note(self, url: str, size: int, tag: str | None) -> None:
         """A size and ETag the reader read anyway (counting records): no request for them later."""
@@ -123,9 +126,9 @@ class CachedRemote:
                     self._lookups = (pool, [], os.getpid())
                 # An object store's shards 64 at a time (a listing of their folder answers for all of
                 # them: see Remote.identities), any other URL on its own.
-                listed = [url for url in unknown if url.split("://", 1)[0] in LISTED]
+                listed = [url for url in unknown if in_listing(url)]
                 groups = [listed[i : i + _LISTING] for i in range(0, len(listed), _LISTING)]
-                groups += [[url] for url in unknown if url.split("://", 1)[0] not in LISTED]
+                groups += [[url] for url in unknown if not in_listing(url)]
                 futures = [self._lookups[0].submit(self._look_up, group) for group in groups]
                 self._lookups = (self._lookups[0], futures, os.getpid())
                 for future in futures:

@@ -27,7 +27,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any, BinaryIO
 
-__all__ = ["GLOB_CHARS", "LISTED", "S3_DEFAULTS", "Remote", "StorageError", "expand_shards", "is_url"]
+__all__ = ["GLOB_CHARS", "S3_DEFAULTS", "Remote", "StorageError", "expand_shards", "in_listing", "is_url"]
 
 GLOB_CHARS = "*?["
 # botocore's client settings for s3:// unless storage_options' config_kwargs says otherwise: bounded
@@ -47,7 +47,7 @@ _EDGE = 4096  # bytes read at each end of an object without an ETag, for its ide
 # here, they are never collected.
 _RESOLVED: dict[int, Any] = {}
 _IN_EXTRA = ("fsspec", "s3fs", "aiohttp")  # the clients the remote extra installs (gcsfs, adlfs are not)
-LISTED = ("s3", "s3a", "gs", "gcs", "az", "abfs")  # object stores whose listings give sizes and ETags
+_LISTED = ("s3", "s3a", "gs", "gcs", "az", "abfs")  # object stores whose listings give sizes and ETags
 _DOWNLOAD_BLOCK = 16 << 20  # bytes a download asks for per request (and copies at a time)
 
 
@@ -59,6 +59,12 @@ class StorageError(OSError):
 def is_url(shard: Any) -> bool:
     """Whether ``shard`` names a remote object (a string with a ``scheme://``), not a local path."""
     return isinstance(shard, str) and "://" in shard
+
+
+def in_listing(url: str) -> bool:
+    """Whether a listing of ``url``'s folder gives its size and ETag (an object store's URL without
+    options of its own): :meth:`Remote.identities` asks such objects together."""
+    return url.split("://", 1)[0] in _LISTED and "?" not in url
 
 
 def _fsspec() -> Any:
@@ -151,7 +157,7 @@ class Remote:
         found: dict[str, str] = {}
         folders: dict[str, list[str]] = {}
         for url in urls:
-            if url.split("://", 1)[0] in LISTED and "?" not in url:
+            if in_listing(url):
                 folders.setdefault(url.rsplit("/", 1)[0], []).append(url)
         for folder, members in folders.items():
             if len(members) < 2:

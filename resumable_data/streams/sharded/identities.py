@@ -62,7 +62,9 @@ class ShardIdentities:
     def settle(self, taken: Sequence[str | None] | None = None) -> None:
         """Take the identities left to take (``taken``: asked already, in their order)."""
         untaken, self.untaken = self.untaken, []
-        for index, identity in zip(untaken, taken or [self.ask(index) for index in untaken], strict=True):
+        if taken is None:
+            taken = [self.ask(index) for index in untaken]
+        for index, identity in zip(untaken, taken, strict=True):
             if identity is not None:
                 self.current[index] = self.entered[index] = identity
 
