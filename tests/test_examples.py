@@ -39,17 +39,21 @@ def test_every_example_is_listed() -> None:
     assert sorted(p.name for p in (ROOT / "examples").glob("*.py")) == sorted(EXAMPLES)
 
 
-@pytest.mark.parametrize("name", sorted(EXAMPLES))
-def test_example_resumes_identically(name: str) -> None:
+def example_command(name: str) -> list[str]:
+    """The command that runs example ``name`` in its smoke mode; skips the test when its extra is missing."""
     modules, extra = EXAMPLES[name]
     for module in modules:
         if importlib.util.find_spec(module) is None:
             pytest.skip(f"{name} needs the [{extra}] extra ({module} is not installed)")
     path = str(ROOT / "examples" / name)
     if "torchvision" in modules:
-        command = [sys.executable, "-c", _WITH_TORCHVISION_COMPAT.format(tests=str(TESTS), path=path)]
-    else:
-        command = [sys.executable, path, "--smoke"]
+        return [sys.executable, "-c", _WITH_TORCHVISION_COMPAT.format(tests=str(TESTS), path=path)]
+    return [sys.executable, path, "--smoke"]
+
+
+@pytest.mark.parametrize("name", sorted(EXAMPLES))
+def test_example_resumes_identically(name: str) -> None:
+    command = example_command(name)
     result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=240)
     output = result.stdout + result.stderr
     assert result.returncode == 0, f"{name} exited with {result.returncode}:\n{output[-3000:]}"

@@ -5,17 +5,15 @@ auto``) and logs each step's loss with ``audit.log``; the examples run whole in 
 
 from __future__ import annotations
 
-import importlib.util
 import sys
 from pathlib import Path
 
 import pytest
-from test_examples import _WITH_TORCHVISION_COMPAT, EXAMPLES
+from test_examples import EXAMPLES, example_command
 
 from resumable_data import audit
 
 ROOT = Path(__file__).resolve().parents[2]
-TESTS = ROOT / "tests"
 LAUNCH_TIMEOUT_S = 240
 # Tiny, with dropout on (so the RNG restore matters) and checkpoints every 5 steps (so steps replay).
 TRAINER = [
@@ -50,16 +48,7 @@ def test_the_trainer_resumes_exactly_on_2_ranks_under_torchrun(tmp_path: Path, m
 @pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(EXAMPLES))
 def test_every_example_passes(name: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    modules, extra = EXAMPLES[name]
-    for module in modules:
-        if importlib.util.find_spec(module) is None:
-            pytest.skip(f"{name} needs the [{extra}] extra ({module} is not installed)")
-    path = str(ROOT / "examples" / name)
-    if "torchvision" in modules:
-        command = [sys.executable, "-c", _WITH_TORCHVISION_COMPAT.format(tests=str(TESTS), path=path)]
-    else:
-        command = [sys.executable, path, "--smoke"]
-    check(command, tmp_path, monkeypatch, kills=2)
+    check(example_command(name), tmp_path, monkeypatch, kills=2)
 
 
 @pytest.mark.slow
