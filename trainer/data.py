@@ -26,6 +26,7 @@ import numpy as np
 import torch
 
 from resumable_data import ResumableDataLoader
+from resumable_data.position import skip_state
 
 from .config import TrainConfig
 from .parallel import Parallel
@@ -226,6 +227,15 @@ class TrainingData:
     def peek(self, n: int) -> list[Any]:
         """What the next ``n`` batches are, for the resume audit (changes nothing): their window indices."""
         return self.loader.peek_indices(n)
+
+    def skip(self, batches: int) -> None:
+        """Move the loader past its next ``batches`` batches, recorded in its state as skipped (``--skip-batches``)."""
+        self.loader.load_state_dict(skip_state(self.loader.state_dict(), batches=batches))
+
+    def skipped_to_here(self) -> bool:
+        """Whether a skip (``--skip-batches`` or ``python -m resumable_data skip``) ended at the loader's position."""
+        state = self.loader.state_dict()
+        return bool(state.get("skipped")) and state["skipped"][-1][1] == state["position"]
 
 
 def training_data(config: TrainConfig, block_size: int, par: Parallel, say: Callable[[str], None]) -> TrainingData:

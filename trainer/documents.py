@@ -27,6 +27,7 @@ import numpy as np
 import torch
 
 from resumable_data import ShardedIterable, Stream, StreamLoader
+from resumable_data.position import skip_stream_state
 from resumable_data.streams import ParquetReader, TextLineReader
 
 from .config import TrainConfig
@@ -121,7 +122,8 @@ def stream_loader(windows: Stream, config: TrainConfig, par: Parallel) -> Stream
 
 @dataclass
 class StreamData(TrainingData):
-    """:class:`TrainingData` of streamed documents; ``twin`` builds another loader of the same batches.
+    """:class:`TrainingData` of streamed documents; ``twin`` builds another loader of the same batches,
+    ``pipeline`` the stream of windows it batches.
 
     ``all_true`` tells whether a flag holds on every rank (:func:`on_every_rank`): the ranks read
     different files, so their epochs hold different numbers of batches, and an epoch ends on every
@@ -131,6 +133,7 @@ class StreamData(TrainingData):
     """
 
     twin: Callable[[], StreamLoader]
+    pipeline: Callable[[], Stream]
     all_true: Callable[[bool], bool] = bool  # a single process: its own flag
 
     def batches(self) -> Iterator[Any]:
@@ -171,10 +174,24 @@ class StreamData(TrainingData):
     def peek(self, n: int) -> list[Any]:
         """A hash of each of the next ``n`` batches' tokens (a stream has no indices), read by a
         twin loader restored to this one's state: this loader does not move."""
-        twin = StreamData(self.twin(), [], "", self.twin)
+        twin = StreamData(self.twin(), [], "", self.twin, self.pipeline)
         twin.loader.load_state_dict(self.loader.state_dict())
         with contextlib.closing(twin.batches()) as batches:
             return [hashlib.sha256(x.numpy().tobytes()).hexdigest()[:16] for x, _ in itertools.islice(batches, n)]
+
+    def skip(self, batches: int) -> None:
+        """Move this rank's slots past its next ``batches`` batches (every rank does, in lockstep);
+        refused for a pipeline a skip cannot move (documents: a shuffle buffer and packing)."""
+        state = self.loader.state_dict()
+        moved = skip_stream_state(
+            state, self.pipeline(), batches=batches, batch_size=self.loader.batch_size, drop_last=self.loader.drop_last
+        )
+        self.loader.load_state_dict(moved)
+
+    def skipped_to_here(self) -> bool:
+        state = self.loader.state_dict()
+        ranges = state.get("skipped", {}).get(str(self.loader.rank), [])
+        return bool(ranges) and ranges[-1][1] == self.loader.batches_yielded
 
 
 def document_data(config: TrainConfig, block_size: int, files: list[Path], par: Parallel) -> StreamData:
@@ -193,7 +210,8 @@ def document_data(config: TrainConfig, block_size: int, files: list[Path], par: 
         raise ValueError(f"the validation file {val_file} holds fewer than {block_size + 1} tokens: one window")
     described = f"{config.data}: {len(train_files)} files of documents, streamed, {len(val)} val windows of the last"
     twin = partial(document_loader, train_files, block_size, config, par)
-    return StreamData(twin(), val, described, twin, on_every_rank(par))
+    pipeline = partial(_windows, train_files, block_size, config, shuffle=True)
+    return StreamData(twin(), val, described, twin, pipeline, on_every_rank(par))
 
 
 def on_every_rank(par: Parallel) -> Callable[[bool], bool]:

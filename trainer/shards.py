@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from resumable_data import ShardedIterable, StreamLoader
+from resumable_data import ShardedIterable, Stream, StreamLoader
 from resumable_data.streams import TokenShardReader
 from resumable_data.streams.shard_index import INDEX_NAME, ShardIndex, is_url
 
@@ -72,13 +72,18 @@ def _reader(index: ShardIndex, block_size: int, **cache: Any) -> TokenShardReade
     return TokenShardReader(block_size + 1, stride=block_size, dtype=index.dtype, **cache)
 
 
-def shard_loader(index: ShardIndex, block_size: int, config: TrainConfig, par: Parallel) -> StreamLoader:
-    """This rank's batches of the shards of ``index``, in a resumable order."""
+def shard_windows(index: ShardIndex, block_size: int, config: TrainConfig) -> Stream:
+    """The windows of the shards of ``index``, in a resumable order (a window shuffle's positions)."""
     reader = _reader(
         index, block_size, cache_dir=config.cache_dir, cache_limit=config.cache_limit, prefetch=config.prefetch
     )
     shards = ShardedIterable.from_index(index, read_shard=reader, shuffle=True, seed=config.seed)
-    return stream_loader(shards.shuffle_window(SHUFFLE_WINDOWS, seed=config.seed), config, par)
+    return shards.shuffle_window(SHUFFLE_WINDOWS, seed=config.seed)
+
+
+def shard_loader(index: ShardIndex, block_size: int, config: TrainConfig, par: Parallel) -> StreamLoader:
+    """This rank's batches of the shards of ``index``."""
+    return stream_loader(shard_windows(index, block_size, config), config, par)
 
 
 def shard_data(config: TrainConfig, block_size: int, index: ShardIndex, par: Parallel) -> StreamData:
@@ -104,4 +109,5 @@ def shard_data(config: TrainConfig, block_size: int, index: ShardIndex, par: Par
         f"{len(val)} val windows of the last"
     )
     twin = partial(shard_loader, train, block_size, config, par)
-    return StreamData(twin(), val, described, twin, on_every_rank(par))
+    pipeline = partial(shard_windows, train, block_size, config)
+    return StreamData(twin(), val, described, twin, pipeline, on_every_rank(par))

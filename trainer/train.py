@@ -26,7 +26,6 @@ from tqdm import tqdm
 
 import resumable_data
 from resumable_data.checkpoint import GracefulStop
-from resumable_data.position import skip_state
 from resumable_data.rng import rank_seed, restore_rank_rng_state
 
 from . import checkpointing as ckpt
@@ -140,11 +139,11 @@ def _train(config: TrainConfig, par: parallel.Parallel) -> TrainResult:
         if checkpoint is not None and resume_path is not None:
             checkpoints.restore(resume_path, checkpoint)  # weights, moments, data position
             if config.skip_batches:  # past a bad stretch: the data state records those batches as skipped
-                loader.load_state_dict(skip_state(loader.state_dict(), batches=config.skip_batches))
+                data.skip(config.skip_batches)
             scheduler.load_state_dict(checkpoint[ckpt.LR_SCHEDULER])
             # A world-size change cuts batches differently, and a skip (ending here) moved them on: only the lr compares.
-            same_world, data_state = "world_size" not in plan.changes, loader.state_dict()
-            compare = same_world and data_state.get("skipped", [[0, -1]])[-1][1] != data_state.get("position")
+            same_world = "world_size" not in plan.changes
+            compare = same_world and not data.skipped_to_here()
             next_batch = ckpt.next_step_fingerprint(data, grad_accum, par) if compare else None
             ckpt.audit(checkpoint[ckpt.AUDIT], next_batch, data.sha256, optimizer, config, state.step, resume_path)
             lr = optimizer.param_groups[0]["lr"]

@@ -19,42 +19,17 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from ..core.state import INT64_MAX, brief, is_int
+from ..core.ranges import Ranges, require_ranges
 from ..errors import ResumeError
 
-__all__ = ["MAX_SKIPPED_RANGES", "SKIPPED", "SKIPPED_STATE_VERSION", "add_skipped", "require_skipped"]
+__all__ = ["SKIPPED", "SKIPPED_STATE_VERSION", "Ranges", "require_skipped"]
 
 SKIPPED = "skipped"
 SKIPPED_STATE_VERSION = 4
-MAX_SKIPPED_RANGES = 1024  # keeps the state small; adjacent skips merge into one range
-
-Ranges = tuple[tuple[int, int], ...]
 
 
 def require_skipped(state: Mapping[str, Any], what: str, *, position: int) -> Ranges:
     """Read :data:`SKIPPED`: ``[[start, end], ...]``, ascending, disjoint, none past ``position``."""
     if SKIPPED not in state:
         raise ResumeError(f"{what} state has version {SKIPPED_STATE_VERSION} but is missing the key {SKIPPED!r}")
-    raw = state[SKIPPED]
-    ranges: list[tuple[int, int]] = []
-    ok = isinstance(raw, (list, tuple)) and 0 < len(raw) <= MAX_SKIPPED_RANGES
-    for item in raw if ok else ():
-        pair = isinstance(item, (list, tuple)) and len(item) == 2 and all(is_int(v) for v in item)
-        if not pair or not 0 <= item[0] < item[1] <= min(position, INT64_MAX) or (ranges and item[0] <= ranges[-1][1]):
-            ok = False
-            break
-        ranges.append((int(item[0]), int(item[1])))
-    if not ok:
-        raise ResumeError(
-            f"{what} state field {SKIPPED!r} must be a list of 1 to {MAX_SKIPPED_RANGES} [start, end] position "
-            f"ranges, ascending, disjoint and not adjacent, with 0 <= start < end <= position ({position}), but got "
-            f"{brief(raw)}; pass a state_dict() unchanged"
-        )
-    return tuple(ranges)
-
-
-def add_skipped(ranges: Ranges, start: int, end: int) -> Ranges:
-    """``ranges`` with ``[start, end)`` added after them (merged with the last one when adjacent)."""
-    if ranges and ranges[-1][1] == start:
-        return (*ranges[:-1], (ranges[-1][0], end))
-    return (*ranges, (start, end))
+    return require_ranges(state[SKIPPED], f"{what} state field {SKIPPED!r}", limit=position, unit="position")

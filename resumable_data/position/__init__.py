@@ -5,11 +5,12 @@ sample indices of any batch and the batch of any sample, at the cost of one posi
 epoch's order is a keyed permutation and its inverse). ``skip`` moves a checkpoint's data position
 past a bad stretch and records the skipped range in the state, publishing a new checkpoint and
 leaving the old one as it was. Both are also commands: ``python -m resumable_data where`` and
-``python -m resumable_data skip``. ``where_stream`` answers for a ``StreamLoader`` state, given the
-pipeline (code, which the checkpoint does not hold): the shard and record of its next batches.
+``python -m resumable_data skip``. ``where_stream`` and ``skip_stream_state`` do the same for a
+``StreamLoader`` state, given the pipeline (code, which the checkpoint does not hold): the shard and
+record of any batch, and a skip of whole batches.
 """
 
-from .skip import skip, skip_state
+from .skip import skip, skip_state, skip_stream_state
 from .stream import StreamBatch, StreamWhereReport, where_stream
 from .where import BatchReport, SampleReport, WhereReport, locate, where
 
@@ -22,6 +23,7 @@ __all__ = [
     "locate",
     "skip",
     "skip_state",
+    "skip_stream_state",
     "where",
     "where_stream",
 ]

@@ -27,6 +27,11 @@ CHECKPOINT_HELP = "a step-N checkpoint folder or a state file, as `inspect` take
 # Numbers are parsed here rather than by argparse, whose refusal is a usage block and exit code 2.
 _INTS = {"next": 1, "previous": 1, "step": 0, "sample": 0, "epoch": 0, "rank": 0, "batch_size": 1}
 _SKIP_INTS = {"batches": 1, "to_position": 0, "batch_size": 1}
+PIPELINE_HELP = (
+    "for a StreamLoader state: FUNCTION() (importable from the current folder) returns the stream the loader was "
+    "built over, as the training script builds it; this RUNS that code. Needs --batch-size (unless the stream "
+    "ends in .batch(n))"
+)
 
 
 def _ints(args: argparse.Namespace, minimums: dict[str, int]) -> dict[str, int | None]:
@@ -66,7 +71,8 @@ def add_where(commands: Any) -> None:
         "sample indices of the next or previous N batches of every rank, of a step, or of a range of positions; "
         "or, with --sample, in which epoch, position, step and rank a sample is read. Skipped batches (see "
         "`skip`) are shown as skipped. O(1) per batch at any dataset size. For a StreamLoader state, with "
-        "--pipeline: the shard and record of each record of the next N batches of every rank.",
+        "--pipeline: the shard and record of each record of the next or previous N batches of every rank, or of "
+        "its batch S of the run.",
     )
     command.add_argument("checkpoint", metavar="CHECKPOINT", help=CHECKPOINT_HELP)
     query = command.add_mutually_exclusive_group()
@@ -82,13 +88,7 @@ def add_where(commands: Any) -> None:
     )
     command.add_argument("--state", metavar="KEY", help="which data state, by the key path `inspect` prints")
     command.add_argument("--json", action="store_true", help="print the answer as JSON")
-    command.add_argument(
-        "--pipeline",
-        metavar="MODULE:FUNCTION",
-        help="for a StreamLoader state: the shard and record of each record of the next N batches. FUNCTION() "
-        "(importable from the current folder) returns the stream the loader was built over, as the training "
-        "script builds it; this RUNS that code. Needs --batch-size (unless the stream ends in .batch(n))",
-    )
+    command.add_argument("--pipeline", metavar="MODULE:FUNCTION", help=PIPELINE_HELP)
     command.add_argument("--drop-last", action="store_true", help="with --pipeline: the loader's drop_last")
 
 
@@ -99,14 +99,19 @@ def add_skip(commands: Any) -> None:
         help="publish a copy of a checkpoint whose data position skips N batches",
         description="Write step-(N+1), a copy of checkpoint step-N whose data position is moved past N batches "
         "(or to a position) within the epoch, with the skipped range recorded in the state; published "
-        "atomically by CheckpointManager, so latest() selects it, and step-N is left as it was.",
+        "atomically by CheckpointManager, so latest() selects it, and step-N is left as it was. A StreamLoader "
+        "state moves with --pipeline (N batches of every rank).",
     )
     command.add_argument("checkpoint", metavar="CHECKPOINT", help="a CheckpointManager step-N folder")
     amount = command.add_mutually_exclusive_group(required=True)
     amount.add_argument("--batches", metavar="N", help="skip N batches (of every rank)")
     amount.add_argument("--to-position", metavar="P", help="skip to global position P of the epoch")
-    command.add_argument("--batch-size", metavar="B", help="for a sampler's state, which has none")
+    command.add_argument(
+        "--batch-size", metavar="B", help="for a sampler's state, which has none; with --pipeline, the loader's"
+    )
     command.add_argument("--state", metavar="KEY", help="which data state, by the key path `inspect` prints")
+    command.add_argument("--pipeline", metavar="MODULE:FUNCTION", help=PIPELINE_HELP)
+    command.add_argument("--drop-last", action="store_true", help="with --pipeline: the loader's drop_last")
 
 
 def run_where(args: argparse.Namespace) -> int:
@@ -117,15 +122,19 @@ def run_where(args: argparse.Namespace) -> int:
         if n["epoch"] is not None and n["sample"] is None:
             raise ResumeError("--epoch: only with --sample")
         if args.pipeline is not None:
-            others = [flag for flag in ("previous", "step", "positions", "sample", "epoch") if getattr(args, flag)]
+            others = [flag for flag in ("positions", "sample", "epoch") if getattr(args, flag) is not None]
             if others:
-                raise ResumeError(f"--{others[0]}: not with --pipeline (a stream's state answers --next N only)")
+                raise ResumeError(
+                    f"--{others[0]}: not with --pipeline (a stream's state answers --next N, --previous N and --step S)"
+                )
             report: WhereReport | StreamWhereReport = where_stream(
                 args.checkpoint,
                 load_pipeline(args.pipeline),
                 batch_size=n["batch_size"],
                 drop_last=args.drop_last,
-                next=1 if n["next"] is None else n["next"],
+                next=n["next"],
+                previous=n["previous"],
+                step=n["step"],
                 rank=n["rank"],
                 key=args.state,
             )
@@ -174,12 +183,16 @@ def run_skip(args: argparse.Namespace) -> int:
     """Publish the skipped checkpoint and print its folder; one ``error:`` line and 1 for a bad input."""
     try:
         n = _ints(args, _SKIP_INTS)
+        if args.drop_last and args.pipeline is None:
+            raise ResumeError("--drop-last: only with --pipeline (a map-style state holds its own)")
         path = skip(
             args.checkpoint,
             batches=n["batches"],
             to_position=n["to_position"],
             batch_size=n["batch_size"],
             key=args.state,
+            pipeline=None if args.pipeline is None else load_pipeline(args.pipeline),
+            drop_last=args.drop_last,
         )
     except (ResumeError, OSError) as e:
         return _error(e)

@@ -31,8 +31,8 @@ __all__ = ["STREAM_STATES", "MapLayout", "is_map_state"]
 STREAM_STATES = (
     "a stream's state (StreamLoader, ShardedIterable, shuffle_buffer, shuffle_window) names records by shard "
     "cursors and slot states whose meaning depends on the pipeline (shard list, sizes, reader, stages), "
-    "which the checkpoint does not hold: for a StreamLoader's, give `where` the pipeline (--pipeline "
-    "MODULE:FUNCTION, or position.where_stream)"
+    "which the checkpoint does not hold: for a StreamLoader's, give `where` and `skip` the pipeline (--pipeline "
+    "MODULE:FUNCTION with --batch-size, or position.where_stream and position.skip_stream_state)"
 )
 
 _WHAT = "data"
@@ -81,8 +81,8 @@ class MapLayout:
         if not is_map_state(state):
             missing = [key for key in _MAP_KEYS if key not in state]
             raise ResumeError(
-                f"not a ResumableSampler or ResumableDataLoader state (it lacks {', '.join(missing)}): `where` and "
-                f"`skip` answer map-style states only; {STREAM_STATES}"
+                f"not a ResumableSampler or ResumableDataLoader state (it lacks {', '.join(missing)}): without a "
+                f"pipeline, `where` and `skip` answer map-style states only; {STREAM_STATES}"
             )
         saved = state.get(keys.BATCH_SIZE)
         if saved is not None:

@@ -109,7 +109,10 @@ def find_state(source: Source, key: str | None = None) -> Found:
         if key not in states:
             raise ResumeError(f"--state {key}: not a data state of {source}; it has {', '.join(states) or 'none'}")
         return Found(states[key], key, report)
-    candidates = {path: state for path, state in states.items() if is_map_state(state)} or states
+    candidates = {path: state for path, state in states.items() if is_map_state(state)}
+    if not candidates and next(_stream_states(load_weights_only(report.payload)), None) is not None:
+        raise ResumeError(f"{source}: its data state is a StreamLoader's, without a map-style one; {STREAM_STATES}")
+    candidates = candidates or states
     if not candidates:
         raise ResumeError(
             f"{source}: no map-style data state found (a ResumableSampler or ResumableDataLoader state: a dict with "

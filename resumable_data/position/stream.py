@@ -1,51 +1,55 @@
-"""``where`` for a stream: the shard and record of every record of a StreamLoader's next batches.
+"""``where`` for a stream: the shard and record of every record of a StreamLoader's batches.
 
 A stream's checkpoint holds per-slot positions (``StreamLoader``: a pipeline state per (rank,
 worker) slot), not the pipeline: which records a position stands for depends on the shard list,
 their sizes and the stages, which are code. So the caller passes the pipeline, built as the
 training script builds it (unstarted), and :func:`where_stream` loads each slot's state into it,
-as a restore does, and asks it for the keys of its next records (:meth:`Stream.upcoming_keys
-<resumable_data.streams.Stream.upcoming_keys>`): computed from the positions, no record read, at a
-cost in proportion to the batches asked for (a shuffle window's order, once per window), wherever
-in the epoch the state stands. The batches are dealt as the loader deals them: each slot's
-records cut into batches of ``batch_size`` (its last one kept unless ``drop_last``), a rank's
-slots taken round-robin from the one the state names next, a slot that ends skipped for the rest
-of the epoch, then the next epoch from its start.
+as a restore does. The next batches: it asks the pipeline for the keys of its next records
+(:meth:`Stream.upcoming_keys <resumable_data.streams.Stream.upcoming_keys>`). Any batch of an
+epoch (``previous``, ``step``): it asks for the slot's whole epoch as positions
+(:meth:`Stream.epoch_positions <resumable_data.streams.Stream.epoch_positions>`) and deals the
+rank's batches from the slots' batch counts by arithmetic (:mod:`.dealing`). Either way computed
+from the positions, no record read, at a cost in proportion to the batches asked for (a shuffle
+window's order, once per window), wherever in the epoch the state stands. The batches are dealt as
+the loader deals them: each slot's records cut into batches of ``batch_size`` (its last one kept
+unless ``drop_last``), a rank's slots taken round-robin (from slot 0 at an epoch's start), a slot
+that ends skipped for the rest of the epoch, then the next epoch from its start. A batch the
+state's epoch has handed out is ``read``, or ``skipped`` where a ``skip`` moved past it
+(:mod:`resumable_data.streams.skipped`); the rest are ``unread``.
 
 Answered: a :class:`~resumable_data.streams.ShardedIterable` with known sizes (``sizes=``,
 ``from_index``, a reader that counts), behind ``map`` and ``shuffle_window``. Refused, naming the
 stage: a stage whose next records depend on the records it reads (``shuffle_buffer``'s draws over
 what it holds, ``filter``, ``mix``, ``pack``, ``take``, ``batch_by_tokens``), and a source that
 reads by cursors (sizes unknown): answering would mean reading the data, which a restored loader
-does (a replay), not ``where``.
+does (a replay), not ``where``. ``previous`` and ``step`` also refuse an epoch whose layout changed
+at a resume (another ``num_workers`` or world size): the positions before the change were other
+slots'; ``next`` answers it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from ..core.state import EPOCH, WORLD_SIZE, check_int_arg, check_version, is_int, require_bool, require_mapping
+from ..core.state import check_int_arg
 from ..errors import ResumeError
-from ..streams.base import Key, Stream, require_count
+from ..streams.base import Key, Stream
 from ..streams.batch import Batch
-from ..streams.ledger import batch_counts, slot_states
-from ..streams.loader import BATCHES, EPOCH_DONE, LOADER_STATE_VERSION, NEXT_WORKER, NUM_WORKERS, SLOTS
 from .source import Source, find_stream_state
+from .stream_state import LoaderState, RankEpoch, batched_pipeline, refusal, shard_names
+from .where import READ, SKIPPED, UNREAD
 
 __all__ = ["StreamBatch", "StreamWhereReport", "where_stream"]
 
 _WHAT = "StreamLoader"
-POSITIONAL_PIPELINES = (
-    "`where` answers a stream whose order follows from positions: a ShardedIterable with known sizes (sizes=, "
-    "ShardedIterable.from_index, or a reader that counts), behind map and shuffle_window"
-)
+MAX_EPOCHS = 10_000  # how far --step looks: each epoch's batch counts are computed in turn
 
 
 @dataclass(frozen=True)
 class StreamBatch:
-    """One batch of one rank, as the restored loader yields it.
+    """One batch of one rank, as the (restored) loader yields it.
 
     Attributes:
         rank: The rank that yields it.
@@ -54,6 +58,9 @@ class StreamBatch:
         slot: The global (rank, worker) slot whose pipeline copy reads it.
         records: ``(shard, record)`` of each record: the shard's name in the source's list and the
             record's number in the shard.
+        status: ``read``, ``skipped`` or ``unread``, relative to the state (see the module docstring).
+        step: Its number among the rank's batches of the run, every earlier epoch counted in full
+            (None where not computed: ``next``).
     """
 
     rank: int
@@ -61,6 +68,8 @@ class StreamBatch:
     batch: int
     slot: int
     records: list[tuple[str, int]]
+    status: str = UNREAD
+    step: int | None = None
 
 
 @dataclass(frozen=True)
@@ -73,24 +82,30 @@ class StreamWhereReport:
     world_size: int
     num_workers: int
     batch_size: int
+    skipped: dict[int, list[list[int]]] = field(default_factory=dict)
     batches: list[StreamBatch] = field(default_factory=list)
 
     def lines(self) -> list[str]:
         """The human-readable answer."""
         workers = max(1, self.num_workers)
+        skipped = "; ".join(
+            f"rank {rank}: " + ", ".join(f"[{a}, {b})" for a, b in ranges) for rank, ranges in self.skipped.items()
+        )
         out = [
             f"stream state {self.key}: epoch {self.epoch}{' (done)' if self.epoch_done else ''}, world size "
             f"{self.world_size}, num_workers {self.num_workers} ({self.world_size * workers} slots), "
-            f"batch size {self.batch_size}"
+            f"batch size {self.batch_size}; skipped batches: {skipped or 'none'}"
         ]
         for b in self.batches:
             records = " ".join(f"{shard}[{record}]" for shard, record in b.records)
-            out.append(f"  rank {b.rank}, epoch {b.epoch}, batch {b.batch} (slot {b.slot}): {records}")
+            step = "" if b.step is None else f"step {b.step}, "
+            out.append(f"  rank {b.rank}, {step}epoch {b.epoch}, batch {b.batch} (slot {b.slot}) {b.status}: {records}")
         return out
 
     def as_json(self) -> dict[str, Any]:
         """The same answer as plain data (for scripts)."""
         out = asdict(self)
+        out["skipped"] = {str(rank): ranges for rank, ranges in self.skipped.items()}
         for b in out["batches"]:
             b["records"] = [list(record) for record in b["records"]]
         return out
@@ -102,11 +117,15 @@ def where_stream(
     *,
     batch_size: int | None = None,
     drop_last: bool = False,
-    next: int = 1,
+    next: int | None = None,
+    previous: int | None = None,
+    step: int | None = None,
     rank: int | None = None,
     key: str | None = None,
 ) -> StreamWhereReport:
-    """The shard and record of every record of the next ``next`` batches of each rank of a StreamLoader state.
+    """The shard and record of every record of batches of each rank around a StreamLoader state.
+
+    Give one of ``next``, ``previous`` and ``step`` (none: ``next=1``).
 
     Args:
         source: A ``StreamLoader`` state dict (one rank's, or :meth:`StreamLoader.merge_states` of
@@ -116,16 +135,21 @@ def where_stream(
             A pipeline ending in ``.batch(n)`` (a loader with ``batch_size=None``) gives the batch size.
         batch_size: The loader's ``batch_size`` (the state does not hold it).
         drop_last: The loader's ``drop_last``.
-        next: Batches per rank, into the following epochs.
+        next: The next ``n`` batches per rank the restored loader yields, into the following epochs.
+        previous: The last ``n`` batches per rank of the state's epoch before its position.
+        step: Each rank's batch of that number in the run: its batches of every earlier epoch
+            counted in full, as the pipeline reads those epochs now (a dataset that grew since
+            counts its new shards in them too).
         rank: Only this rank (default: every rank whose slots the state holds).
         key: Which StreamLoader state of a checkpoint holding several: its key path (``/dataloader``).
 
     Returns:
-        Each rank's next batches, in the order the restored loader yields them.
+        Each rank's batches, in the order the loader yields (or yielded) them.
 
     Raises:
-        ResumeError: a bad source or argument, a pipeline that does not fit the state, or a pipeline
-            whose next records depend on the records it reads (the message names the stage).
+        ResumeError: a bad source or argument, a pipeline that does not fit the state, a pipeline
+            whose records depend on the records it reads (the message names the stage), or, for
+            ``previous`` and ``step``, an epoch whose layout changed at a resume.
 
     Example:
         >>> from resumable_data.streams import ShardedIterable, StreamLoader
@@ -135,87 +159,78 @@ def where_stream(
         ...     return ShardedIterable(["a", "b"], read_shard=read, seed=0, sizes=[4, 3]).shuffle_window(3)
         >>> loader = StreamLoader(pipeline(), batch_size=2)
         >>> batches = iter(loader)
-        >>> _ = next(batches)
+        >>> first = next(batches).tolist()
         >>> where_stream(loader.state_dict(), pipeline(), batch_size=2).batches[0].records
         [('b', 2), ('a', 0)]
         >>> next(batches).tolist()  # b's record 2 is 6, a's record 0 is 0
         [6, 0]
+        >>> where_stream(loader.state_dict(), pipeline(), batch_size=2, previous=2).batches[0].records
+        [('b', 0), ('b', 1)]
+        >>> first  # b's records 0 and 1
+        [4, 5]
     """
-    count = check_int_arg("next", next, minimum=1)
-    if isinstance(pipeline, Batch):
-        if batch_size is not None and batch_size != pipeline.batch_size:
-            raise ResumeError(f"batch_size is {batch_size}, but the pipeline batches by {pipeline.batch_size}")
-        batched = pipeline
-    elif not isinstance(pipeline, Stream) or not pipeline.keyed:
-        raise ResumeError(
-            f"pipeline: expected the Stream of records the StreamLoader was built over (or one ending in .batch(n)), "
-            f"got {type(pipeline).__name__}"
-        )
-    elif batch_size is None:
-        raise ResumeError("batch_size: the state does not hold the loader's batch size: pass it (--batch-size)")
-    else:
-        batched = Batch(pipeline, check_int_arg("batch_size", batch_size, minimum=1), drop_last=drop_last)
+    chosen = [name for name, value in (("next", next), ("previous", previous), ("step", step)) if value is not None]
+    if len(chosen) > 1:
+        raise ResumeError(f"give one of next, previous and step, not {' and '.join(chosen)}")
+    batched = batched_pipeline(pipeline, batch_size, drop_last)
     found = find_stream_state(source, key)
-    layout = _LoaderState.parse(found.state)
+    layout = LoaderState.parse(found.state)
     ranks = layout.ranks(rank)
-    names = _shard_names(batched.source)
-    batches = [b for r in ranks for b in _rank_batches(layout, batched, r, count, names)]
+    names = shard_names(batched.source)
+    if previous is not None:
+        count = check_int_arg("previous", previous, minimum=1)
+        batches = [b for r in ranks for b in _previous(layout, batched, r, count, names)]
+    elif step is not None:
+        at = check_int_arg("step", step, minimum=0)
+        batches = [_step(layout, batched, r, at, names) for r in ranks]
+    else:
+        count = check_int_arg("next", 1 if next is None else next, minimum=1)
+        batches = [b for r in ranks for b in _rank_batches(layout, batched, r, count, names)]
+    skipped = {r: [list(pair) for pair in layout.skipped(r)] for r in ranks if layout.skipped(r)}
     return StreamWhereReport(
-        found.key, layout.epoch, layout.epoch_done, layout.world, layout.workers, batched.batch_size, batches
+        found.key, layout.epoch, layout.epoch_done, layout.world, layout.workers, batched.batch_size, skipped, batches
     )
 
 
-@dataclass(frozen=True)
-class _LoaderState:
-    """A StreamLoader state's fields, checked as a restore with the state's own layout checks them."""
+def _status(layout: LoaderState, rank: int, epoch: int, j: int, done: int) -> str:
+    if epoch != layout.epoch:
+        return READ if epoch < layout.epoch else UNREAD
+    if j >= done:
+        return UNREAD
+    return SKIPPED if any(a <= j < b for a, b in layout.skipped(rank)) else READ
 
-    state: Mapping[str, Any]
-    epoch: int
-    epoch_done: bool
-    world: int
-    workers: int
-    slots: dict[int, Any]
 
-    @property
-    def local(self) -> int:
-        return max(1, self.workers)
+def _steps_before(layout: LoaderState, batched: Batch, rank: int, epoch: int) -> int:
+    """The rank's batches in the epochs before ``epoch``, each counted in full."""
+    return sum(RankEpoch(layout, batched, rank, e).dealing.total for e in range(epoch))
 
-    @classmethod
-    def parse(cls, state: Mapping[str, Any]) -> _LoaderState:
-        check_version(state, LOADER_STATE_VERSION, _WHAT)
-        world = require_count(state, WORLD_SIZE, _WHAT)
-        if world < 1:
-            raise ResumeError(f"{_WHAT} state field {WORLD_SIZE!r} must be >= 1, but got {world}")
-        workers = require_count(state, NUM_WORKERS, _WHAT)
-        slots = slot_states(state, SLOTS, world * max(1, workers), _WHAT)
-        return cls(
-            state, require_count(state, EPOCH, _WHAT), require_bool(state, EPOCH_DONE, _WHAT), world, workers, slots
-        )
 
-    def ranks(self, rank: int | None) -> list[int]:
-        """The ranks asked for whose slots the state holds (a rank's own state holds only its own)."""
-        held = [r for r in range(self.world) if all(g in self.slots for g in self.mine(r))]
-        if rank is None:
-            if not held:
-                raise ResumeError(f"{_WHAT} state holds no rank's slots whole (it has slots {sorted(self.slots)[:20]})")
-            return held
-        if isinstance(rank, bool) or not isinstance(rank, int) or rank not in held:
-            raise ResumeError(
-                f"rank should be one whose slots the state holds ({held}; merge every rank's state with "
-                f"StreamLoader.merge_states for all), but got rank={rank!r}"
-            )
-        return [rank]
+def _batch(here: RankEpoch, layout: LoaderState, j: int, names: Callable[[int], str], step: int) -> StreamBatch:
+    slot, keys = here.batch(j)
+    records = [(names(key[1]), int(key[2])) for key in keys]
+    status = _status(layout, here.rank, here.epoch, j, here.done)
+    return StreamBatch(here.rank, here.epoch, j, slot, records, status, step)
 
-    def mine(self, rank: int) -> range:
-        return range(rank * self.local, (rank + 1) * self.local)
 
-    def next_worker(self, rank: int) -> int:
-        value = require_mapping(self.state.get(NEXT_WORKER), f"{_WHAT} {NEXT_WORKER!r}").get(str(rank))
-        if not is_int(value) or not 0 <= value < self.local:
-            raise ResumeError(
-                f"{_WHAT} state field {NEXT_WORKER!r} has {value!r} for rank {rank}, expected an int in [0, {self.local})"
-            )
-        return int(value)
+def _previous(
+    layout: LoaderState, batched: Batch, rank: int, count: int, names: Callable[[int], str]
+) -> list[StreamBatch]:
+    here = RankEpoch(layout, batched, rank, layout.epoch)
+    before = _steps_before(layout, batched, rank, layout.epoch)
+    return [_batch(here, layout, j, names, before + j) for j in range(max(0, here.done - count), here.done)]
+
+
+def _step(layout: LoaderState, batched: Batch, rank: int, step: int, names: Callable[[int], str]) -> StreamBatch:
+    before = 0
+    for epoch in range(layout.epoch + MAX_EPOCHS):
+        here = RankEpoch(layout, batched, rank, epoch)
+        if step < before + here.dealing.total:
+            return _batch(here, layout, step - before, names, step)
+        before += here.dealing.total
+    raise ResumeError(
+        f"step {step}: rank {rank} has {before} batches in epochs 0..{layout.epoch + MAX_EPOCHS - 1}; "
+        f"ask for a step within {MAX_EPOCHS} epochs of the state's"
+    )
 
 
 class _SlotKeys:
@@ -239,28 +254,21 @@ class _SlotKeys:
             self._prepare()
             keys = self._batched.source.upcoming_keys(self._asked)
             if keys is None:
-                raise ResumeError(_refusal(self._batched.source))
+                raise ResumeError(refusal(self._batched.source))
             self._keys = keys
         keys = self._keys[k * size : (k + 1) * size]
         return [] if self._batched.drop_last and len(keys) < size else keys
 
 
 def _rank_batches(
-    layout: _LoaderState, batched: Batch, rank: int, count: int, names: Callable[[int], str]
+    layout: LoaderState, batched: Batch, rank: int, count: int, names: Callable[[int], str]
 ) -> list[StreamBatch]:
     """Rank ``rank``'s next ``count`` batches: its slots round-robin from the next one, epoch by epoch."""
     slots = layout.mine(rank)
     num_slots = layout.world * layout.local
 
     def restore(g: int) -> Callable[[], None]:
-        def prepare() -> None:
-            apply = batched.check(layout.slots[g])
-            saved = [s for s in batched.saved_slots(layout.slots[g]) if s != (g, num_slots)]
-            if saved:
-                raise ResumeError(f"{_WHAT} state: slot {g} holds a pipeline state saved for slot {saved[0][0]}")
-            apply()
-
-        return prepare
+        return lambda: layout.restore(batched, g)
 
     def start(epoch: int, g: int) -> Callable[[], None]:
         return lambda: batched.reset(epoch, (g, num_slots))
@@ -271,7 +279,7 @@ def _rank_batches(
         epoch, sources, local, done = epoch + 1, [_SlotKeys(batched, start(epoch + 1, g)) for g in slots], 0, 0
     else:
         sources = [_SlotKeys(batched, restore(g)) for g in slots]
-        local, done = layout.next_worker(rank), sum(batch_counts(layout.state, BATCHES, slots, _WHAT))
+        local, done = layout.next_worker(rank), sum(layout.yielded(rank))
     fresh = layout.epoch_done
     while True:
         taken = [0] * len(sources)
@@ -291,33 +299,3 @@ def _rank_batches(
             return out
         epoch, fresh, local, done = epoch + 1, True, 0, 0
         sources = [_SlotKeys(batched, start(epoch, g)) for g in slots]
-
-
-def _stages(stream: Stream) -> list[Stream]:
-    """The pipeline's chain of stages, from the top down to its source."""
-    chain = [stream]
-    while isinstance(below := getattr(chain[-1], "source", None), Stream):
-        chain.append(below)
-    return chain
-
-
-def _shard_names(stream: Stream) -> Callable[[int], str]:
-    """Shard index -> its name in the source's shard list (the index itself for a source without one)."""
-    shards = getattr(_stages(stream)[-1], "shards", None)
-    if shards is None:
-        return str
-    return lambda index: str(shards[index])
-
-
-def _refusal(stream: Stream) -> str:
-    """Why the (loaded) pipeline cannot name its next records: the lowest stage that cannot."""
-    stage = next(s for s in reversed(_stages(stream)) if s.upcoming_keys(1) is None)
-    name = type(stage).__name__
-    if hasattr(stage, "shards"):
-        why = "reads by per-shard cursors (its shard sizes are unknown, or the state was saved so)"
-    else:
-        why = "decides its next records by the records it reads (a buffer's draws, a predicate, a mix)"
-    return (
-        f"where: {name} {why}, so its next records follow from the data, not from the state; {POSITIONAL_PIPELINES}. "
-        "To see the records anyway, restore the loader from the checkpoint and read its next batches (a replay)"
-    )

@@ -13,6 +13,7 @@ and :mod:`resumable_data.streams.loader` for workers, ranks and layout changes.
 
 from .base import Stream
 from .batch import Batch
+from .epoch_positions import EpochPositions
 from .filter import Filter
 from .foreign import IterableSource, ReplayWarning
 from .loader import StreamLoader
@@ -35,6 +36,7 @@ __all__ = [
     "Batch",
     "BatchByTokens",
     "BucketedBatchByTokens",
+    "EpochPositions",
     "Filter",
     "IterableSource",
     "Map",

@@ -53,6 +53,8 @@ through these public methods of :class:`Stream`, which a custom stage implements
 * :meth:`~Stream.positional` -- an optional capability: records addressed by position
   (:mod:`~resumable_data.streams.positional`), what the shuffles' fast paths use;
 * :meth:`~Stream.upcoming_keys` -- optional: the next records' keys, computed (``where``'s answer);
+* :meth:`~Stream.epoch_positions` -- optional: the slot's whole epoch as positions
+  (:mod:`~resumable_data.streams.epoch_positions`), what ``where --previous`` and ``skip`` use;
 * :attr:`~Stream.POSITION_KEYS` -- the fields of the stage's own state that say where it stands.
 
 A one-source stage subclasses :class:`~resumable_data.streams.wrapper.Wrapper`, which forwards all
@@ -78,6 +80,7 @@ from ..core.state import (
 from ..errors import ResumeError
 
 if TYPE_CHECKING:
+    from .epoch_positions import EpochPositions
     from .positional import Positional
 
 __all__ = ["Key", "Slot", "Stream"]
@@ -304,6 +307,12 @@ class Stream:
         """The keys of the next ``count`` records this stage yields in its epoch (fewer at its end),
         computed from its state, nothing read or moved; None (the default) where they depend on the
         records (a filter's predicate, a buffer's draws over what it holds)."""
+        return None
+
+    def epoch_positions(self) -> EpochPositions | None:
+        """The current slot's epoch as positions (see :mod:`~resumable_data.streams.epoch_positions`),
+        or None (the default): where the records follow from the records read, or the epoch's
+        layout changed."""
         return None
 
     # -- public behaviour shared by all stages -------------------------------------------------

@@ -73,32 +73,27 @@ from ..audit.records import loader_id, recorder
 from ..core.cursor import EpochCursor
 from ..core.dist import distributed_defaults
 from ..core.hash import hash_ints
+from ..core.ranges import Ranges
 from ..core.state import (
     VERSION,
     WORLD_SIZE,
     brief,
     check_int_arg,
-    check_version,
     is_int,
     require_bool,
-    require_int,
     require_mapping,
 )
 from ..errors import ResumeError
-from .base import EPOCH, Stream, position_keys, require_count
+from .base import EPOCH, Stream, require_count
 from .batch import Batch
 from .ledger import SlotLedger, batch_counts, slot_states
+from .loader_state import BATCHES, EPOCH_DONE, NEXT_WORKER, NUM_WORKERS, SLOTS, merge_loader_states
+from .skipped import PLAIN_LOADER_VERSION, SKIPPED, SKIPPED_LOADER_VERSION, check_loader_version, rank_skipped
 from .slots import Seeding, SlotDataset, slot_batches, slot_loader
 
 __all__ = ["StreamLoader"]
 
 _WHAT = "StreamLoader"
-LOADER_STATE_VERSION = 1
-EPOCH_DONE = "epoch_done"
-NUM_WORKERS = "num_workers"
-NEXT_WORKER = "next_worker"
-SLOTS = "slots"
-BATCHES = "batches"  # batches each slot has yielded in the epoch: what seeds the global RNGs for the next
 _BATCH_SALT = 0x73747265616D  # "stream": the global-RNG keys must not coincide with other keys
 # DataLoader arguments the loader decides itself.
 _OWNED = ("batch_size", "shuffle", "sampler", "batch_sampler", "generator", "collate_fn")
@@ -178,6 +173,7 @@ class StreamLoader:
         if warm_start is None:
             warm_start = dataloader_kwargs.get("worker_init_fn") is None
         self.warm_start = bool(warm_start) and self.num_workers > 0
+        self.batch_size, self.drop_last = batch_size, drop_last  # as a DataLoader's (None: the pipeline batches)
         self._stream = (
             pipeline if batch_size is None else Batch(pipeline, batch_size, drop_last=drop_last, collate_fn=collate_fn)
         )
@@ -188,6 +184,8 @@ class StreamLoader:
         self._fresh = True  # the slot states are an epoch's start, not a position inside it
         # Each local slot's state as of the batches handed out, and which slot is next.
         self._ledger = SlotLedger(self._stream, workers=self.num_workers > 0)
+        # The epoch whose batches a skip moved past (streams.skipped) and this rank's ranges of them.
+        self._skipped: tuple[int, Ranges] | None = None
         self._start_epoch(0)
         self._audit_id = loader_id()  # None unless RESUMABLE_DATA_AUDIT asks for batch records
 
@@ -213,6 +211,7 @@ class StreamLoader:
             states[local] = self._stream.state_dict()
         self._ledger.reset(states, [0] * self._local, 0)
         self._fresh = True
+        self._skipped = None
 
     def set_epoch(self, epoch: int) -> None:
         """The next pass is epoch ``epoch`` from its start; a pending restore of that epoch is kept."""
@@ -311,8 +310,9 @@ class StreamLoader:
             held = "1" if self._ledger.holds_back else "0 (no batch handed out is held back)"
             raise ResumeError(f"state_dict(unconsumed={unconsumed}): can take back at most {held}")
         states, yielded, next_worker = self._ledger.snapshot(unconsumed)
-        return {
-            VERSION: LOADER_STATE_VERSION,
+        skipped = self._skipped[1] if self._skipped is not None and self._skipped[0] == self._cursor.epoch else ()
+        state = {
+            VERSION: SKIPPED_LOADER_VERSION if skipped else PLAIN_LOADER_VERSION,
             EPOCH: self._cursor.epoch,
             EPOCH_DONE: self._cursor.done,
             WORLD_SIZE: self.world_size,
@@ -321,6 +321,9 @@ class StreamLoader:
             SLOTS: {str(self.rank * self._local + local): s for local, s in enumerate(states)},
             BATCHES: {str(self.rank * self._local + local): n for local, n in enumerate(yielded)},
         }
+        if skipped:
+            state[SKIPPED] = {str(self.rank): [list(pair) for pair in skipped]}
+        return state
 
     def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
         """Continue from this rank's state, or from :meth:`merge_states` of every rank's.
@@ -333,7 +336,7 @@ class StreamLoader:
                 loader is unchanged.
         """
         state = require_mapping(state_dict, _WHAT)
-        check_version(state, LOADER_STATE_VERSION, _WHAT)
+        check_loader_version(state, _WHAT)
         epoch = require_count(state, EPOCH, _WHAT)
         epoch_done = require_bool(state, EPOCH_DONE, _WHAT)
         old_world = require_count(state, WORLD_SIZE, _WHAT)
@@ -367,6 +370,7 @@ class StreamLoader:
                     f"{_WHAT} state field {NEXT_WORKER!r} has {brief(next_worker)} for rank {self.rank}, "
                     f"expected an int in [0, {self._local})"
                 )
+            skipped = rank_skipped(state, self.rank, sum(yielded), _WHAT)
         else:
             if len(slots) < old_slots:  # every key is a distinct slot number below old_slots
                 missing = [g for g in itertools.islice(range(old_slots), len(slots) + 10) if g not in slots][:10]
@@ -384,6 +388,7 @@ class StreamLoader:
             raw = [every[g] for g in mine]
             yielded = [0] * self._local  # new slots: their global-RNG keys start afresh
             next_worker = 0
+            skipped = ()  # the new ranks' batch numbers count other batches
         applies = [self._stream.check(s) for s in raw]
         for g, s in zip(mine, raw, strict=True):  # (a redistributed state is built for its slot)
             wrong = [saved for saved in self._stream.saved_slots(s) if saved != (g, self.num_slots)]
@@ -401,6 +406,7 @@ class StreamLoader:
             states[local] = self._stream.state_dict()
         self._ledger.reset(states, yielded, next_worker)
         self._fresh = False
+        self._skipped = (epoch, skipped) if skipped else None
         self._cursor.restore(epoch, 0, epoch_done)
 
     @staticmethod
@@ -416,82 +422,9 @@ class StreamLoader:
         Raises:
             ResumeError: no states, a malformed one, or states that disagree or overlap.
         """
-        if not isinstance(states, Sequence) or not states:
-            raise ResumeError(f"merge_states needs a non-empty list of states, but got {brief(states)}")
-        first = require_mapping(states[0], _WHAT)
-        merged: dict[str, Any] = {**first, EPOCH_DONE: True, NEXT_WORKER: {}, SLOTS: {}, BATCHES: {}}
-        for state in states:
-            state = require_mapping(state, _WHAT)
-            check_version(state, LOADER_STATE_VERSION, _WHAT)
-            for key in (EPOCH, WORLD_SIZE, NUM_WORKERS):
-                value = require_int(state, key, _WHAT, minimum=0)
-                if value != first.get(key):
-                    raise ResumeError(
-                        f"cannot merge states with different {key!r}: {brief(first.get(key))} and {brief(value)}"
-                    )
-            slots = require_mapping(state.get(SLOTS), f"{_WHAT} {SLOTS!r}")
-            overlap = set(merged[SLOTS]) & set(slots)
-            if overlap:
-                raise ResumeError(f"cannot merge states that both hold slots {sorted(map(brief, overlap))[:20]}")
-            merged[SLOTS].update(slots)
-            merged[NEXT_WORKER].update(require_mapping(state.get(NEXT_WORKER), f"{_WHAT} {NEXT_WORKER!r}"))
-            merged[BATCHES].update(require_mapping(state.get(BATCHES, {}), f"{_WHAT} {BATCHES!r}"))
-            merged[EPOCH_DONE] = merged[EPOCH_DONE] and require_bool(state, EPOCH_DONE, _WHAT)
-        _check_same_pipeline(slot_states(merged, SLOTS, _max_slots(merged), _WHAT), max(1, merged[NUM_WORKERS]))
-        return merged
+        return merge_loader_states(states)
 
 
 def _ending_with(last: int, count: int) -> list[int]:
     """``range(count)`` rotated to end with ``last``."""
     return [(last + 1 + i) % count for i in range(count)]
-
-
-def _max_slots(state: Mapping[str, Any]) -> int:
-    return require_int(state, WORLD_SIZE, _WHAT, minimum=1) * max(1, require_int(state, NUM_WORKERS, _WHAT, minimum=0))
-
-
-def pipeline_fields(state: Any, path: str = "", positions: frozenset[str] | None = None) -> dict[str, Any]:
-    """What a pipeline state says the pipeline is: ``{"source.seed": 0, ...}``, positions left out.
-
-    A position is a field that a stage declares in its :attr:`Stream.POSITION_KEYS` (``positions``:
-    all of them, :func:`position_keys`); every other field says what the pipeline is (seeds, shard
-    list, sizes, weights, the number of slots), which all ranks must agree on.
-    """
-    positions = position_keys() if positions is None else positions
-    fields: dict[str, Any] = {}
-    if isinstance(state, Mapping):
-        for key, value in state.items():
-            if key not in positions:
-                fields.update(pipeline_fields(value, f"{path}.{key}" if path else str(key), positions))
-    elif isinstance(state, list) and any(isinstance(item, Mapping) for item in state):  # mix's sources
-        for i, item in enumerate(state):
-            fields.update(pipeline_fields(item, f"{path}[{i}]", positions))
-    else:
-        fields[path] = state
-    return fields
-
-
-def _check_same_pipeline(slots: Mapping[int, Any], local: int) -> None:
-    """Refuse slot states of ranks whose pipelines were built differently (seed, shards, sizes...).
-
-    Each slot is read with its own rank's pipeline arguments: merged, slots of differently built
-    pipelines would read some records twice and others never.
-    """
-    order = sorted(slots)
-    positions = position_keys()
-    reference = pipeline_fields(slots[order[0]], positions=positions)
-    for g in order[1:]:
-        fields = pipeline_fields(slots[g], positions=positions)
-        if fields != reference:
-            differ = sorted(
-                k for k in set(fields) | set(reference) if fields.get(k, "<absent>") != reference.get(k, "<absent>")
-            )
-            detail = "; ".join(
-                f"{k}: {brief(reference.get(k, '<absent>'))} vs {brief(fields.get(k, '<absent>'))}" for k in differ[:5]
-            )
-            raise ResumeError(
-                f"cannot merge the states of rank {order[0] // local} (slot {order[0]}) and rank {g // local} "
-                f"(slot {g}): their pipelines were built differently ({detail}); merged, some records would be "
-                "read twice and others never. Build the pipeline with the same arguments (seeds, shard list, "
-                "buffer sizes, weights) on every rank"
-            )

@@ -11,6 +11,7 @@ from ..core.hash import hash_ints
 from ..core.state import SEED, check_int_arg
 from ..rng.sample import sample_generator
 from .base import Key, Stream, check_same, record_key
+from .epoch_positions import EpochPositions
 from .positional import PassThrough, Positional
 from .record_rngs import RECORD, check_record_rng, per_record_salt, seeded_call
 from .wrapper import Wrapper
@@ -86,6 +87,9 @@ class Map(Wrapper):
 
     def upcoming_keys(self, count: int) -> list[Key] | None:
         return self.source.upcoming_keys(count)  # the source's keys, in its order
+
+    def epoch_positions(self) -> EpochPositions | None:
+        return self.source.epoch_positions()  # the source's keys at the source's positions
 
     def fetch(self, key: Key) -> Any:
         return self._call(key, self.source.fetch(key))

@@ -48,6 +48,7 @@ windows.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -58,6 +59,7 @@ from ..core.permutation import Permutation
 from ..core.state import SEED, VERSION, brief, check_int_arg, require_bool
 from ..errors import ResumeError
 from .base import EPOCH, SOURCE, STREAM_STATE_VERSION, Key, Stream, check_same, record_key, require_count
+from .epoch_positions import EpochPositions
 from .positional import Positional
 from .wrapper import Wrapper, check_reread_growth
 
@@ -247,6 +249,54 @@ class ShuffleWindow(Wrapper):
                 shuffled = window_permutation(len(chunk), self.seed, window, self._epoch)
                 keys.extend(chunk[p] for p in shuffled(np.arange(min(len(chunk), count - len(keys)))).tolist())
         return keys
+
+    def epoch_positions(self) -> EpochPositions | None:
+        """The slot's epoch by position over a source that has it: window ``w`` (from 0) holds output
+        positions ``[w*size, (w+1)*size)``, the source's positions permuted by the window's order."""
+        inner = self.source.epoch_positions()
+        if inner is None or (self._open() and not self._positional):
+            return None  # a window read whole, or of pending records: not positions of one layout
+        position = inner.position - self._count + self._taken if self._open() else inner.position
+        return EpochPositions(
+            inner.length,
+            position,
+            functools.partial(self._source_keys, inner, self._epoch),
+            functools.partial(self._start_at, inner),
+        )
+
+    def _source_keys(self, inner: EpochPositions, epoch: int, positions: np.ndarray) -> list[Key]:
+        """The keys at output ``positions`` of ``epoch``: each window's order mapped onto the source's."""
+        positions = np.asarray(positions, dtype=np.int64)
+        windows = positions // self.size
+        source = np.empty_like(positions)
+        for w in np.unique(windows).tolist():
+            mine = windows == w
+            start = w * self.size
+            order = window_permutation(min(self.size, inner.length - start), self.seed, w + 1, epoch)
+            source[mine] = start + order(positions[mine] - start)
+        return inner.keys(source)
+
+    def _start_at(self, inner: EpochPositions, position: int) -> None:
+        """Stand at ``position`` as reading leaves the stage: the window it lies in (or, at a window's end,
+        the one it ends) opened as reading opens it (the source past it, its shards' identities taken),
+        with the records before ``position`` handed out."""
+        self._reset_own()
+        if position == 0:
+            inner.start_at(0)
+            return
+        window = (position - 1) // self.size  # from 0: the window holding the record before the position
+        start = window * self.size
+        count = min(self.size, inner.length - start)
+        inner.start_at(start)
+        view = self.source.positional()
+        if view is None:
+            raise ResumeError(f"{_WHAT}: its source gives epoch positions but no positional view to seek")
+        view.seek(start + count)
+        taken = position - start
+        if taken < count:
+            self._window, self._count, self._taken, self._positional = window + 1, count, taken, True
+        else:
+            self._window = window + 1  # handed out whole: closed, as after its last record
 
     # -- state ---------------------------------------------------------------------------------
     def _open(self) -> bool:

@@ -18,6 +18,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from ...errors import ResumeError
+from .keys import IDENTITIES
 
 __all__ = ["ShardIdentities"]
 
@@ -98,6 +99,13 @@ class ShardIdentities:
                 "to read it as it is"
             )
         self.unverified.discard(index)
+
+    def added_to(self, state: dict[str, Any], held: Callable[[int], bool]) -> dict[str, Any]:
+        """``state`` with the identities entered this epoch of the shards ``held`` selects, where it
+        has none of its own (``with_identities``, ``with_held``)."""
+        saved = state.get(IDENTITIES, {})
+        added = {str(i): identity for i, identity in self.entered.items() if held(i) and str(i) not in saved}
+        return {**state, IDENTITIES: {**saved, **added}} if added else state
 
     def reset(self) -> None:
         """A new epoch (or slot): nothing entered, nothing to check."""

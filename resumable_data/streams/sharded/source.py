@@ -18,6 +18,7 @@ from ...core.state import check_int_arg, require_int
 from ...errors import ResumeError
 from ...storage.files import expand_shards, is_url
 from ..base import EPOCH, Key, Slot, Stream, fetch_grouped
+from ..epoch_positions import EpochPositions
 from ..pending import NO_RECORDS, record_keys
 from ..positional import Positional
 from ..shard_index import ShardIndex
@@ -336,6 +337,23 @@ class ShardedIterable(Stream):
     def upcoming_keys(self, count: int) -> list[Key] | None:
         return self._here().upcoming_keys(self._shards, count)  # computed: nothing read or moved
 
+    def epoch_positions(self) -> EpochPositions | None:
+        """The slot's epoch by position: with known sizes, an epoch whose layout did not change."""
+        if self._position is None or len(self._pending) or self._dealt:
+            return None  # cursors, or positions that were other slots' before a layout change
+        layout = self._layout()
+        return EpochPositions(layout.total, self._position, functools.partial(layout.keys, self._epoch), self._start_at)
+
+    def _start_at(self, position: int) -> None:
+        """Stand at ``position`` as reading there leaves the slot: the identity of a shard partly read."""
+        self._ids.reset()
+        self._remaining = self._layout().remaining_at(position)
+        self._position = position
+        if self._remaining and self._remaining[0][1] > 0:
+            identity = self._ids.take(self._remaining[0][0])
+            if identity is not None:
+                self._ids.current[self._remaining[0][0]] = identity
+
     # -- reading -----------------------------------------------------------------------------------
     def fetch(self, key: Key) -> Any:
         return self.fetch_many([key])[0]
@@ -464,26 +482,14 @@ class ShardedIterable(Stream):
         # no check again, only their shards.
         _, cursors, _ = self._reads({**state, PENDING: []})
         held = {entry[0] for entry in state[PENDING]}
-        saved = state.get(IDENTITIES, {})
-        identities = {
-            str(index): identity
-            for index, identity in self._ids.entered.items()
-            if cursors[index] != NO_CURSOR or index in held
-        }
-        return {**state, IDENTITIES: {**identities, **saved}}
+        return self._ids.added_to(state, lambda index: cursors[index] != NO_CURSOR or index in held)
 
     def with_held(self, state: dict[str, Any], shards: Iterable[Key]) -> dict[str, Any]:
         self._ids.settle()
         # A held record's shard is (epoch, shard index); a shard still being read has its identity
         # in the state already, a finished one gets the identity noted when it was entered.
-        saved = state[IDENTITIES]
-        added = {}
-        for shard in shards:
-            index = shard[1]
-            identity = self._ids.entered.get(index)
-            if identity is not None and str(index) not in saved:
-                added[str(index)] = identity
-        return {**state, IDENTITIES: {**saved, **added}} if added else state
+        held = {shard[1] for shard in shards}
+        return self._ids.added_to(state, held.__contains__)
 
     def saved_slots(self, state: Mapping[str, Any]) -> list[Slot]:
         # A checked state (check() parsed it whole): its slot fields are ints already; parsing it
