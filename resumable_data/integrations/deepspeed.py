@@ -21,7 +21,9 @@ What stays identical. Resumed on the same number of ranks, every rank's next bat
 (drawn from the global RNGs in ``__getitem__``) and its dropout masks are the uninterrupted run's, so
 are the losses and weights. Resumed on another number of ranks, the rest of the epoch is read exactly
 once over the new ranks (the loaders' elastic rules); a rank the checkpoint has no RNG state of is
-seeded with ``seed_everything(rank_seed(seed, rank, step))``. DeepSpeed itself refuses a changed
+seeded with ``seed_everything(rank_seed(seed, rank, step))``. A StreamLoader deals whole unfinished shards
+to the new ranks, so they may have different numbers of batches left in the epoch, which DeepSpeed's
+collectives do not allow: give them shards that divide evenly. DeepSpeed itself refuses a changed
 data-parallel degree for ZeRO stages 1 and 2 when it loads their partitioned optimizer state
 (``ZeRORuntimeException``); stage 0 loads it, and for 1 and 2 a universal checkpoint
 (``ds_to_universal``) or ``load_checkpoint(..., load_optimizer_states=False)`` is DeepSpeed's way.
@@ -50,8 +52,9 @@ from ..rng.ranks import restore_rank_rng_state
 
 __all__ = ["CLIENT_STATE_KEY", "client_state", "load_client_state"]
 
-# The key under which client_state() puts its part of DeepSpeed's client_state, and that part's keys.
 CLIENT_STATE_KEY = "resumable_data"
+"""The one key :func:`client_state` adds to DeepSpeed's ``client_state``; keep it clear of your own keys."""
+# The version of what is stored under CLIENT_STATE_KEY, and its keys.
 STATE_VERSION = 1
 _DATALOADER = "dataloader"  # the loader's global state
 _RNG_PER_RANK = "rng_per_rank"  # one capture_rng_state() per rank of the group, in rank order
