@@ -5,6 +5,5 @@
 - ``resumable_data.integrations.lightning``: ``ResumeCallback``.
 - ``resumable_data.integrations.deepspeed``: ``client_state`` / ``load_client_state`` for DeepSpeed's checkpoints.
 
-Each module imports its framework (the DeepSpeed one only to recognise DeepSpeed's loader), so
-``import resumable_data`` never does.
+Each module imports its framework (the DeepSpeed one needs none), so ``import resumable_data`` never does.
 """

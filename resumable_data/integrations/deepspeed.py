@@ -32,12 +32,14 @@ DeepSpeed's loader. ``deepspeed.initialize(training_data=dataset)`` builds a ``D
 over a ``DistributedSampler`` whose position nothing saves; both functions here refuse it with a
 :class:`~resumable_data.ResumeError`. Build the ResumableDataLoader (or StreamLoader) yourself, with the
 engine's micro batch size, and leave ``training_data`` out. A model-parallel job passes its
-data-parallel group as ``group`` (each model-parallel rank's file then holds its group's states).
-DeepSpeed is not imported here except to recognise its loader.
+data-parallel group as ``group`` (each model-parallel rank's file then holds its group's states; not
+tested here).
+This module never imports DeepSpeed.
 """
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Mapping
 from typing import Any
 
@@ -82,9 +84,19 @@ def client_state(loader: Stateful, *, step: int, group: dist.ProcessGroup | None
         ResumeError: ``loader`` is DeepSpeed's own loader or keeps no state, the ranks' loader states
             disagree, or ``step`` is not a non-negative int.
 
-    Example::
+    Examples:
+        Without a process group it holds this process's state and RNGs:
 
-        engine.save_checkpoint(folder, client_state={**client_state(loader, step=step), "step": step})
+        >>> import torch
+        >>> from resumable_data import ResumableDataLoader
+        >>> loader = ResumableDataLoader(torch.arange(10), batch_size=4, seed=0)
+        >>> saved = client_state(loader, step=0)
+        >>> list(saved), sorted(saved[CLIENT_STATE_KEY]), len(saved[CLIENT_STATE_KEY]["rng_per_rank"])
+        (['resumable_data'], ['dataloader', 'rng_per_rank', 'step', 'version'], 1)
+
+        In a DeepSpeed loop, on every rank::
+
+            engine.save_checkpoint(folder, client_state={**client_state(loader, step=step), "step": step})
     """
     _check_loader(loader)
     if not (is_int(step) and step >= 0):
@@ -111,7 +123,8 @@ def load_client_state(
 
     A collective when a process group is initialized (a rank that fails makes every rank raise,
     rather than leave the others waiting in the next collective): call it on every rank, right after
-    ``load_checkpoint`` and before the first batch is drawn. On failure nothing is changed.
+    ``load_checkpoint`` and before the first batch is drawn. On failure no rank's loader or RNGs
+    are changed (a rank that loaded while another failed puts its own back).
 
     Args:
         loader: the training loader, built as in the run that saved (at any number of ranks).
@@ -136,19 +149,28 @@ def load_client_state(
     """
     _check_loader(loader)
     rank, _ = distributed_defaults(group)
+    rng_before, loader_before = capture_rng_state(), loader.state_dict()
+    loaded = False
 
     def attempt() -> bool:
+        nonlocal loaded
         state = _parse(saved)
-        before = capture_rng_state()
         restored = restore_rank_rng_state(state[_RNG_PER_RANK], rank, seed=seed, step=state[_STEP])
         try:
             loader.load_state_dict(state[_DATALOADER])
         except BaseException:
-            restore_rng_state(before)  # the loader refused: this rank's RNGs are as they were
+            restore_rng_state(rng_before)  # the loader refused: this rank's RNGs are as they were
             raise
+        loaded = True
         return restored
 
-    return fail_together(f"loading the data state from {_WHAT}", attempt)
+    try:
+        return fail_together(f"loading the data state from {_WHAT}", attempt)
+    except ResumeError:
+        if loaded:  # another rank failed: this one goes back to where it was, as that one is
+            restore_rng_state(rng_before)
+            loader.load_state_dict(loader_before)
+        raise
 
 
 def _parse(saved: Mapping[str, Any]) -> Mapping[str, Any]:
@@ -187,8 +209,6 @@ def _check_loader(loader: Any) -> None:
 
 
 def _is_deepspeeds_loader(loader: Any) -> bool:
-    try:
-        from deepspeed.runtime.dataloader import DeepSpeedDataLoader
-    except ImportError:  # without DeepSpeed there is no DeepSpeed loader
-        return False
-    return isinstance(loader, DeepSpeedDataLoader)
+    # A DeepSpeedDataLoader exists only once its module is imported, so DeepSpeed is never imported here.
+    module = sys.modules.get("deepspeed.runtime.dataloader")
+    return module is not None and isinstance(loader, module.DeepSpeedDataLoader)

@@ -2,8 +2,9 @@
 and every rank's RNG states through ``engine.save_checkpoint``/``load_checkpoint``, and a SIGKILLed run
 resumes bitwise.
 
-In process: what ``client_state`` holds and what ``load_client_state`` refuses. Under torchrun, a user's
-loop (tests/user_scripts/deepspeed_train.py: CPU, gloo, fp32, ``torch.optim.AdamW``, a model with dropout,
+In process: what ``client_state`` holds and what ``load_client_state`` refuses (and, on two spawned ranks,
+slow, that one rank's failure leaves no rank changed). Under torchrun, a user's loop
+(tests/user_scripts/deepspeed_train.py: CPU, gloo, fp32, ``torch.optim.AdamW``, a model with dropout,
 augmentation from the global RNGs), SIGKILLed mid-epoch and resumed: one case in the default suite; ZeRO
 0/1/2 with both loaders, resumes on 1 and 3 ranks (every sample exactly once), the naive per-rank
 ``client_state`` DeepSpeed loses, and DeepSpeed's own loader, slow.
@@ -113,6 +114,35 @@ def test_a_refused_load_changes_neither_the_loader_nor_the_rngs() -> None:
         assert loader.state_dict() == position and torch.equal(torch.rand(2), expected), message
     with pytest.raises(ResumeError, match="step should be a non-negative int"):
         client_state(loader, step=-1)
+
+
+def _one_rank_fails_main(rank: int, world_size: int, tmp: str) -> None:
+    from dist_harness import finish, init_gloo
+
+    init_gloo(rank, world_size, f"{tmp}/init")
+    loader = _map_loader()
+    saved = client_state(loader, step=0)
+    _taken(loader, 1)
+    torch.manual_seed(5)
+    position, expected = loader.state_dict(), torch.rand(2)
+    torch.manual_seed(5)
+    message = ""
+    try:
+        load_client_state(loader, saved if rank == 0 else {"step": 0}, seed=0)  # rank 1's has none of ours
+    except ResumeError as e:
+        message = str(e)
+    unchanged = loader.state_dict() == position and torch.equal(torch.rand(2), expected)
+    finish(tmp, "one_fails", rank, {"message": message, "unchanged": unchanged})
+
+
+@pytest.mark.slow
+def test_when_one_rank_cannot_load_every_rank_raises_and_none_is_changed(tmp_path: Path) -> None:
+    from dist_harness import results, spawn
+
+    spawn(_one_rank_fails_main, 2, str(tmp_path))
+    for result in results(tmp_path, "one_fails", 2):
+        assert "failed on 1 of 2 ranks" in result["message"] and "rank 1: " in result["message"]
+        assert result["unchanged"]
 
 
 # -- a user's script under torchrun, SIGKILLed and resumed ----------------------------------------------------
