@@ -13,6 +13,7 @@ augmentation from the global RNGs), SIGKILLed mid-epoch and resumed: one case in
 from __future__ import annotations
 
 import collections
+import hashlib
 import json
 import os
 import shutil
@@ -32,6 +33,7 @@ from harness import GlobalRandomAugment, checkpoint_roundtrip
 from integrations_harness import USER_SCRIPTS, kill_and_resume
 from resumable_data import ResumableDataLoader, ResumeError, ShardedIterable, StreamLoader
 from resumable_data.integrations.deepspeed import CLIENT_STATE_KEY, client_state, load_client_state
+from resumable_data.rng import rank_seed
 from resumable_data.testing import assert_same
 from script_runner import run_script
 from toy import read_losses
@@ -209,6 +211,9 @@ def test_a_run_resumed_on_another_number_of_ranks_trains_on_every_sample_once(
     states = [json.loads((resumed / f"resumed{rank}.json").read_text()) for rank in range(ranks)]
     # Ranks the checkpoint had get their own RNG states back; rank 2 is seeded by rank_seed(0, 2, 3).
     assert [state["rng_restored"] for state in states] == [rank < 2 for rank in range(ranks)]
+    if ranks == 3:
+        seeded = torch.Generator().manual_seed(rank_seed(0, 2, _SAVE_EVERY)).get_state()
+        assert states[2]["torch_rng"] == hashlib.sha256(seeded.numpy().tobytes()).hexdigest()
 
 
 @pytest.mark.slow

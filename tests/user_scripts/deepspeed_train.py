@@ -21,6 +21,7 @@ rank's ``client_state`` it got back to ``resumed<rank>.json``). ``--training-dat
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 from pathlib import Path
 from typing import Any
@@ -104,7 +105,8 @@ def train(run_dir: Path, args: argparse.Namespace, kill_at: int) -> None:
             resumed = {"saved_by": saved["saved_by"]}
         else:
             resumed = {"rng_restored": load_client_state(loader, saved, seed=SEED)}
-        (run_dir / f"resumed{rank}.json").write_text(json.dumps({**resumed, "step": step}))
+        torch_rng = hashlib.sha256(torch.get_rng_state().numpy().tobytes()).hexdigest()  # draws nothing
+        (run_dir / f"resumed{rank}.json").write_text(json.dumps({**resumed, "step": step, "torch_rng": torch_rng}))
     for epoch in loader.epochs(EPOCHS):
         for batch in loader:
             loss = engine(x=batch["x"], labels=batch["labels"])["loss"]
