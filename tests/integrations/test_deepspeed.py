@@ -25,10 +25,6 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
-pytest.importorskip("deepspeed", reason="the [deepspeed] extra is not installed")
-
-from deepspeed.runtime.dataloader import DeepSpeedDataLoader
-
 from harness import GlobalRandomAugment, checkpoint_roundtrip
 from integrations_harness import USER_SCRIPTS, kill_and_resume
 from resumable_data import ResumableDataLoader, ResumeError, ShardedIterable, StreamLoader
@@ -39,8 +35,8 @@ from script_runner import run_script
 from toy import read_losses
 
 SCRIPT = "deepspeed_train.py"
-# A DeepSpeed run of the script takes about 6 s here once DeepSpeed has built its CPU shared-memory
-# op (a one-time ~25 s compile into ~/.cache/torch_extensions on a fresh machine).
+# A run of the script takes seconds once DeepSpeed has built its CPU shared-memory op, which its first
+# initialize on a machine compiles into ~/.cache/torch_extensions (about a minute on 2 busy cores).
 _TIMEOUT_S = 300
 _PER_EPOCH = 6  # 48 samples, 2 ranks, micro batches of 4
 _SAVE_EVERY = 3  # the script's default
@@ -57,6 +53,12 @@ def _stream_loader() -> StreamLoader:
 
 
 _LOADERS = {"map": _map_loader, "stream": _stream_loader}
+
+
+@pytest.fixture
+def deepspeed() -> Any:
+    """DeepSpeed, for the tests that run it; the others need only the adapter, which never imports it."""
+    return pytest.importorskip("deepspeed", reason="the [deepspeed] extra is not installed")
 
 
 def _taken(loader: Any, count: int) -> list[Any]:
@@ -82,7 +84,9 @@ def test_client_state_carries_the_position_and_the_global_rngs(kind: str) -> Non
     assert_same(reference[2:], list(resumed), "batches after the resume")
 
 
-def test_deepspeeds_own_loader_is_refused_with_what_to_do() -> None:
+def test_deepspeeds_own_loader_is_refused_with_what_to_do(deepspeed: Any) -> None:
+    from deepspeed.runtime.dataloader import DeepSpeedDataLoader
+
     # What deepspeed.initialize(training_data=dataset) returns (the torchrun test below goes through it).
     theirs = DeepSpeedDataLoader(
         GlobalRandomAugment(8), 4, False, 0, None, data_parallel_world_size=1, data_parallel_rank=0
@@ -150,7 +154,7 @@ def test_when_one_rank_cannot_load_every_rank_raises_and_none_is_changed(tmp_pat
 # -- a user's script under torchrun, SIGKILLed and resumed ----------------------------------------------------
 
 
-def test_a_killed_deepspeed_zero1_run_resumes_bitwise(tmp_path: Path) -> None:
+def test_a_killed_deepspeed_zero1_run_resumes_bitwise(tmp_path: Path, deepspeed: Any) -> None:
     # Killed at step 5 of epoch 0, resumed from step 3 (mid-epoch) on both ranks: every loss after the
     # resume and the final weights are the uninterrupted run's. DeepSpeed stores client_state from rank 0
     # only, so this holds only because rank 1's RNG states travel in rank 0's copy.
@@ -162,7 +166,9 @@ _MATRIX = [(stage, stream) for stage in (0, 1, 2) for stream in (False, True) if
 
 @pytest.mark.slow
 @pytest.mark.parametrize(("stage", "stream"), _MATRIX)
-def test_a_killed_deepspeed_run_resumes_bitwise_at_every_zero_stage(tmp_path: Path, stage: int, stream: bool) -> None:
+def test_a_killed_deepspeed_run_resumes_bitwise_at_every_zero_stage(
+    tmp_path: Path, deepspeed: Any, stage: int, stream: bool
+) -> None:
     # Killed in epoch 1 (step 8), resumed from step 6: an epoch's last batch.
     args = ["--stage", str(stage), *(["--stream"] if stream else [])]
     kill_and_resume(SCRIPT, tmp_path, 8, *args, processes=2, timeout=_TIMEOUT_S)
@@ -194,7 +200,7 @@ def _indices(run_dir: Path, ranks: int, up_to: int | None = None) -> dict[int, c
 @pytest.mark.parametrize("ranks", [1, 3])
 @pytest.mark.parametrize("stage", [0, 1])
 def test_a_run_resumed_on_another_number_of_ranks_trains_on_every_sample_once(
-    tmp_path: Path, stage: int, ranks: int, stream: bool
+    tmp_path: Path, deepspeed: Any, stage: int, ranks: int, stream: bool
 ) -> None:
     # Killed at step 5 on 2 ranks, resumed from step 3 (24 of the 48 samples of epoch 0 done) on 1 or 3.
     # ZeRO 1 refuses its partitioned optimizer state at another data-parallel degree (DeepSpeed's
@@ -217,7 +223,7 @@ def test_a_run_resumed_on_another_number_of_ranks_trains_on_every_sample_once(
 
 
 @pytest.mark.slow
-def test_a_per_rank_client_state_comes_back_as_the_writer_ranks_on_every_rank(tmp_path: Path) -> None:
+def test_a_per_rank_client_state_comes_back_as_the_writer_ranks_on_every_rank(tmp_path: Path, deepspeed: Any) -> None:
     # Finding 1 of issue 35: DeepSpeed writes client_state from the data-parallel writer rank only. Each
     # rank saved its own RNG and loader states and its rank; both got rank 0's back.
     with pytest.raises(AssertionError, match="first different step"):
@@ -231,6 +237,6 @@ def test_a_per_rank_client_state_comes_back_as_the_writer_ranks_on_every_rank(tm
 
 
 @pytest.mark.slow
-def test_the_loader_deepspeed_initialize_builds_is_refused_under_torchrun(tmp_path: Path) -> None:
+def test_the_loader_deepspeed_initialize_builds_is_refused_under_torchrun(tmp_path: Path, deepspeed: Any) -> None:
     output = _run(tmp_path, "theirs", 2, "--run-dir", str(tmp_path / "run"), "--training-data", expect=1)
     assert "ResumeError" in output and "leave training_data out of deepspeed.initialize" in output
