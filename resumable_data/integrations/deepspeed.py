@@ -46,7 +46,7 @@ from typing import Any
 import torch.distributed as dist
 
 from ..core.dist import distributed_defaults
-from ..core.state import VERSION, check_version, is_int, require_mapping
+from ..core.state import VERSION, brief, check_version, is_int, keys_of, require_mapping
 from ..distributed import fail_together, global_state
 from ..errors import ResumeError, Stateful
 from ..rng.capture import capture_rng_state, restore_rng_state
@@ -100,7 +100,7 @@ def client_state(loader: Stateful, *, step: int, group: dist.ProcessGroup | None
     """
     _check_loader(loader)
     if not (is_int(step) and step >= 0):
-        raise ResumeError(f"step should be a non-negative int, but got step={step!r}")
+        raise ResumeError(f"step should be a non-negative int, but got step={brief(step)}")
     _, world = distributed_defaults(group)
     rng = capture_rng_state()
     rng_per_rank: list[Any] = [rng]
@@ -139,7 +139,7 @@ def load_client_state(
 
     Raises:
         ResumeError: ``saved`` holds no state of ours, or a malformed one or another version, or the
-            loader refuses it; on every rank.
+            loader refuses it; on every rank. ``seed`` is not an int.
 
     Example::
 
@@ -148,6 +148,8 @@ def load_client_state(
         step = saved["step"]
     """
     _check_loader(loader)
+    if not is_int(seed):
+        raise ResumeError(f"seed should be an int (the run's seed), but got seed={brief(seed)}")
     rank, _ = distributed_defaults(group)
     rng_before, loader_before = capture_rng_state(), loader.state_dict()
     loaded = False
@@ -178,7 +180,7 @@ def _parse(saved: Mapping[str, Any]) -> Mapping[str, Any]:
     saved = require_mapping(saved, "DeepSpeed client_state")
     if CLIENT_STATE_KEY not in saved:
         raise ResumeError(
-            f"DeepSpeed client_state has no {CLIENT_STATE_KEY!r} key (it has {sorted(map(str, saved))}): the "
+            f"DeepSpeed client_state has no {CLIENT_STATE_KEY!r} key (it has keys {keys_of(saved)}): the "
             "checkpoint was saved without client_state(loader, step=...); save with "
             "engine.save_checkpoint(folder, client_state={**client_state(loader, step=step), ...})"
         )
@@ -186,9 +188,9 @@ def _parse(saved: Mapping[str, Any]) -> Mapping[str, Any]:
     check_version(state, STATE_VERSION, _WHAT)
     for key in (_DATALOADER, _RNG_PER_RANK, _STEP):
         if key not in state:
-            raise ResumeError(f"{_WHAT} is missing the key {key!r}; got keys {sorted(map(str, state))}")
+            raise ResumeError(f"{_WHAT} is missing the key {key!r}; got keys {keys_of(state)}")
     if not (is_int(state[_STEP]) and state[_STEP] >= 0):
-        raise ResumeError(f"{_WHAT} field {_STEP!r} must be a non-negative int, but got {state[_STEP]!r}")
+        raise ResumeError(f"{_WHAT} field {_STEP!r} must be a non-negative int, but got {brief(state[_STEP])}")
     return state
 
 

@@ -120,6 +120,8 @@ def test_a_refused_load_changes_neither_the_loader_nor_the_rngs() -> None:
         assert loader.state_dict() == position and torch.equal(torch.rand(2), expected), message
     with pytest.raises(ResumeError, match="step should be a non-negative int"):
         client_state(loader, step=-1)
+    with pytest.raises(ResumeError, match="seed should be an int"):
+        load_client_state(loader, good, seed="0")
 
 
 def _one_rank_fails_main(rank: int, world_size: int, tmp: str) -> None:
