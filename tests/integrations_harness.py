@@ -35,12 +35,19 @@ def _command(script: str, processes: int, port: int) -> list[str]:
 
 
 def kill_and_resume(
-    script: str, tmp_path: Path, kill_at: int, *args: str, processes: int = 1, ranks: int | None = None
+    script: str,
+    tmp_path: Path,
+    kill_at: int,
+    *args: str,
+    processes: int = 1,
+    ranks: int | None = None,
+    timeout: float = _TIMEOUT_S,
 ) -> None:
     """SIGKILL ``script`` after step ``kill_at``, resume it, and compare every rank with an uninterrupted run.
 
     ``processes`` > 1 runs the script under torchrun; ``ranks`` is how many ranks log losses
-    (``processes`` unless the script launches its own, as Lightning's ddp does).
+    (``processes`` unless the script launches its own, as Lightning's ddp does). Each of the two runs
+    gets ``timeout`` seconds.
     """
     run, reference = tmp_path / "run", tmp_path / "reference"
     port = 29400 + os.getpid() % 500
@@ -49,7 +56,7 @@ def kill_and_resume(
     code, output = run_script(
         [*command, "--run-dir", str(run), "--kill-at", str(kill_at), *args],
         tmp_path / "killed.log",
-        timeout=_TIMEOUT_S,
+        timeout=timeout,
         env=env,
     )
     # One process dies of the signal; torchrun reports a child killed by it as a failure.
@@ -58,7 +65,7 @@ def kill_and_resume(
     code, output = run_script(
         [*command, "--run-dir", str(run), "--reference", str(reference), *args],
         tmp_path / "resumed.log",
-        timeout=_TIMEOUT_S,
+        timeout=timeout,
         env=env,
     )
     assert code == 0, output[-3000:]

@@ -46,6 +46,7 @@ NAMESPACES = [
     "resumable_data.integrations.accelerate",
     "resumable_data.integrations.lightning",
     "resumable_data.integrations.transformers",
+    "resumable_data.integrations.deepspeed",
 ]
 # Public names that no __all__ lists (the core package re-exports nothing).
 EXTRA = {"resumable_data.core.permutation": ["Permutation"]}

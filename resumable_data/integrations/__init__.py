@@ -3,6 +3,7 @@
 - ``resumable_data.integrations.transformers``: ``ResumableTrainer``, ``ResumableTrainerMixin``.
 - ``resumable_data.integrations.accelerate``: ``skip_first_batches`` in O(1), ``batch_sampler_of``.
 - ``resumable_data.integrations.lightning``: ``ResumeCallback``.
+- ``resumable_data.integrations.deepspeed``: ``client_state`` / ``load_client_state`` for DeepSpeed's checkpoints.
 
-Each module imports its framework, so ``import resumable_data`` never does.
+Each module imports its framework (the DeepSpeed one needs none), so ``import resumable_data`` never does.
 """
