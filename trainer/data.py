@@ -232,11 +232,6 @@ class TrainingData:
         """Move the loader past its next ``batches`` batches, recorded in its state as skipped (``--skip-batches``)."""
         self.loader.load_state_dict(skip_state(self.loader.state_dict(), batches=batches))
 
-    def skipped_to_here(self) -> bool:
-        """Whether a skip (``--skip-batches`` or ``python -m resumable_data skip``) ended at the loader's position."""
-        state = self.loader.state_dict()
-        return bool(state.get("skipped")) and state["skipped"][-1][1] == state["position"]
-
 
 def training_data(config: TrainConfig, block_size: int, par: Parallel, say: Callable[[str], None]) -> TrainingData:
     """``--data``'s text corpus (:func:`prepare_data`) as windows in a resumable order, and as many

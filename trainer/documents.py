@@ -188,11 +188,6 @@ class StreamData(TrainingData):
         )
         self.loader.load_state_dict(moved)
 
-    def skipped_to_here(self) -> bool:
-        state = self.loader.state_dict()
-        ranges = state.get("skipped", {}).get(str(self.loader.rank), [])
-        return bool(ranges) and ranges[-1][1] == self.loader.batches_yielded
-
 
 def document_data(config: TrainConfig, block_size: int, files: list[Path], par: Parallel) -> StreamData:
     """All files but the last streamed for training; the last one's first windows, as many as an

@@ -26,6 +26,7 @@ from tqdm import tqdm
 
 import resumable_data
 from resumable_data.checkpoint import GracefulStop
+from resumable_data.position import ends_a_skip
 from resumable_data.rng import rank_seed, restore_rank_rng_state
 
 from . import checkpointing as ckpt
@@ -143,7 +144,7 @@ def _train(config: TrainConfig, par: parallel.Parallel) -> TrainResult:
             scheduler.load_state_dict(checkpoint[ckpt.LR_SCHEDULER])
             # A world-size change cuts batches differently, and a skip (ending here) moved them on: only the lr compares.
             same_world = "world_size" not in plan.changes
-            compare = same_world and not data.skipped_to_here()
+            compare = same_world and not ends_a_skip(loader.state_dict())
             next_batch = ckpt.next_step_fingerprint(data, grad_accum, par) if compare else None
             ckpt.audit(checkpoint[ckpt.AUDIT], next_batch, data.sha256, optimizer, config, state.step, resume_path)
             lr = optimizer.param_groups[0]["lr"]

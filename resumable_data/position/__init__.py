@@ -10,7 +10,7 @@ leaving the old one as it was. Both are also commands: ``python -m resumable_dat
 record of any batch, and a skip of whole batches.
 """
 
-from .skip import skip, skip_state, skip_stream_state
+from .skip import ends_a_skip, skip, skip_state, skip_stream_state
 from .stream import StreamBatch, StreamWhereReport, where_stream
 from .where import BatchReport, SampleReport, WhereReport, locate, where
 
@@ -20,6 +20,7 @@ __all__ = [
     "StreamBatch",
     "StreamWhereReport",
     "WhereReport",
+    "ends_a_skip",
     "locate",
     "skip",
     "skip_state",

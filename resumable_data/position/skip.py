@@ -52,7 +52,7 @@ from .layout import STREAM_STATES, MapLayout, is_map_state
 from .source import find_state, find_stream_state
 from .stream_state import LoaderState, RankEpoch, batched_pipeline
 
-__all__ = ["skip", "skip_state", "skip_stream_state"]
+__all__ = ["ends_a_skip", "skip", "skip_state", "skip_stream_state"]
 
 
 def skip_state(
@@ -194,6 +194,29 @@ def skip_stream_state(
     for here in epochs:  # the moved state must load as it is
         RankEpoch(LoaderState.parse(moved), batched, here.rank, layout.epoch, command="skip")
     return moved
+
+
+def ends_a_skip(state: Mapping[str, Any]) -> bool:
+    """Whether a data state stands right after a skipped stretch (of every rank it holds, for a stream's).
+
+    A resume check that compares the next batch with the one the checkpoint logged (the reference
+    trainer's audit) must not after a skip: the batch it logged is one the skip moved past.
+
+    Example:
+        >>> from resumable_data import ResumableDataLoader
+        >>> state = ResumableDataLoader(list(range(10)), batch_size=2, seed=0).state_dict()
+        >>> ends_a_skip(state), ends_a_skip(skip_state(state, batches=2))
+        (False, True)
+    """
+    skipped = state.get(SKIPPED)
+    if not skipped:
+        return False
+    if is_map_state(state):
+        return bool(skipped[-1][1] == state[keys.POSITION])
+    layout = LoaderState.parse(state)
+    return all(
+        str(rank) in skipped and skipped[str(rank)][-1][1] == sum(layout.yielded(rank)) for rank in layout.ranks(None)
+    )
 
 
 def skip(

@@ -34,10 +34,11 @@ def test_the_trainer_holds_no_test_instrumentation_and_never_imports_it() -> Non
         assert not tests, f"trainer/{path.name} imports {tests}"
 
 
-def test_the_six_core_files_of_the_reading_path_fit_in_1300_lines() -> None:
-    # 1,250 until the refusals of issue 36 (the other checkpoint format, the corpus digest) took 33 more.
+def test_the_six_core_files_of_the_reading_path_fit_in_1310_lines() -> None:
+    # 1,250 until the refusals of issue 36 (the other checkpoint format, the corpus digest) took 33 more;
+    # 1,300 until --skip-batches over token shards (issue 33: TrainingData.skip) took 5 more.
     lines = {name: len((TRAINER / f"{name}.py").read_text().splitlines()) for name in CORE}
-    assert sum(lines.values()) <= 1300, lines
+    assert sum(lines.values()) <= 1310, lines
 
 
 def test_the_training_function_fits_in_one_reading_and_the_system_checks_in_short_functions() -> None:
