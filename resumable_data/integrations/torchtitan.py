@@ -274,6 +274,7 @@ def dataloader_config(make_loader: Callable[..., Stateful], *, seed: int, **opti
             stream = ShardedIterable.from_index("tokens/", read_shard=TokenShardReader(seq_len + 1), seed=0)
             return StreamLoader(stream, batch_size=local_batch_size, rank=dp_rank, world_size=dp_world_size)
 
+
         config = Trainer.Config(..., dataloader=dataloader_config(make_loader, seed=0))
     """
     from dataclasses import dataclass
