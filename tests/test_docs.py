@@ -47,6 +47,7 @@ NAMESPACES = [
     "resumable_data.integrations.lightning",
     "resumable_data.integrations.transformers",
     "resumable_data.integrations.deepspeed",
+    "resumable_data.integrations.torchtitan",
 ]
 # Public names that no __all__ lists (the core package re-exports nothing).
 EXTRA = {"resumable_data.core.permutation": ["Permutation"]}
