@@ -13,10 +13,11 @@ or, in a trainer config, ``dataloader=dataloader_config(make_loader, seed=SEED)`
 :func:`dataloader_config`).
 
 What is saved. DCP writes a value under each key once: ranks that put different values under the
-same key keep one rank's (for strings rank 0's, for bytes whichever rank the save plan gives the
-item to), silently; keys that exist on some ranks only (``dp_rank_2``) are fine until a load at
-another degree asks for a key the checkpoint lacks ("Missing key in checkpoint state_dict"); and
-nested lists are saved element by element, so a list's length is part of the keys. So every key
+same key get one rank's back, silently, and not always rank 0's (on 2 gloo ranks, torch 2.13, a
+string came back as rank 0's and a bytes value as rank 1's: the save plan gives each such item to
+one rank); keys that exist on some ranks only (``dp_rank_2``) are fine until a load at another
+degree asks for a key the checkpoint lacks ("Missing key in checkpoint state_dict"); and nested
+lists are saved element by element, so a list's length is part of the keys. So every key
 and value here is the same on every rank and at every degree (``state_dict()`` is a collective):
 
 - ``"data"``: the loader's global state (:class:`~resumable_data.distributed.DataLoaderState`: every

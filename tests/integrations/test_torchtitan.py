@@ -25,6 +25,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 from dist_harness import finish, init_gloo, results, spawn
+from integrations_harness import kill_and_resume
 from resumable_data import ResumeError
 from resumable_data.integrations.torchtitan import DATALOADER_KEY, TitanLoader, dataloader_config, next_token_batch
 from resumable_data.rng import capture_rng_state, rank_seed, restore_rng_state, seed_everything
@@ -320,6 +321,13 @@ def test_torchtitans_checkpoint_manager_resumes_at_another_data_parallel_degree(
     resumed = results(tmp, f"train1-{SAVE_EVERY}-disabled", 1)
     before = [s for ranks in reference for s in ranks["steps"] if s["step"] <= SAVE_EVERY]
     _assert_each_token_once(before, resumed[0]["steps"])
+
+
+def test_a_killed_run_on_torchtitans_components_resumes_bitwise(torchtitan: Any, tmp_path: Path) -> None:
+    # tests/user_scripts/torchtitan_train.py under torchrun, 2 ranks: SIGKILLed at step 17 (epoch 1), resumed
+    # by CheckpointManager.load() from step-15; every loss after it and the final weights are the
+    # uninterrupted run's.
+    kill_and_resume("torchtitan_train.py", tmp_path, 17, processes=2, timeout=300)
 
 
 @pytest.mark.slow
