@@ -41,7 +41,7 @@ This module imports torchtitan only inside :func:`dataloader_config`.
 from __future__ import annotations
 
 import io
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -114,7 +114,7 @@ class TitanLoader:
             stops at ``training.steps``); when False, iteration ends with the current epoch.
 
     Raises:
-        ResumeError: ``loader`` keeps no state, or ``seed`` is not an int.
+        ResumeError: ``loader`` keeps no state or cannot be iterated, or ``seed`` is not an int.
 
     Example::
 
@@ -136,9 +136,9 @@ class TitanLoader:
         to_batch: Callable[[Any], Batch] | None = None,
         infinite: bool = True,
     ) -> None:
-        if not isinstance(loader, Stateful):
+        if not (isinstance(loader, Stateful) and isinstance(loader, Iterable)):
             raise ResumeError(
-                f"TitanLoader takes a loader with state_dict/load_state_dict (a StreamLoader), "
+                f"TitanLoader takes an iterable loader with state_dict/load_state_dict (a StreamLoader), "
                 f"got {type(loader).__name__}"
             )
         if not is_int(seed):
@@ -154,7 +154,7 @@ class TitanLoader:
     def __iter__(self) -> Iterator[Batch]:
         while True:
             handed_out = False
-            for batch in self.loader:  # type: ignore[attr-defined]
+            for batch in self.loader:
                 self.batches += 1
                 handed_out = True
                 yield self.to_batch(batch)

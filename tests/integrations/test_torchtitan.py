@@ -27,6 +27,7 @@ import torch.distributed.checkpoint as dcp
 from dist_harness import finish, init_gloo, results, spawn
 from integrations_harness import kill_and_resume
 from resumable_data import ResumeError
+from resumable_data.distributed import DataLoaderState
 from resumable_data.integrations.torchtitan import DATALOADER_KEY, TitanLoader, dataloader_config, next_token_batch
 from resumable_data.rng import capture_rng_state, rank_seed, restore_rng_state, seed_everything
 from resumable_data.streams import ShardedIterable, StreamLoader, TokenShardReader, mix, write_token_shards
@@ -223,8 +224,10 @@ def test_batches_other_than_token_windows_need_a_to_batch() -> None:
 
 
 def test_a_loader_without_state_or_a_seed_that_is_not_an_int_is_refused(titan: TitanLoader) -> None:
-    with pytest.raises(ResumeError, match="state_dict/load_state_dict"):
+    with pytest.raises(ResumeError, match="iterable loader with state_dict/load_state_dict"):
         TitanLoader([1, 2], seed=0)  # type: ignore[arg-type]
+    with pytest.raises(ResumeError, match="iterable loader"):
+        TitanLoader(DataLoaderState(titan.loader), seed=0)  # a Stateful that yields nothing
     with pytest.raises(ResumeError, match="seed should be an int"):
         TitanLoader(titan.loader, seed="7")  # type: ignore[arg-type]
 
