@@ -97,7 +97,9 @@ class TitanLoader:
 
     It has what torchtitan's trainer and checkpointer use of a ``BaseDataLoader``: ``__iter__``
     yielding ``(input_dict, labels)``, and ``state_dict``/``load_state_dict`` (DCP's ``Stateful``).
-    Both are collectives when a process group is initialized (DCP calls them on every rank).
+    Both are collectives when a process group is initialized (DCP calls them on every rank). It is
+    not a subclass of ``BaseDataLoader``, which would import torchtitan with this module; torchtitan
+    0.3's trainer and ``CheckpointManager`` only iterate it and call those two methods.
 
     Args:
         loader: the rank's loader, sharded over the data-parallel ranks (a
