@@ -349,6 +349,16 @@ def test_torchtitans_asynchronous_checkpoints_keep_the_position_of_the_save_call
         assert resumed[rank]["weights"] == reference[rank]["weights"]
 
 
+def test_torchtitans_own_loader_refuses_another_data_parallel_degree(torchtitan: Any) -> None:
+    # What the README says torchtitan does instead: one state per dp rank, and an assertion at another degree.
+    from torchtitan.components.dataloader import ParallelAwareDataloader
+
+    saved = ParallelAwareDataloader(list(range(8)), dp_rank=0, dp_world_size=2, batch_size=2).state_dict()
+    assert sorted(saved) == ["dp_rank_0", "world_size"]
+    with pytest.raises(AssertionError, match="dataloader resharding is not supported yet"):
+        ParallelAwareDataloader(list(range(8)), dp_rank=0, dp_world_size=1, batch_size=2).load_state_dict(saved)
+
+
 def test_torchtitans_trainer_config_builds_a_titan_loader(torchtitan: Any, tmp_path: Path) -> None:
     from torchtitan.components.dataloader import BaseDataLoader
 
