@@ -35,6 +35,7 @@ import itertools
 import os
 import pickle
 import re
+import shutil
 import statistics
 import subprocess
 import sys
@@ -47,6 +48,7 @@ import _peers
 import numpy as np
 import torch
 from _common import REPO_ROOT, format_seconds, machine_header, markdown_table, parse_args, run_isolated, write_report
+from _tls import TlsFront, make_ca
 from bench_streams import record_ids, warm_up_dataloader
 
 from resumable_data.storage.cache import ShardCache
@@ -125,6 +127,7 @@ def build(method: str, data: dict[str, Any], cache: Path, cache_fraction: float 
         extra = {} if limit is None else {"cache_limit": limit}
         return _peers.mosaic_loader(cache, remote=data["mosaic"], batch_size=BATCH, workers=WORKERS, **extra)
     if data["litdata_remote"]:
+        os.environ.update(data["litdata_env"])  # the TLS front's CA, for obstore and boto3 (see _tls)
         extra = {"storage_options": data["litdata_options"], "cache_dir": str(cache)}
         if limit is not None:
             extra["max_cache_size"] = limit
@@ -257,13 +260,22 @@ class Bench:
             "bytes": {method: sum(p.stat().st_size for p in shard_files[name]) for method, name in LIBRARIES},
         }
 
-    def cell(self, fn: Any, latency: float, timeout_s: float = 300, **kwargs: Any) -> dict[str, Any]:
+    def cell(
+        self, fn: Any, latency: float, timeout_s: float = 300, cache: str | None = None, **kwargs: Any
+    ) -> dict[str, Any]:
         """``fn`` in a fresh process with ``latency`` added per request; the proxy's count of its bytes.
-        A cell still running after ``timeout_s`` is killed and reported as failed."""
+        A cell still running after ``timeout_s`` is killed and reported as failed. Its cache folder is
+        a new one, or ``cache`` emptied (litdata's state names the folder it was saved with)."""
         self.proxy.latency = latency
         self.proxy.reset_counters()
-        result = run_isolated(fn, {**kwargs, "cache": self.cache()}, timeout_s=timeout_s)
+        if cache is None:
+            cache = self.cache()
+        else:
+            shutil.rmtree(cache)
+            Path(cache).mkdir()
+        result = run_isolated(fn, {**kwargs, "cache": cache}, timeout_s=timeout_s)
         result["bytes_down"], result["requests"] = self.proxy.bytes_down, dict(self.proxy.methods)
+        result["cache_dir"] = cache
         return result
 
 
@@ -302,17 +314,37 @@ def main() -> None:
         with serve(root / "s3", rclone) as server:
             bench = Bench(root, server, records)
             data = bench.write(root)
+            front = litdata_over_tls(bench, data, root)
             print(f"written in {time.perf_counter() - started:.0f} s: {data['shards']} shards, {data['bytes']} bytes")
             text = run(bench, data, rounds, restore_rounds)
             bench.proxy.close()
+            if front is not None:
+                front.close()
     version = subprocess.run([rclone, "version"], capture_output=True, text=True).stdout.splitlines()[0]
     header = machine_header("Streams from object storage (bench_remote.py)")
     header += (
         f"- server: {version} (`rclone serve s3` on 127.0.0.1) behind the tests' proxy: a round trip added "
         f"to every request, each connection capped at {BANDWIDTH >> 20} MiB/s; peers: {LITDATA}, {MOSAIC}\n"
+        f"- litdata reads through a TLS front of the same proxy (benchmarks/_tls.py: its obstore refuses a "
+        f"plain-HTTP endpoint); the others read the proxy in plain HTTP\n"
         f"- wall time of the whole run: {time.perf_counter() - started:.0f} s\n"
     )
     write_report(args.out, "remote", header + text)
+
+
+def litdata_over_tls(bench: Bench, data: dict[str, Any], root: Path) -> TlsFront | None:
+    """Point litdata at a TLS front of the proxy (its obstore refuses plain HTTP); None without openssl,
+    and litdata then tries the plain endpoint (and, failing, reads local disk)."""
+    (root / "tls").mkdir()
+    made = make_ca(root / "tls")
+    if made is None:
+        data["litdata_env"] = {}
+        return None
+    ca, cert, key = made
+    front = TlsFront(("127.0.0.1", bench.proxy.port), cert, key)
+    data["litdata_options"] = {**data["litdata_options"], "endpoint_url": front.endpoint}
+    data["litdata_env"] = {"SSL_CERT_FILE": str(ca), "AWS_CA_BUNDLE": str(ca)}
+    return front
 
 
 def run(bench: Bench, data: dict[str, Any], rounds: int, restore_rounds: int) -> str:
@@ -388,11 +420,13 @@ def run(bench: Bench, data: dict[str, Any], rounds: int, restore_rounds: int) ->
 
     # 2. restore
     restorable = [OURS, MOSAIC, LITDATA]
-    taken = {}
+    taken, caches = {}, {}
     for method in restorable:
         result = bench.cell(checkpoints_cell, 0.0, method=method, data=data)
         if not failed(result, f"checkpoints, {method}", failures):
             taken[method] = result["taken"]
+            # litdata's state names its cache folder and refuses another: it restores into the same one, emptied.
+            caches[method] = result["cache_dir"] if method == LITDATA else None
     restorable = [m for m in restorable if m in taken]
     cells = [(m, lat, f) for lat in RESTORE_LATENCIES for f in range(len(FRACTIONS)) for m in restorable]
     times: dict[tuple[str, float, int], list[float]] = {cell: [] for cell in cells}
@@ -400,7 +434,9 @@ def run(bench: Bench, data: dict[str, Any], rounds: int, restore_rounds: int) ->
     for r in range(restore_rounds):
         for method, latency, f in rotated(cells, r):
             state, expected = taken[method][f]
-            result = bench.cell(restore_cell, latency, 120, method=method, data=data, state=state, expected=expected)
+            result = bench.cell(
+                restore_cell, latency, 120, caches[method], method=method, data=data, state=state, expected=expected
+            )
             if failed(result, f"restore, round {r}, {method}, {latency * 1000:.0f} ms, {FRACTIONS[f]:.0%}", failures):
                 continue
             times[method, latency, f].append(result["seconds"])
@@ -420,7 +456,8 @@ def run(bench: Bench, data: dict[str, Any], rounds: int, restore_rounds: int) ->
         "## 2. Restore → first batch in hand, cold cache",
         "",
         f"Each method's own state after 10/50/90 % of the epoch, restored into a new loader with an empty "
-        f"cache; {restore_rounds} rounds, median (min–max). **differs**: the restored batch is not the "
+        f"cache (litdata's in the folder it saved with, emptied: its state refuses another); {restore_rounds} "
+        "rounds, median (min–max). **differs**: the restored batch is not the "
         "uninterrupted run's. Target for ours: 3 round trips + 20 ms, at every position.",
         "",
         markdown_table(["added RTT", "method", *(f"{f:.0%}" for f in FRACTIONS), "target"], rows),
