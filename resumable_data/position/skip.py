@@ -215,7 +215,7 @@ def ends_a_skip(state: Mapping[str, Any]) -> bool:
         return bool(skipped[-1][1] == state[keys.POSITION])
     layout = LoaderState.parse(state)
     return all(
-        str(rank) in skipped and skipped[str(rank)][-1][1] == sum(layout.yielded(rank)) for rank in layout.ranks(None)
+        (ranges := layout.skipped(rank)) and ranges[-1][1] == sum(layout.yielded(rank)) for rank in layout.ranks(None)
     )
 
 

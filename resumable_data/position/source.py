@@ -16,7 +16,7 @@ from ..checkpoint.inspect import DcpReport, Report, inspect_checkpoint
 from ..checkpoint.weights_only import load_weights_only
 from ..core.state import EPOCH, VERSION
 from ..errors import ResumeError
-from ..streams.loader import NUM_WORKERS, SLOTS
+from ..streams.loader_state import NUM_WORKERS, SLOTS
 from .layout import STREAM_STATES, is_map_state
 
 __all__ = ["Found", "Source", "find_state", "find_stream_state"]
