@@ -14,7 +14,9 @@ make sure no child keeps it:
   flock stays with the parent's descriptor, and dies with it.
 
 A child forked by C code that bypasses Python's fork hooks would still inherit it; nothing in PyTorch
-or the standard library does that. POSIX record locks (``lockf``) are not inherited by children, but
+or the standard library does that. A Python child holds the duplicate only from ``fork()`` until the
+hook runs, its first step before any of its own code: a holder SIGKILLed in that instant and a
+relaunch within it are refused once, and the lock is free a moment later. POSIX record locks (``lockf``) are not inherited by children, but
 they are released when *any* descriptor of the file is closed in the holder, so a second manager on the
 same folder in the same process would silently unlock the first; ``flock`` has no such trap.
 

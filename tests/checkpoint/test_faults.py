@@ -491,9 +491,17 @@ FORKING_WRITER = """
     manager = CheckpointManager(sys.argv[1])
     # What DataLoader workers are: forked children that outlive their parent for a while.
     context = multiprocessing.get_context("fork")
-    children = [context.Process(target=time.sleep, args=(60,), daemon=True) for _ in range(2)]
+    running = context.Queue()
+
+    def work():
+        running.put(os.getpid())  # past fork's hooks: the state every running worker is in
+        time.sleep(60)
+
+    children = [context.Process(target=work, daemon=True) for _ in range(2)]
     for child in children:
         child.start()
+    for _ in children:
+        running.get(timeout=60)
     print(" ".join(str(c.pid) for c in children), flush=True)
     time.sleep(60)
 """
