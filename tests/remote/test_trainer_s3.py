@@ -91,7 +91,11 @@ def reference(s3_server: Any, tokens_url: str, tmp_path_factory: pytest.TempPath
 
 
 @pytest.mark.usefixtures("s3_environment")
-@pytest.mark.parametrize("cached", [False, True], ids=["no-cache", "cache-below-the-data"])
+# The cached run is the demanding one (evictions below the data's size, restores through the cache);
+# without a cache it reads the same URLs by ranged requests, which the stream tests cover: slow only.
+@pytest.mark.parametrize(
+    "cached", [pytest.param(False, marks=pytest.mark.slow), True], ids=["no-cache", "cache-below-the-data"]
+)
 def test_trainer_on_s3_shards_sigkilled_and_resumed_ends_as_an_uninterrupted_local_run(
     reference: TrainConfig, tokens_url: str, tmp_path: Path, cached: bool
 ) -> None:
