@@ -46,7 +46,7 @@ from typing import Any
 import torch.distributed as dist
 
 from ..core.dist import distributed_defaults
-from ..core.state import VERSION, brief, check_version, is_int, keys_of, require_mapping
+from ..core.state import VERSION, brief, check_version, is_int, keys_of, require_int, require_mapping
 from ..distributed import fail_together, global_state
 from ..errors import ResumeError, Stateful
 from ..rng.capture import capture_rng_state, restore_rng_state
@@ -186,11 +186,10 @@ def _parse(saved: Mapping[str, Any]) -> Mapping[str, Any]:
         )
     state = require_mapping(saved[CLIENT_STATE_KEY], _WHAT)
     check_version(state, STATE_VERSION, _WHAT)
-    for key in (_DATALOADER, _RNG_PER_RANK, _STEP):
+    for key in (_DATALOADER, _RNG_PER_RANK):
         if key not in state:
             raise ResumeError(f"{_WHAT} is missing the key {key!r}; got keys {keys_of(state)}")
-    if not (is_int(state[_STEP]) and state[_STEP] >= 0):
-        raise ResumeError(f"{_WHAT} field {_STEP!r} must be a non-negative int, but got {brief(state[_STEP])}")
+    require_int(state, _STEP, _WHAT, minimum=0)
     return state
 
 

@@ -48,7 +48,7 @@ import torch
 import torch.distributed as dist
 
 from ..core.dist import distributed_defaults
-from ..core.state import VERSION, brief, check_version, is_int, keys_of, require_mapping
+from ..core.state import VERSION, brief, check_version, is_int, keys_of, require_int, require_mapping
 from ..distributed import DataLoaderState, fail_together
 from ..errors import ResumeError, Stateful
 from ..rng.capture import capture_rng_state, restore_rng_state
@@ -234,11 +234,10 @@ def _parse(state_dict: Mapping[str, Any]) -> Mapping[str, Any]:
             f"{_WHAT} saved, or exclude the dataloader from loading (checkpoint.exclude_from_loading)"
         )
     check_version(state, STATE_VERSION, _WHAT)
-    for key in (_DATA, _RNG_PER_RANK, _BATCHES):
+    for key in (_DATA, _RNG_PER_RANK):
         if key not in state:
             raise ResumeError(f"{_WHAT} state is missing the key {key!r}; got keys {keys_of(state)}")
-    if not (is_int(state[_BATCHES]) and state[_BATCHES] >= 0):
-        raise ResumeError(f"{_WHAT} field {_BATCHES!r} must be a non-negative int, but got {brief(state[_BATCHES])}")
+    require_int(state, _BATCHES, _WHAT, minimum=0)
     if not isinstance(state[_RNG_PER_RANK], bytes):
         raise ResumeError(f"{_WHAT} field {_RNG_PER_RANK!r} must be bytes, but got {brief(state[_RNG_PER_RANK])}")
     return state

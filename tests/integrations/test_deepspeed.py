@@ -107,7 +107,7 @@ def test_a_refused_load_changes_neither_the_loader_nor_the_rngs() -> None:
         "no 'resumable_data' key": {"step": 3},
         "version": {CLIENT_STATE_KEY: {**good[CLIENT_STATE_KEY], "version": 2}},
         "missing the key 'rng_per_rank'": {CLIENT_STATE_KEY: {"version": 1, "dataloader": {}, "step": 0}},
-        "'step' must be a non-negative int": {CLIENT_STATE_KEY: {**good[CLIENT_STATE_KEY], "step": -1}},
+        "field 'step' must be >= 0": {CLIENT_STATE_KEY: {**good[CLIENT_STATE_KEY], "step": -1}},
         "dataset": shorter,  # the loader's own check: another dataset length
     }
     for message, saved in cases.items():

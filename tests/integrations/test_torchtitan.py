@@ -199,7 +199,7 @@ def test_the_state_has_fixed_keys_whatever_the_number_of_ranks(titan: TitanLoade
     [
         (lambda s: {**s, "version": 99}, "version"),
         (lambda s: {k: v for k, v in s.items() if k != "data"}, "missing the key 'data'"),
-        (lambda s: {**s, "batches": -1}, "'batches' must be a non-negative int"),
+        (lambda s: {**s, "batches": -1}, "field 'batches' must be >= 0"),
         (lambda s: {**s, "rng_per_rank": b"not a torch file"}, "'rng_per_rank' cannot be read back"),
         (lambda s: {**s, "data": {**s["data"], "state_json": "{"}}, "not valid JSON"),
         (lambda s: {"dp_rank_0": b"...", "world_size": 2}, "torchtitan's own loader"),
