@@ -107,8 +107,8 @@ class Emulator:
 
 @pytest.fixture(scope="session")
 def gcs_server() -> Iterator[Emulator]:
-    """A GCS emulator for ``gs://`` shards, where gcsfs and gcp-storage-emulator are installed (neither
-    is in an extra: gcsfs pulls in the Google Cloud client libraries); skipped otherwise."""
+    """A GCS emulator for ``gs://`` shards, where gcsfs and gcp-storage-emulator are installed (the
+    ``dev`` extra brings both); skipped otherwise."""
     # gcsfs asks a bucket's type over gRPC first, which the emulator does not serve (60 s per bucket)
     os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
     pytest.importorskip("gcsfs", reason="gs:// tests need gcsfs")
@@ -133,6 +133,8 @@ def gcs_server() -> Iterator[Emulator]:
         process.wait(timeout=10)
 
 
+# Where .ci/run installs Azurite (npm), in the checkout's ignored .cache/.
+AZURITE_LOCAL = Path(__file__).resolve().parents[2] / ".cache" / "azurite" / "node_modules" / ".bin"
 # Azurite's documented development account (a public, fixed key that only the emulator accepts).
 AZURITE_ACCOUNT = "devstoreaccount1"
 AZURITE_KEY = "Eby8vdM02xNOcqFlqUwJPLlmEtlCDXJ1OUzFT50uSRZ6IFsuFq2UVErCz4I6tq/K1SZFPTOtr/KBHBeksoGMGw=="
@@ -140,12 +142,16 @@ AZURITE_KEY = "Eby8vdM02xNOcqFlqUwJPLlmEtlCDXJ1OUzFT50uSRZ6IFsuFq2UVErCz4I6tq/K1
 
 @pytest.fixture(scope="session")
 def azure_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Emulator]:
-    """Azurite's blob service for ``az://`` shards, where adlfs and the ``azurite-blob`` command (npm's
-    azurite, on PATH) are installed; skipped otherwise. ``options`` are adlfs's ``storage_options``."""
+    """Azurite's blob service for ``az://`` shards, where adlfs (the ``dev`` extra) and the
+    ``azurite-blob`` command (npm's azurite: on PATH, or in ``.cache/azurite`` of the checkout, where
+    ``.ci/run`` installs it) are installed; skipped otherwise. ``options`` are adlfs's ``storage_options``."""
     pytest.importorskip("adlfs", reason="az:// tests need adlfs")
-    binary = shutil.which("azurite-blob")
+    binary = shutil.which("azurite-blob") or shutil.which("azurite-blob", path=str(AZURITE_LOCAL))
     if binary is None:
-        pytest.skip("az:// tests need Azurite's azurite-blob on PATH (npm install azurite)")
+        pytest.skip(
+            "az:// tests need Azurite's azurite-blob on PATH or in .cache/azurite "
+            "(npm install --prefix .cache/azurite azurite)"
+        )
     port, data = free_port(), tmp_path_factory.mktemp("azurite")
     command = [binary, "--blobHost", "127.0.0.1", "--blobPort", str(port), "--location", str(data)]
     with open(data.parent / "azurite.log", "wb") as out:
