@@ -5,7 +5,7 @@ A tar file is a sequence of members, each a 512-byte header followed by its data
 bytes; it has no table of contents. WebDataset groups consecutive members whose names share a key
 (``images/0001.jpg`` and ``images/0001.cls`` are the fields ``jpg`` and ``cls`` of the sample
 ``images/0001``) into samples. :func:`scan` reads the headers only (a seek over each member's data)
-and :meth:`TarIndex.build` groups them as WebDataset's ``group_by_keys`` does, keeping per member
+and :func:`grouped` groups them as WebDataset's ``group_by_keys`` does, keeping per member
 its data offset, size and field: reading a sample is then a few slices of the file, with no
 header parsed again.
 
@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import itertools
 import re
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,7 +30,7 @@ import numpy as np
 
 from ...errors import ResumeError
 
-__all__ = ["Member", "TarIndex", "scan"]
+__all__ = ["Member", "Sample", "TarIndex", "grouped", "scan"]
 
 BLOCK = 512
 INDEX_VERSION = 1  # of a saved index (TarIndex.arrays); another version is rebuilt, not read
@@ -49,6 +49,8 @@ _COMPRESSED = {b"\x1f\x8b": "gzip", b"BZh": "bzip2", b"\xfd7zXZ\x00": "xz", b"\x
 # part, the field what follows (lower-cased); names of the form __x__ are metadata, skipped.
 _KEY_AND_FIELD = re.compile(r"^((?:.*/|)[^.]+)[.]([^/]*)$")
 _META = re.compile(r"__[^/]*__($|/)")
+
+Sample = tuple[str, list[tuple[int, int, str]]]  # a sample's key, and its members' data offset, size and field
 
 
 @dataclass(frozen=True)
@@ -201,6 +203,40 @@ def sample_key(name: str) -> tuple[str, str] | None:
     return None if match is None else (match.group(1), match.group(2).lower())
 
 
+def grouped(members: Iterable[Member], shard: str) -> Iterator[Sample]:
+    """The samples of ``members`` as WebDataset's ``group_by_keys`` makes them: consecutive regular
+    members with the same key form a sample; a sample whose ``__bad__`` field is not empty is
+    dropped, as WebDataset drops it. Each sample comes when the next one starts (or at the end).
+
+    Raises:
+        ResumeError: a sample has two members of one field (WebDataset raises there too), or
+            :func:`scan`'s errors.
+    """
+    key, bad = "", False
+    rows: list[tuple[int, int, str]] = []
+    seen: set[str] = set()
+    for member in members:
+        split = sample_key(member.name) if member.regular else None
+        if split is None:
+            continue
+        if split[0] != key or not rows:
+            if rows and not bad:
+                yield key, rows
+            key, rows, bad = split[0], [], False
+            seen = {"__key__", "__url__", "__local_path__"}
+        field = split[1]
+        if field in seen:
+            raise ResumeError(
+                f"tar shard {shard!r}: sample {key!r} has two members of field {field!r} (at offset "
+                f"{member.header}); WebDataset refuses such a shard too"
+            )
+        seen.add(field)
+        bad = bad or (field == "__bad__" and member.size > 0)
+        rows.append((member.data, member.size, field))
+    if rows and not bad:
+        yield key, rows
+
+
 @dataclass(frozen=True)
 class TarIndex:
     """Where the samples of one tar shard are: per sample its key and members, per member its data
@@ -223,47 +259,21 @@ class TarIndex:
         return len(self.keys)
 
     @classmethod
-    def build(cls, members: Iterator[Member], shard: str) -> TarIndex:
-        """Group ``members`` into samples as WebDataset's ``group_by_keys`` does: consecutive regular
-        members with the same key form a sample; a sample whose ``__bad__`` field is not empty is
-        dropped, as WebDataset drops it.
-
-        Raises:
-            ResumeError: a sample has two members of one field (WebDataset raises there too), or
-                :func:`scan`'s errors.
-        """
+    def build(cls, samples: Iterable[Sample]) -> TarIndex:
+        """The index of ``samples`` (:func:`grouped`), in order."""
         keys: list[str] = []
         first: list[int] = []
         rows: list[tuple[int, int, int]] = []
         fields: dict[str, int] = {}
-        seen: set[str] = set()
-        bad = False
-        for member in members:
-            split = sample_key(member.name) if member.regular else None
-            if split is None:
-                continue
-            key, field = split
-            if not keys or key != keys[-1]:
-                if bad:  # drop the finished sample
-                    del keys[-1], rows[first.pop() :]
-                keys.append(key)
-                first.append(len(rows))
-                seen, bad = {"__key__", "__url__", "__local_path__"}, False
-            if field in seen:
-                raise ResumeError(
-                    f"tar shard {shard!r}: sample {key!r} has two members of field {field!r} (at offset "
-                    f"{member.header}); WebDataset refuses such a shard too"
-                )
-            seen.add(field)
-            bad = bad or (field == "__bad__" and member.size > 0)
-            rows.append((member.data, member.size, fields.setdefault(field, len(fields))))
-        if bad:
-            del keys[-1], rows[first.pop() :]
+        for key, members in samples:
+            keys.append(key)
+            first.append(len(rows))
+            rows += [(offset, size, fields.setdefault(field, len(fields))) for offset, size, field in members]
         first.append(len(rows))
         table = np.array(rows, dtype=np.int64).reshape(len(rows), 3)
         return cls(tuple(keys), np.array(first, dtype=np.int64), table, tuple(fields))
 
-    def samples(self, start: int, stop: int) -> list[tuple[str, list[tuple[int, int, str]]]]:
+    def samples(self, start: int, stop: int) -> list[Sample]:
         """``(key, [(data offset, size, field), ...])`` of samples ``start`` to ``stop``."""
         fields = self.fields
         rows = [

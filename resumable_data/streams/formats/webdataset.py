@@ -14,6 +14,7 @@ identity, so later runs and the other processes of the machine read it instead o
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import mmap
@@ -33,7 +34,7 @@ from ...storage.files import Remote, is_url
 from ..readers import _path_identity
 from ..shard_index import index_location, sibling
 from ..sharded import ShardedIterable
-from .tar_index import TarIndex, scan
+from .tar_index import Sample, TarIndex, grouped, scan
 
 __all__ = ["WebDatasetReader", "expand_braces", "webdataset_stream"]
 
@@ -46,7 +47,6 @@ _RANGE = 8 << 20
 _SCAN_BLOCK = 8 << 20
 _INDEX_FOLDER = "tar-index"  # in cache_dir, next to the ShardCache's folders
 _BRACES = re.compile(r"\{([^{}]*)\}")
-Sample = tuple[str, list[tuple[int, int, str]]]  # a sample's key and its members (TarIndex.samples)
 _RANGE_ITEM = re.compile(r"^(-?\d+)\.\.(-?\d+)$")
 
 
@@ -58,6 +58,13 @@ class WebDatasetReader(RemoteReading):
     ``.tar`` file (or :func:`webdataset_stream`). It counts each shard's samples
     (:class:`~resumable_data.streams.RecordCounter`: the index, built when the ShardedIterable is
     built), so the state is a position and ``shuffle_window`` reads by position.
+
+    Counting. A tar file has no table of contents: its headers are spread through it, so a shard's
+    index (and count) comes from reading it once: locally a seek per member, remotely the whole
+    object (or its download into ``cache_dir``). The ShardedIterable asks every shard's count when
+    it is built; for many remote shards give the counts instead: a wids index
+    (``webdataset_stream("train.json")``), ``cache_dir`` (the indexes saved once per machine), or
+    ``sizes="unknown"`` (a shard is then indexed by the pass that first reads it).
 
     Read: plain (uncompressed) tar files as ``webdataset.TarWriter``/``ShardWriter``, ``tar`` or
     Python's ``tarfile`` write them. Refused with a :class:`~resumable_data.ResumeError` naming
@@ -124,24 +131,41 @@ class WebDatasetReader(RemoteReading):
     def index(self, shard: Any) -> TarIndex:
         """The shard's sample index: kept from an earlier use, read from ``cache_dir``, or built now
         from the tar headers (and then saved to ``cache_dir``)."""
+        key, index = self._known(shard)
+        if index is None:
+            with self._opened(shard) as (read, size):
+                index = TarIndex.build(grouped(scan(read, size, key[0]), key[0]))
+            self._keep(key, index)
+        return index
+
+    def _known(self, shard: Any) -> tuple[tuple[str, str], TarIndex | None]:
+        """``(shard name, identity)``, and the shard's index if this process keeps it or ``cache_dir``
+        has it (else None)."""
         name = str(shard)
         identity = self._identities.get(name) if is_url(shard) else None
         key = (name, identity if identity is not None else self.identity(shard))
         index = self._indexes.get(key)
         if index is not None:
             self._indexes.move_to_end(key)
-            return index
+            return key, index
         saved = self._saved_index_path(*key)
         index = _load_index(saved) if saved is not None else None
-        if index is None:
-            index = self._build_index(shard)
-            if saved is not None:
-                _save_index(saved, index)
+        if index is not None:
+            self._remember(key, index)
+        return key, index
+
+    def _keep(self, key: tuple[str, str], index: TarIndex) -> None:
+        """Keep a new index in this process, and save it in ``cache_dir``."""
+        saved = self._saved_index_path(*key)
+        if saved is not None:
+            _save_index(saved, index)
+        self._remember(key, index)
+
+    def _remember(self, key: tuple[str, str], index: TarIndex) -> None:
         self._indexes[key] = index
         held = sum(len(kept.members) for kept in self._indexes.values())
         while held > _INDEXED_MEMBERS and len(self._indexes) > 1:
             held -= len(self._indexes.popitem(last=False)[1].members)
-        return index
 
     def _saved_index_path(self, name: str, identity: str) -> str | None:
         if self.cache_dir is None:
@@ -149,19 +173,22 @@ class WebDatasetReader(RemoteReading):
         digest = hashlib.sha256(f"{name}\0{identity}".encode()).hexdigest()[:32]
         return os.path.join(self.cache_dir, _INDEX_FOLDER, f"{digest}.npz")
 
-    def _build_index(self, shard: Any) -> TarIndex:
-        name = str(shard)
+    @contextlib.contextmanager
+    def _opened(self, shard: Any) -> Iterator[tuple[Callable[[int, int], bytes], int]]:
+        """``(read(offset, n), size)`` of the whole shard: mapped (a local file, or a remote shard's
+        cached copy, downloaded first), or a remote file read ahead a few MiB a request."""
         mapped = self._mapped(shard, wait=True)
         if mapped is not None:
-            return TarIndex.build(scan(lambda at, n: mapped[at : at + n], len(mapped), name), name)
-        with self._remote.open(name, block_size=_SCAN_BLOCK) as file:  # fsspec's read-ahead: few requests
+            yield _slices(mapped), len(mapped)
+            return
+        with self._remote.open(str(shard), block_size=_SCAN_BLOCK) as file:
             size = file.seek(0, os.SEEK_END)
 
             def read(at: int, n: int) -> bytes:
                 file.seek(at)
                 return file.read(n)
 
-            return TarIndex.build(scan(read, size, name), name)
+            yield read, size
 
     def _mapped(self, shard: Any, *, wait: bool) -> Any:
         """The shard's bytes mapped in memory (a local file, or a remote shard's cached copy; with
@@ -176,13 +203,26 @@ class WebDatasetReader(RemoteReading):
     # -- reading ----------------------------------------------------------------------------------
     def __call__(self, shard: Any, start: int) -> Iterator[Any]:
         """Samples from sample number ``start``; reads nothing before it."""
-        index = self.index(shard)
+        key, index = self._known(shard)
+        if index is None and start == 0:
+            return self._first_read(shard, key)
+        index = self.index(shard) if index is None else index
         if start > len(index):
             raise ResumeError(
                 f"tar shard {str(shard)!r} has {len(index)} samples but the cursor is at sample {start}: the "
                 "shard is shorter than when the checkpoint was written (cut or replaced?)"
             )
         return self._samples(shard, index, start)
+
+    def _first_read(self, shard: Any, key: tuple[str, str]) -> Iterator[Any]:
+        """A shard with no index yet, read in one pass: each sample as its headers are scanned, and
+        the index kept once the pass is through (an index built first would read the shard twice)."""
+        samples: list[Sample] = []
+        with self._opened(shard) as (read, size):
+            for sample in grouped(scan(read, size, key[0]), key[0]):
+                samples.append(sample)
+                yield self._record(shard, sample, read)
+        self._keep(key, TarIndex.build(samples))
 
     def _samples(self, shard: Any, index: TarIndex, start: int) -> Iterator[Any]:
         mapped = self._mapped(shard, wait=start == 0)  # a restore reads by ranges until it is cached
@@ -191,7 +231,7 @@ class WebDatasetReader(RemoteReading):
                 mapped = self._mapped(shard, wait=False)  # a background download may have finished
             chunk = index.samples(first, min(first + _SAMPLES, len(index)))
             if mapped is not None:
-                yield from (self._record(shard, key, rows, mapped, 0) for key, rows in chunk)
+                yield from (self._record(shard, sample, _slices(mapped)) for sample in chunk)
             else:
                 yield from self._fetched(shard, chunk)
 
@@ -209,7 +249,7 @@ class WebDatasetReader(RemoteReading):
         chunk = [index.samples(offset, offset + 1)[0] for offset in offsets]
         mapped = self._mapped(shard, wait=False)
         if mapped is not None:
-            return [self._record(shard, key, rows, mapped, 0) for key, rows in chunk]
+            return [self._record(shard, sample, _slices(mapped)) for sample in chunk]
         return list(self._fetched(shard, chunk))
 
     def _fetched(self, shard: Any, chunk: list[Sample]) -> Iterator[Any]:
@@ -230,17 +270,23 @@ class WebDatasetReader(RemoteReading):
                 runs.append([sample])
         blocks = self._remote.read_ranges(str(shard), starts, ends)
         for base, samples, block in zip(starts, runs, blocks, strict=True):
-            yield from (self._record(shard, key, rows, block, base) for key, rows in samples)
+            yield from (self._record(shard, sample, _slices(block, base)) for sample in samples)
 
-    def _record(self, shard: Any, key: str, rows: list[tuple[int, int, str]], data: Any, base: int) -> Any:
-        """The sample dict of ``key`` (WebDataset's: ``__key__``, ``__url__``, ``__local_path__`` for a
-        local file, then each field's bytes), decoded."""
-        sample: dict[str, Any] = {"__key__": key, "__url__": str(shard)}
+    def _record(self, shard: Any, sample: Sample, read: Callable[[int, int], bytes]) -> Any:
+        """The sample dict (WebDataset's: ``__key__``, ``__url__``, ``__local_path__`` for a local
+        file, then each field's bytes, ``read(offset, size)``), decoded."""
+        key, rows = sample
+        record: dict[str, Any] = {"__key__": key, "__url__": str(shard)}
         if not is_url(shard):
-            sample["__local_path__"] = os.fspath(shard)
+            record["__local_path__"] = os.fspath(shard)
         for offset, size, field in rows:
-            sample[field] = bytes(data[offset - base : offset - base + size])
-        return sample if self.decode is None else self.decode(sample)
+            record[field] = read(offset, size)
+        return record if self.decode is None else self.decode(record)
+
+
+def _slices(data: Any, base: int = 0) -> Callable[[int, int], bytes]:
+    """``read(offset, n)`` of the bytes ``data`` (a mapping, or a block read from offset ``base``) holds."""
+    return lambda at, n: data[at - base : at - base + n]
 
 
 def _map(path: str) -> Any:

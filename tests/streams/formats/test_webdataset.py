@@ -293,6 +293,19 @@ def test_the_index_is_saved_in_cache_dir_and_read_back_instead_of_scanning(
         fresh.num_records(shards[1])
 
 
+def test_a_shard_without_an_index_is_read_in_one_pass_that_keeps_the_index(
+    shards: list[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    reader = WebDatasetReader()
+    first = reader(shards[1], 0)
+    assert [next(first) for _ in range(3)] == theirs(shards[1:2])[:3]
+    first.close()  # a pass stopped part way keeps no index: the shard is scanned again
+    assert list(reader(shards[1], 0)) == theirs(shards[1:2])
+    monkeypatch.setattr(wds_module, "scan", lambda *args: pytest.fail("the shard was scanned again"))
+    assert reader.num_records(shards[1]) == SIZES[1]
+    assert reader.read_records(shards[1], [2, 8]) == [theirs(shards[1:2])[i] for i in (2, 8)]
+
+
 def test_a_wids_index_gives_shards_and_sizes_without_opening_a_shard(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
