@@ -13,9 +13,12 @@ from __future__ import annotations
 
 import gzip
 import io
+import itertools
 import json
 import random
+import shutil
 import tarfile
+import tempfile
 import zlib
 from pathlib import Path
 from typing import Any
@@ -25,6 +28,8 @@ import pytest
 wds = pytest.importorskip("webdataset", reason="the tests compare with webdataset (in the [dev] extra)")
 
 import torch  # noqa: E402
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
 
 from harness import assert_resumes_identically, json_roundtrip  # noqa: E402
 from resumable_data import ResumeError  # noqa: E402
@@ -128,6 +133,43 @@ def test_every_sample_from_every_start_equals_webdatasets_own_reader(shards: lis
         picked = sorted(random.Random(size).sample(range(size), 5))
         assert reader.read_records(shard, picked) == [reference[first + i] for i in picked]
         first += size
+
+
+FIELDS = ["jpg", "TXT", "seg.png", "cls", "json"]
+
+
+@settings(max_examples=25)
+@given(
+    samples=st.lists(
+        st.tuples(
+            st.sampled_from(["a", "b", "dir/c", "dir/sub/d", "e-1", "__x__"]),
+            st.dictionaries(st.sampled_from(FIELDS), st.binary(max_size=600), min_size=1),
+        ),
+        max_size=12,
+    ),
+    picked=st.lists(st.integers(0, 11), max_size=5),
+)
+def test_any_sequence_of_samples_reads_as_webdataset_reads_it(samples, picked) -> None:
+    with tempfile.TemporaryDirectory() as directory:
+        path = str(Path(directory) / "shard.tar")
+        with wds.TarWriter(path) as writer:
+            for key, fields in samples:  # a key repeated later is another sample, as in WebDataset
+                writer.write({"__key__": key, **fields})
+        # consecutive writes of one key make one sample: both readers refuse a field written twice
+        if any(a[0] == b[0] and set(a[1]) & set(b[1]) for a, b in itertools.pairwise(samples)):
+            with pytest.raises(ValueError, match="duplicate file name"):
+                theirs([path], empty_check=False)
+            with pytest.raises(ResumeError, match="has two members of field"):
+                WebDatasetReader().num_records(path)
+            return
+        reference = theirs([path], empty_check=False)
+        reader = WebDatasetReader()
+        assert list(reader(path, 0)) == reference  # one pass (no index yet)
+        assert reader.num_records(path) == len(reference)
+        for start in range(len(reference) + 1):
+            assert list(reader(path, start)) == reference[start:]
+        offsets = sorted({i for i in picked if i < len(reference)})
+        assert reader.read_records(path, offsets) == [reference[i] for i in offsets]
 
 
 @pytest.mark.parametrize("tar_format", [tarfile.PAX_FORMAT, tarfile.GNU_FORMAT, tarfile.USTAR_FORMAT])
@@ -279,18 +321,23 @@ def test_two_members_of_one_field_in_a_sample_are_refused(tmp_path: Path) -> Non
 def test_the_index_is_saved_in_cache_dir_and_read_back_instead_of_scanning(
     tmp_path: Path, shards: list[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    cache = tmp_path / "cache"
-    assert WebDatasetReader(cache_dir=cache).num_records(shards[0]) == SIZES[0]
+    cache, shard = tmp_path / "cache", str(tmp_path / "copy.tar")
+    shutil.copy(shards[0], shard)
+    assert WebDatasetReader(cache_dir=cache).num_records(shard) == SIZES[0]
     assert len(list((cache / "tar-index").glob("*.npz"))) == 1
 
     def no_scan(*args: Any) -> Any:
         raise AssertionError("the shard was scanned")
 
     monkeypatch.setattr(wds_module, "scan", no_scan)
-    fresh = WebDatasetReader(cache_dir=cache)
-    assert list(fresh(shards[0], 20)) == theirs(shards[:1])[20:]
-    with pytest.raises(AssertionError, match="scanned"):  # another shard (or a rewritten one) is scanned
-        fresh.num_records(shards[1])
+    assert [s["id"] for s in WebDatasetReader(cache_dir=cache)(shard, 20)] == [b"20", b"21", b"22"]
+    with pytest.raises(AssertionError, match="scanned"):  # a shard without a saved index is scanned
+        WebDatasetReader(cache_dir=cache).num_records(shards[1])
+    shutil.copy(write_shards(tmp_path, [5], seed=2)[0], shard)  # rewritten: its saved index is not used
+    with pytest.raises(AssertionError, match="scanned"):
+        WebDatasetReader(cache_dir=cache).num_records(shard)
+    monkeypatch.undo()
+    assert WebDatasetReader(cache_dir=cache).num_records(shard) == 5
 
 
 def test_a_shard_without_an_index_is_read_in_one_pass_that_keeps_the_index(
