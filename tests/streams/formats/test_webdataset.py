@@ -225,7 +225,7 @@ def test_mix_in_a_stream_loader_with_two_workers_resumes_identically(tmp_path: P
 
     def make() -> StreamLoader:
         stream = mix([source(shards, 6), source(books, 7)], weights=[2, 1], seed=8).shuffle_buffer(4, seed=9)
-        return StreamLoader(stream.map(noisy, seed=10), batch_size=3, num_workers=2)
+        return StreamLoader(stream.map(noisy, seed=10), batch_size=3, num_workers=2, timeout=60)
 
     n = len(list(make()))
     assert_resumes_identically(make, [2, 9, n, n + 3], total=n + 5)
@@ -233,7 +233,7 @@ def test_mix_in_a_stream_loader_with_two_workers_resumes_identically(tmp_path: P
 
 def test_every_sample_once_per_epoch_and_across_a_layout_change(shards: list[str]) -> None:
     every = [s * 1000 + i for s, n in enumerate(SIZES) for i in range(n)]
-    loader = StreamLoader(source(shards, 11), batch_size=4, num_workers=2)
+    loader = StreamLoader(source(shards, 11), batch_size=4, num_workers=2, timeout=60)
     assert sorted(ids([batch[:, 0] for batch in loader])) == every
 
     def make() -> Stream:
