@@ -13,8 +13,9 @@ The header parser mirrors Python's ``tarfile`` (which WebDataset reads and write
 WebDataset shard holds: POSIX (ustar/pax) and GNU headers, pax ``path``/``size`` records (Python
 writes a pax header before every member whose mtime is a float, as ``webdataset.TarWriter``'s
 are), GNU long names, and the ustar name prefix. It is stricter than ``tarfile`` about damage: a
-header with a bad checksum, or a member whose data runs past the end of the file, is an error
-naming the shard and the byte, where ``tarfile`` (so WebDataset) stops there silently. Compressed
+header with a bad checksum in the middle of a file is an error naming the shard and the byte, where
+``tarfile`` (so WebDataset) ends the archive there silently; a member whose data runs past the end
+of the file is an error naming the member (``tarfile``'s says "empty header"). Compressed
 tars (``.tar.gz``...) and sparse members are refused: neither has an O(1) seek.
 """
 

@@ -7,9 +7,11 @@ A record is the sample dict WebDataset's own ``WebDataset(urls)`` yields: ``__ke
 sample number: the shard's sample index (:mod:`.tar_index`: each member's data offset, size and
 field, from the tar headers alone) turns it into byte offsets, so a restore reads the samples from
 its cursor on and nothing before them, and a shuffle buffer's restore reads single samples by
-offset. The index is built on a shard's first use in a process (a header scan: a seek per member,
-no data read) and kept; with ``cache_dir`` it is also saved there, named by the shard and its
-identity, so later runs and the other processes of the machine read it instead of scanning.
+offset. The index is built on a shard's first use in a process and kept: by a header scan (a
+seek per member, no data read) when it is counted or read from another sample than its first, or
+by the pass that reads it from its first sample (no second read). With ``cache_dir`` it is also
+saved there, named by the shard and its identity, so later runs and the other processes of the
+machine read it instead of scanning.
 """
 
 from __future__ import annotations
@@ -68,8 +70,8 @@ class WebDatasetReader(RemoteReading):
 
     Read: plain (uncompressed) tar files as ``webdataset.TarWriter``/``ShardWriter``, ``tar`` or
     Python's ``tarfile`` write them. Refused with a :class:`~resumable_data.ResumeError` naming
-    the shard: a compressed tar (no O(1) seek: decompress it), a damaged one (a bad header, or
-    data past its end: where WebDataset would stop silently), a sample with two members of one
+    the shard: a compressed tar (no O(1) seek: decompress it), a damaged one (a bad header, where
+    WebDataset would stop silently, or a cut member), a sample with two members of one
     field, and, at a restore, a shard whose identity changed since the checkpoint.
 
     Args:
@@ -302,9 +304,7 @@ def _load_index(path: str) -> TarIndex | None:
     try:
         with np.load(path, allow_pickle=False) as arrays:
             return TarIndex.from_arrays(arrays)
-    except FileNotFoundError:
-        return None
-    except (OSError, ValueError, KeyError):  # a file cut by a crash: rebuilt and saved again
+    except (OSError, ValueError, KeyError):  # none yet, or one a full disk cut: built (and saved) again
         return None
 
 
