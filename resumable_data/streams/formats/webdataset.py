@@ -83,7 +83,8 @@ class WebDatasetReader(RemoteReading):
         cache_dir: a local directory shared by every process on the machine that passes it (None:
             none). Remote shards are kept there (downloaded once per machine, the slot's next
             ``prefetch`` in the background, as for :class:`~resumable_data.streams.TokenShardReader`),
-            and every shard's sample index is saved there (``tar-index/``), local shards' too.
+            and every shard's sample index is saved there (``tar-index/``: small files, outside
+            ``cache_limit``), local shards' too.
         cache_limit: bytes the shard cache may take (None: no bound); the same in every process.
         prefetch: with a cache, how many of the slot's next shards download in the background.
 
