@@ -185,7 +185,10 @@ def test_tars_of_every_header_format_group_as_webdataset_groups_them(tmp_path: P
     else:
         write_odd_tar(path, tar_format)
     reference = theirs([str(path)])
-    assert [s["__key__"] for s in reference][:1] != []
+    if tar_format != tarfile.USTAR_FORMAT:  # the odd tar: y is dropped (its __bad__ field is not empty)
+        long_key = "a-folder-name-long-enough-to-need-a-long-name-header/" * 3 + "0004"
+        golden = ["top/0001", "top/0002", "top/__sub__/0003", long_key, "données/été", "x", "z"]
+        assert [sample["__key__"] for sample in reference] == golden
     assert list(WebDatasetReader()(str(path), 0)) == reference
     # the headers are parsed as tarfile parses them: the same members, names and sizes
     data = path.read_bytes()
