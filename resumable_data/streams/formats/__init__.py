@@ -8,4 +8,10 @@ own token shards.
 
 from __future__ import annotations
 
-__all__: list[str] = []
+from .webdataset import WebDatasetReader, expand_braces, webdataset_stream
+
+__all__: list[str] = [
+    "WebDatasetReader",
+    "expand_braces",
+    "webdataset_stream",
+]
