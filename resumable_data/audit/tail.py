@@ -41,18 +41,24 @@ class Watch:
 
     def reached_target(self) -> bool:
         """Read the lines written since the last call; True once rank 0 reached the target step."""
+        self._read()
+        return self.furthest >= self._target
+
+    def finish(self) -> None:
+        """Read what the launch wrote up to its end, then close: a kill lands a little after the target
+        was seen (a loaded machine runs a step or two more), and :attr:`reached` says where it landed."""
+        self._read()
+        self.close()
+
+    def _read(self) -> None:
         for path in self._folder.glob("rank0-*.jsonl") if self._folder.is_dir() else []:
             if path not in self._files:
                 self._files[path] = (open(path, encoding="utf-8"), [""])  # noqa: SIM115  # closed in close()
             handle, partial = self._files[path]
             text = partial[0] + handle.read()
-            *lines, partial[0] = text.split("\n")
+            *lines, partial[0] = text.split("\n")  # a line cut by the kill stays unfinished: not seen
             for line in lines:
                 self._see(json.loads(line))
-        if self.furthest >= self._target:
-            self.close()
-            return True
-        return False
 
     def _see(self, record: dict[str, Any]) -> None:
         if record.get("kind") == LOG and self._kind == LOG:

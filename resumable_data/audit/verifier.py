@@ -247,5 +247,5 @@ def _launch(argv: list[str], run_dir: Path, audit: Path, log: Path, timeout: flo
         finally:
             kill_tree(process)
             if watch is not None:
-                watch.close()
+                watch.finish()
     return process.returncode

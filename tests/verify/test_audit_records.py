@@ -15,7 +15,8 @@ import pytest
 import torch
 
 from resumable_data import ResumableDataLoader, audit
-from resumable_data.audit.records import AUDIT_ENV, digest, loader_id, recorder
+from resumable_data.audit.records import AUDIT_ENV, LOG, digest, loader_id, recorder
+from resumable_data.audit.tail import Watch
 from resumable_data.streams import ShardedIterable, StreamLoader
 from streams_harness import MemoryShards
 
@@ -150,3 +151,20 @@ def test_recording_a_batch_leaves_the_training_loops_random_numbers_as_they_were
     monkeypatch.setenv(AUDIT_ENV, str(tmp_path / "records"))
     assert draws() == plain
     assert len([line for line in lines(tmp_path / "records") if line["kind"] == "batch"]) == 5
+
+
+def test_a_watch_reports_the_step_a_kill_landed_after_not_the_one_it_was_aimed_at(tmp_path: Path) -> None:
+    """Found in CI on a loaded machine: the launch ran on past its kill point while the kill was sent, and
+    the report said "killed after step 26" of a launch whose audit went on to step 28."""
+    points = [(LOG, step) for step in range(10)]
+    watch = Watch(tmp_path, points, target=3)
+    log = tmp_path / "rank0-1.jsonl"
+    with open(log, "w") as out:
+        for step in range(5):
+            out.write(json.dumps({"kind": LOG, "rank": 0, "step": step}) + "\n")
+        out.flush()
+        assert watch.reached_target()  # the kill is sent here...
+        out.write(json.dumps({"kind": LOG, "rank": 0, "step": 5}) + "\n")  # ...and lands a step later,
+        out.write('{"kind": "log", "rank": 0, "st')  # inside the next line
+    watch.finish()
+    assert watch.reached == "step 6"
