@@ -107,8 +107,8 @@ class Emulator:
 
 @pytest.fixture(scope="session")
 def gcs_server() -> Iterator[Emulator]:
-    """A GCS emulator for ``gs://`` shards, where gcsfs and gcp-storage-emulator are installed (the
-    ``dev`` extra brings both); skipped otherwise."""
+    """A GCS emulator for ``gs://`` shards, where gcsfs and gcp-storage-emulator are installed (not by
+    the ``dev`` extra: see its comment in pyproject.toml); skipped otherwise."""
     # gcsfs asks a bucket's type over gRPC first, which the emulator does not serve (60 s per bucket)
     os.environ.setdefault("GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT", "false")
     pytest.importorskip("gcsfs", reason="gs:// tests need gcsfs")

@@ -1,6 +1,6 @@
 """Token shards over ``gs://`` (gcsfs, gcp-storage-emulator) and ``az://`` (adlfs, Azurite), each
-skipped where its client or emulator is not installed (the ``dev`` extra brings the clients and the
-GCS emulator; Azurite comes from npm, which ``.ci/run`` installs it with).
+skipped where its client or emulator is not installed (the ``dev`` extra brings adlfs, and ``.ci/run``
+installs Azurite from npm; gcsfs and the GCS emulator are installed by hand: see pyproject.toml).
 
 Specification: shards written to the URL by ``write_token_shards`` read as the same tokens written
 to a local folder, uninterrupted and stopped and restored, with and without a cache; a glob keeps
