@@ -8,4 +8,9 @@ own token shards.
 
 from __future__ import annotations
 
-__all__: list[str] = []
+from .mds import MDSReader, mds_stream
+
+__all__: list[str] = [
+    "MDSReader",
+    "mds_stream",
+]
