@@ -369,6 +369,8 @@ class MDSReader(RemoteReading):
                 "shorter than when the checkpoint was written (replaced?)"
             )
         decoder = self._decoder(name, entry)
+        if start == entry.samples:  # a finished shard's cursor: nothing to open (nor to download)
+            return iter(())
         opened = self._open(name, entry, basename, wait=start == 0)  # a restore reads by ranges until cached
         return map(decoder, opened.samples(range(start, entry.samples)))
 
