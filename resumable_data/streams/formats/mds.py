@@ -47,11 +47,13 @@ class _Opened:
     def __init__(self, name: str, buffer: Any, samples: int) -> None:
         view = memoryview(buffer)
         count = int.from_bytes(view[:4], "little") if len(view) >= 4 else None
-        if count != samples or len(view) < 4 * (samples + 2):
+        if count != samples:
             raise ResumeError(
                 f"MDS shard {name!r} holds {count} samples but index.json says {samples}: the shard or the index "
                 "was rewritten since the other was written"
             )
+        if len(view) < 4 * (samples + 2):
+            raise ResumeError(f"MDS shard {name!r} holds {len(view)} bytes, less than its offset table: truncated")
         self.offsets = np.frombuffer(buffer, _OFFSET, count=samples + 1, offset=4)
         if int(self.offsets[-1]) != len(view):
             raise ResumeError(

@@ -192,6 +192,15 @@ def test_a_truncated_shard_is_refused_by_name(plain: Path) -> None:
         list(MDSReader()(shard, 0))
 
 
+def test_an_index_that_no_longer_fits_its_shard_is_refused_by_name(plain: Path) -> None:
+    index = _index(plain)
+    index["shards"][0]["samples"] += 1  # as if the index were written for another version of the shard
+    (plain / "index.json").write_text(json.dumps(index))
+    shard = plain / index["shards"][0]["raw_data"]["basename"]
+    with pytest.raises(ResumeError, match=rf"MDS shard '.*{shard.name}' holds \d+ samples but index.json says"):
+        list(MDSReader()(shard, 0))
+
+
 def _after(stream: ShardedIterable, n: int) -> dict[str, Any]:
     items = iter(stream)
     for _ in range(n):
