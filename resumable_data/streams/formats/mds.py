@@ -42,37 +42,37 @@ _OFFSET = np.dtype("<u4")
 
 
 class _Opened:
-    """A whole shard in memory or memory-mapped: its samples are slices of ``view``."""
+    """A whole shard in memory (``bytes``) or memory-mapped (``mmap``): a sample is a slice of it, a
+    copy of its bytes only."""
 
     def __init__(self, name: str, buffer: Any, samples: int) -> None:
-        view = memoryview(buffer)
-        count = int.from_bytes(view[:4], "little") if len(view) >= 4 else None
+        count = int.from_bytes(buffer[:4], "little") if len(buffer) >= 4 else None
         if count != samples:
             raise ResumeError(
                 f"MDS shard {name!r} holds {count} samples but index.json says {samples}: the shard or the index "
                 "was rewritten since the other was written"
             )
-        if len(view) < 4 * (samples + 2):
-            raise ResumeError(f"MDS shard {name!r} holds {len(view)} bytes, less than its offset table: truncated")
+        if len(buffer) < 4 * (samples + 2):
+            raise ResumeError(f"MDS shard {name!r} holds {len(buffer)} bytes, less than its offset table: truncated")
         self.offsets = np.frombuffer(buffer, _OFFSET, count=samples + 1, offset=4)
-        if int(self.offsets[-1]) != len(view):
+        if int(self.offsets[-1]) != len(buffer):
             raise ResumeError(
                 f"MDS shard {name!r}: its offset table ends at byte {int(self.offsets[-1])} but it holds "
-                f"{len(view)} bytes (truncated or rewritten?)"
+                f"{len(buffer)} bytes (truncated or rewritten?)"
             )
-        self.view = view
+        self.buffer = buffer
 
-    def samples(self, indices: Iterable[int]) -> Iterator[memoryview]:
+    def samples(self, indices: Iterable[int]) -> Iterator[bytes]:
         """The bytes of the samples at ``indices`` (a range read in order, or ascending offsets)."""
-        view, offsets = self.view, self.offsets
+        buffer, offsets = self.buffer, self.offsets
         if isinstance(indices, range):
             for first in range(indices.start, indices.stop, _CHUNK):
                 bounds = offsets[first : min(first + _CHUNK, indices.stop) + 1].tolist()
                 for begin, end in itertools.pairwise(bounds):
-                    yield view[begin:end]
+                    yield buffer[begin:end]
             return
         for i in indices:
-            yield view[int(offsets[i]) : int(offsets[i + 1])]
+            yield buffer[int(offsets[i]) : int(offsets[i + 1])]
 
 
 class _Ranged:
@@ -92,7 +92,7 @@ class _Ranged:
             )
         return [np.frombuffer(block, _OFFSET) for block in blocks[1:]]
 
-    def samples(self, indices: Iterable[int]) -> Iterator[memoryview]:
+    def samples(self, indices: Iterable[int]) -> Iterator[bytes]:
         if isinstance(indices, range):
             if not indices:
                 return
@@ -102,15 +102,14 @@ class _Ranged:
                 last = first + 1  # samples [first, last) make one request of at most _BLOCK bytes
                 while last < len(bounds) - 1 and bounds[last + 1] - bounds[first] <= _BLOCK:
                     last += 1
-                block = memoryview(self.remote.read_ranges(self.url, [bounds[first]], [bounds[last]])[0])
+                block = self.remote.read_ranges(self.url, [bounds[first]], [bounds[last]])[0]
                 for begin, end in itertools.pairwise(bounds[first : last + 1]):
                     yield block[begin - bounds[first] : end - bounds[first]]
                 first = last
             return
         wanted = list(indices)
         pairs = [p.tolist() for p in self._offsets(wanted, [i + 2 for i in wanted])]
-        for data in self.remote.read_ranges(self.url, [p[0] for p in pairs], [p[1] for p in pairs]):
-            yield memoryview(data)
+        yield from self.remote.read_ranges(self.url, [p[0] for p in pairs], [p[1] for p in pairs])
 
 
 class MDSReader(RemoteReading):

@@ -137,8 +137,8 @@ def sample_decoder(
     columns: Sequence[str] | None,
     decode: Mapping[str, Callable[[bytes], Any]],
     allow_pickle: bool,
-) -> Callable[[Any], dict[str, Any]]:
-    """What turns one sample's bytes (a ``bytes`` or a ``memoryview``) into its ``{column: value}``
+) -> Callable[[bytes], dict[str, Any]]:
+    """What turns one sample's bytes (``bytes``) into its ``{column: value}``
     dict, with only ``columns`` (all when None) decoded.
 
     Raises:
@@ -159,13 +159,13 @@ def sample_decoder(
     ]
     head = struct.Struct(f"<{sum(size is None for _, size, _ in slots)}I")
 
-    def decode_sample(data: Any) -> dict[str, Any]:
+    def decode_sample(data: bytes) -> dict[str, Any]:
         lengths = iter(head.unpack_from(data, 0))
         position, sample = head.size, {}
         for name, size, decoder in slots:
             length = next(lengths) if size is None else size
             if decoder is not None:
-                sample[name] = decoder(bytes(data[position : position + length]))
+                sample[name] = decoder(data[position : position + length])
             position += length
         return sample
 
