@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import gc
 import multiprocessing
 import multiprocessing.connection
 import os
@@ -213,6 +214,18 @@ class PeakMemory:
         if peak is None:
             peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
         return max(0, peak - self._base_kb) / 1024
+
+
+def timed_epoch(loader: Iterable[Any], record_ids: Callable[[Any], list[int]], n: int) -> dict[str, Any]:
+    """One epoch of ``loader``, timed after a garbage collection: ``{"seconds": ...}``, or an error when its
+    batches (``record_ids(batch)`` of each) did not hold each record id ``0 .. n - 1`` once."""
+    gc.collect()
+    start = time.perf_counter()
+    seen = [i for batch in loader for i in record_ids(batch)]
+    elapsed = time.perf_counter() - start
+    if sorted(seen) != list(range(n)):
+        return {"error": "an epoch did not yield every record once"}
+    return {"seconds": elapsed}
 
 
 def repeat_timed(once: Callable[[], float], *, max_reps: int, fast_s: float = 1.0) -> tuple[float, int]:

@@ -62,6 +62,7 @@ from _common import (
     markdown_table,
     parse_args,
     run_isolated,
+    timed_epoch,
     write_report,
 )
 
@@ -172,13 +173,7 @@ def epoch_cell(method: str, data: dict[str, Any], iterations: int, workers: int)
     """1. Throughput: the seconds of one epoch, checked to yield every record once."""
     torch.set_num_threads(1)
     loader = build(method, data, iterations, workers)
-    gc.collect()
-    start = time.perf_counter()
-    seen = [i for batch in loader for i in record_ids(batch)]
-    elapsed = time.perf_counter() - start
-    if sorted(seen) != list(range(len(data["paths"]) * data["per_shard"])):
-        return {"error": "an epoch did not yield every record once"}
-    return {"seconds": elapsed}
+    return timed_epoch(loader, record_ids, len(data["paths"]) * data["per_shard"])
 
 
 def checkpoints_cell(method: str, data: dict[str, Any], workers: int, epoch_batches: int) -> dict[str, Any]:

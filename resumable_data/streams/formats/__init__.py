@@ -8,10 +8,13 @@ own token shards.
 
 from __future__ import annotations
 
+from .mds import MDSReader, mds_stream
 from .webdataset import WebDatasetReader, expand_braces, webdataset_stream
 
 __all__: list[str] = [
+    "MDSReader",
     "WebDatasetReader",
     "expand_braces",
+    "mds_stream",
     "webdataset_stream",
 ]
