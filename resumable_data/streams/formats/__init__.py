@@ -8,4 +8,6 @@ own token shards.
 
 from __future__ import annotations
 
-__all__: list[str] = []
+from .litdata import LitdataReader, litdata_stream
+
+__all__: list[str] = ["LitdataReader", "litdata_stream"]
