@@ -35,6 +35,7 @@ with contextlib.suppress(ImportError):
 NAMESPACES = [
     "resumable_data",
     "resumable_data.streams",
+    "resumable_data.streams.formats",
     "resumable_data.storage",
     "resumable_data.rng",
     "resumable_data.checkpoint",

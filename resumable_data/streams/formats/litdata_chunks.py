@@ -10,6 +10,11 @@ With ``compression="zstd"`` litdata writes one of three layouts (``config.compre
 * ``"sample"``: the plain layout, each item's bytes a zstd frame of their own;
 * ``"chunk"``: the whole file is one zstd stream (``.zstd.bin``), decompressed as a whole.
 
+When pyarrow is installed, litdata writes a chunk of dicts of JSON values (str, int, float, bool,
+bytes, lists, dicts) as an Arrow IPC file after the header (magic ``LDARW01`` at the end), often with
+no item bytes at all, and reads those rows (``to_pylist``) in preference to the items' bytes; so
+does this reader, a batch of rows at a time (pyarrow is then needed).
+
 A chunk of tokens (``TokensLoader``) is the plain header, then ``dim`` tokens; record ``i`` is the
 block ``tokens[i * block_size : (i + 1) * block_size]``, and a tail shorter than a block is not a
 record (as litdata reads it: ``dim // block_size`` blocks per chunk, none across chunks).
@@ -17,6 +22,7 @@ record (as litdata reads it: ``dim // block_size`` blocks per chunk, none across
 
 from __future__ import annotations
 
+import bisect
 import struct
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any, Protocol
@@ -31,6 +37,7 @@ from .litdata_items import token_dtype
 __all__ = ["Bytes", "ChunkRecords", "inflate"]
 
 _FRAMED_MAGIC = b"LDFZ01\0\0"
+_ARROW_MAGIC = b"LDARW01\0"  # the last bytes of a chunk with an Arrow IPC footer (its length before them)
 _FRAMED_PREFIX = struct.Struct("<8sHHIII")  # magic, version, flags, items, items per frame, frames
 _FRAME = struct.Struct("<IIQII")  # first item, items, offset in the file, compressed and raw length
 
@@ -140,12 +147,46 @@ class ChunkRecords:
                 raise ValueError(f"its {entry.dim} tokens would end past its {size} bytes")
             self.count = entry.dim // block_size
             return
-        if items and self.offsets[-1] == self.offsets[0]:
-            raise ResumeError(
-                f"litdata chunk {self.name!r} keeps its items only in an Arrow IPC footer (litdata writes dicts of "
-                "JSON values so when pyarrow is installed); this reader reads items litdata's serializers wrote"
-            )
+        self._bounds = self.offsets.tolist()  # Python ints: slicing with numpy ints costs more per item
         self.count = items
+        if size >= 12 and bytes(data[size - 8 : size]) == _ARROW_MAGIC:
+            self._arrow_footer(entry, size, body=bool(items) and self.offsets[-1] > self.offsets[0])
+
+    def _arrow_footer(self, entry: LitdataChunk, size: int, *, body: bool) -> None:
+        """The chunk's rows from its Arrow IPC footer, which litdata reads in preference to the items'
+        bytes when pyarrow is installed (it writes one for dicts of JSON values then, often alone)."""
+        try:
+            import pyarrow as pa
+        except ImportError as exc:
+            if body:  # as litdata without pyarrow: the items' bytes
+                return
+            raise ResumeError(
+                f"litdata chunk {self.name!r} keeps its items in an Arrow IPC footer only (litdata writes dicts of "
+                "JSON values so when pyarrow is installed): reading it needs pyarrow (pip install "
+                "'resumable-data[parquet]')"
+            ) from exc
+        (length,) = struct.unpack("<I", bytes(self.data[size - 12 : size - 8]))
+        if length > size - 12:
+            raise ValueError(f"its Arrow footer of {length} bytes is longer than the chunk")
+        ipc = pa.py_buffer(self.data[size - 12 - length : size - 12])
+        try:
+            if bytes(ipc[:6]) == b"ARROW1":  # an IPC file (litdata's batches of 256 rows); older chunks: a stream
+                opened = pa.ipc.open_file(ipc)
+                batches = [opened.get_batch(b) for b in range(opened.num_record_batches)]
+            else:
+                batches = pa.ipc.open_stream(ipc).read_all().to_batches()
+        except pa.ArrowException as exc:
+            raise ValueError(f"its Arrow footer does not read: {exc}") from exc
+        self._batches = batches
+        self._rows: tuple[int, list[Any]] | None = None  # the batch last made rows, and its rows
+        self._firsts = np.cumsum([0] + [batch.num_rows for batch in batches]).tolist()
+        self._check_items(self._firsts[-1], entry)
+
+    def _arrow_row(self, i: int) -> Any:
+        b = bisect.bisect_right(self._firsts, i) - 1
+        if self._rows is None or self._rows[0] != b:
+            self._rows = (b, self._batches[b].to_pylist())
+        return self._rows[1][i - self._firsts[b]]
 
     def _check_items(self, items: int, entry: LitdataChunk) -> None:
         if items != entry.items:
@@ -153,7 +194,7 @@ class ChunkRecords:
 
     def records(self, offsets: Iterable[int]) -> Iterator[Any]:
         """The records at ``offsets`` (each in ``range(count)``), in that order."""
-        if self._frames is None and not hasattr(self, "_block"):
+        if self._frames is None and not hasattr(self, "_block") and not hasattr(self, "_batches"):
             yield from self._plain(offsets)
             return
         for i in offsets:
@@ -161,7 +202,7 @@ class ChunkRecords:
 
     def _plain(self, offsets: Iterable[int]) -> Iterator[Any]:
         # The hot loop of an uncompressed chunk of items: one slice and one decode per item.
-        data, bounds, decode, sample = self.data, self.offsets, self.decode, self._sample
+        data, bounds, decode, sample = self.data, self._bounds, self.decode, self._sample
         for i in offsets:
             raw = bytes(data[bounds[i] : bounds[i + 1]])
             yield decode(inflate(raw) if sample else raw)
@@ -175,6 +216,8 @@ class ChunkRecords:
             if isinstance(self._dtype, torch.dtype):
                 return torch.from_numpy(block).view(self._dtype)
             return block.view(self._dtype)
+        if hasattr(self, "_batches"):
+            return self._arrow_row(i)
         if self._frames is None:
             return next(self._plain([i]))
         frame = self._frame_of(i)

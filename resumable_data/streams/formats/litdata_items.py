@@ -201,12 +201,14 @@ class ItemDecoder:
     def __call__(self, item: bytes) -> Any:
         """The user's item from its bytes (a ValueError or struct.error when they are not an item)."""
         sizes = self._sizes.unpack_from(item, 0)
-        start, leaves = self._sizes.size, []
+        start = self._sizes.size
+        if start + sum(sizes) != len(item):
+            raise ValueError(f"its leaves' sizes {list(sizes)} do not add up to the item's {len(item)} bytes")
+        leaves = []
         for size, leaf in zip(sizes, self._leaves, strict=True):
-            if start + size > len(item):
-                raise ValueError(f"a leaf of {size} bytes at {start} overruns the item's {len(item)} bytes")
-            leaves.append(leaf(item[start : start + size]))
-            start += size
+            end = start + size
+            leaves.append(leaf(item[start:end]))
+            start = end
         return self._unflatten(iter(leaves))
 
 

@@ -65,6 +65,19 @@ def test_every_record_equals_what_litdata_yields(name: str) -> None:
     assert_as_litdata_reads(name, list(stream(name, shuffle=False)))
 
 
+def test_rows_litdata_keeps_in_an_arrow_footer_are_read_from_it() -> None:
+    pytest.importorskip("pyarrow", reason="Arrow-footer chunks need pyarrow (the [parquet] extra)")
+    for chunk in sorted((FIXTURES / "rows_arrow").glob("*.bin")):  # a header and a footer, no item bytes
+        data = chunk.read_bytes()
+        offsets = np.frombuffer(data, dtype="<u4", count=int.from_bytes(data[:4], "little") + 1, offset=4)
+        assert len(set(offsets.tolist())) == 1 and data.endswith(b"LDARW01\0")
+    assert_as_litdata_reads("rows_arrow", list(stream("rows_arrow", shuffle=False)))
+    reader = LitdataReader(FIXTURES / "rows_arrow")
+    shard = reader.shards[0]
+    whole = list(reader(shard, 0))
+    assert_same_records(reader.read_records(shard, [1, 7, 14]), [whole[i] for i in (1, 7, 14)])
+
+
 def test_sizes_come_from_the_index_and_a_seek_reads_the_same_records(tmp_path: Path) -> None:
     reader = LitdataReader(FIXTURES / "items_zstd")  # framed zstd: a seek lands inside a frame
     index = json.loads((FIXTURES / "items_zstd" / "index.json").read_text())
