@@ -177,6 +177,9 @@ class ItemDecoder:
         decode: Callable[[str, bytes], Any] | None,
         where: str,
     ) -> None:
+        # What a worker process rebuilds it from (its decoders are closures, which do not pickle).
+        self._args: dict[str, Any] = {"data_format": data_format, "data_spec": data_spec}
+        self._args.update(allow_pickle=allow_pickle, decode=decode, where=where)
         self.fields: list[str] = []
         try:
             spec = json.loads(data_spec) if data_spec is not None else [1, {"type": None, "children_spec": []}]
@@ -197,6 +200,12 @@ class ItemDecoder:
             _leaf(f, field, allow_pickle, decode) for f, field in zip(data_format, self.fields, strict=True)
         ]
         self._sizes = struct.Struct("<" + "I" * len(data_format))
+
+    def __getstate__(self) -> dict[str, Any]:
+        return self._args
+
+    def __setstate__(self, args: dict[str, Any]) -> None:
+        self.__init__(**args)  # type: ignore[misc]
 
     def __call__(self, item: bytes) -> Any:
         """The user's item from its bytes (a ValueError or struct.error when they are not an item)."""

@@ -13,9 +13,10 @@ refused by name; a malformed index is an error naming the field; pickle is refus
 
 from __future__ import annotations
 
-import importlib.util
 import json
+import pickle
 import shutil
+import sys
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -34,10 +35,9 @@ from streams_harness import assert_exactly_once_across_layout_change
 FIXTURES = Path(__file__).resolve().parents[2] / "fixtures" / "formats" / "litdata"
 EXPECTED = json.loads((FIXTURES / "expected.json").read_text())
 BLOCK = EXPECTED["block_size"]
-_spec = importlib.util.spec_from_file_location("write_litdata", FIXTURES / "write_litdata.py")
-assert _spec is not None and _spec.loader is not None
-write_litdata = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(write_litdata)
+# Importable by name: litdata.optimize's workers unpickle its functions (the live test).
+sys.path.insert(0, str(FIXTURES))
+import write_litdata  # noqa: E402
 
 ITEMS = ["items", "pairs", "items_zstd", "items_zstd_chunk", "items_zstd_sample"]
 TOKENS = ["tokens", "tokens_numpy", "tokens_zstd"]
@@ -63,6 +63,15 @@ def assert_as_litdata_reads(name: str, records: list[Any]) -> None:
 @pytest.mark.parametrize("name", ITEMS + TOKENS)
 def test_every_record_equals_what_litdata_yields(name: str) -> None:
     assert_as_litdata_reads(name, list(stream(name, shuffle=False)))
+
+
+@pytest.mark.parametrize("name", ["items_zstd", "tokens"])
+def test_a_dataset_litdata_writes_here_reads_as_litdata_reads_it(tmp_path: Path, name: str) -> None:
+    """Live where litdata installs (the peers' environment), against the installed version."""
+    pytest.importorskip("litdata", reason="litdata is not installed here: the committed fixtures stand for it")
+    records = write_litdata.write(name, tmp_path / name)
+    block = {"block_size": BLOCK} if name.startswith("tokens") else {}
+    assert_same_records(list(litdata_stream(tmp_path / name, shuffle=False, **block)), records)
 
 
 def test_rows_litdata_keeps_in_an_arrow_footer_are_read_from_it() -> None:
@@ -93,6 +102,13 @@ def test_sizes_come_from_the_index_and_a_seek_reads_the_same_records(tmp_path: P
 
 def assert_same_records(actual: list[Any], expected: list[Any]) -> None:
     assert [write_litdata.canonical(r) for r in actual] == [write_litdata.canonical(r) for r in expected]
+
+
+@pytest.mark.parametrize("name", ["items", "tokens"])
+def test_a_reader_pickles_for_spawned_workers_and_reads_the_same(name: str) -> None:
+    reader = LitdataReader(FIXTURES / name, **({"block_size": BLOCK} if name == "tokens" else {}))
+    copy = pickle.loads(pickle.dumps(reader))
+    assert_same_records(list(copy(copy.shards[1], 2)), list(reader(reader.shards[1], 2)))
 
 
 def test_pickle_is_refused_by_default_and_read_only_when_allowed() -> None:
