@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import mmap
 import os
+import struct
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 from typing import IO, Any
@@ -270,7 +271,7 @@ class LitdataReader(RemoteReading):
     def _read(self, records: ChunkRecords, offsets: Sequence[int]) -> Iterator[Any]:
         try:
             yield from records.records(offsets)
-        except (ValueError, UnicodeDecodeError) as exc:
+        except (ValueError, IndexError, struct.error) as exc:  # UnicodeDecodeError is a ValueError
             raise ResumeError(
                 f"litdata chunk {records.name!r} holds an item that does not decode (truncated or rewritten?): {exc}"
             ) from exc

@@ -187,6 +187,16 @@ def test_a_truncated_chunk_is_refused_by_name(copy: Path) -> None:
         list(ShardedIterable(reader.shards, read_shard=reader, shuffle=False))
 
 
+def test_an_item_whose_bytes_were_damaged_is_refused_by_chunk(copy: Path) -> None:
+    chunk = copy / "chunk-0-2.bin"
+    data = bytearray(chunk.read_bytes())
+    first = int.from_bytes(data[4:8], "little")  # where item 0 starts: its leaves' sizes
+    data[first : first + 4] = b"\xff\xff\xff\x7f"  # same size, a leaf size past the item's end
+    chunk.write_bytes(bytes(data))
+    with pytest.raises(ResumeError, match=r"chunk-0-2\.bin' holds an item that does not decode"):
+        list(litdata_stream(copy, shuffle=False))
+
+
 def test_a_chunk_rewritten_since_the_checkpoint_is_refused_by_name(copy: Path) -> None:
     def make() -> ShardedIterable:
         return litdata_stream(copy, seed=3)
