@@ -3,7 +3,7 @@
 Data, written by ``litdata.optimize`` (in a process of its own, see ``_peers``) to a temp dir:
 
 - items: 20,000 dicts ``{"id": i, "tokens": int32[128]}`` (``--quick``: 4,000), 1,000 per chunk;
-- tokens: 2,000 documents of 500-1,500 int32 tokens in ``TokensLoader`` chunks of 1 MB, read as
+- tokens: 6,000 documents of 500-1,500 int32 tokens in ``TokensLoader`` chunks of 1 MB, read as
   blocks of 256 tokens (``--quick``: 400 documents).
 
 Readers, batches of 32, with 0 and 2 workers:
@@ -152,7 +152,7 @@ def spread(values: list[float], fmt: Any) -> str:
 
 def main() -> None:
     args = parse_args(__doc__.splitlines()[0])
-    sizes = {"items": 4000, "tokens": 400} if args.quick else {"items": 20_000, "tokens": 2000}
+    sizes = {"items": 4000, "tokens": 400} if args.quick else {"items": 20_000, "tokens": 6000}
     rounds = 1 if args.quick else 5
     epoch_rows, restore_rows = [], []
     with tempfile.TemporaryDirectory(prefix="bench-litdata-") as tmp:

@@ -59,8 +59,10 @@ class LitdataReader(RemoteReading):
     Items come back as the user gave them to ``litdata.optimize`` (the dict, tuple or list of
     ``config.data_spec``), each leaf decoded from its plain bytes: ints, floats, bools, strings,
     bytes, numpy arrays, torch tensors and ``json`` lists/dicts (see
-    :mod:`~resumable_data.streams.formats.litdata_items`). A ``pickle`` leaf is refused unless
-    ``allow_pickle=True``; images, audio and other media go to ``decode``. Token chunks yield
+    :mod:`~resumable_data.streams.formats.litdata_items`), or the rows of the Arrow IPC footer litdata
+    writes for dicts of JSON values when pyarrow is installed (read from it as litdata reads them;
+    pyarrow is then needed). A ``pickle`` leaf is refused unless ``allow_pickle=True``; images,
+    audio and other media go to ``decode``. Token chunks yield
     blocks of ``block_size`` tokens of the dtype they were written with, as litdata's
     ``TokensLoader(block_size)`` does.
 
