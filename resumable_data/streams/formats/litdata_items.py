@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import pickle
 import struct
+from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
@@ -69,9 +70,10 @@ def _tensor(data: bytes) -> torch.Tensor:
     if index >= len(_TORCH_DTYPES):
         raise ValueError(f"tensor dtype index {index} is not one litdata writes")
     dtype, start = _TORCH_DTYPES[index], 8 + 4 * rank
-    if start >= len(data):
-        return torch.empty(shape, dtype=dtype)
-    return torch.frombuffer(bytearray(data[start:]), dtype=dtype).reshape(shape)
+    tensor = torch.empty(shape, dtype=dtype)
+    if len(data) - start != tensor.numel() * tensor.element_size():
+        raise ValueError(f"a tensor of shape {list(shape)} ({dtype}) with {len(data) - start} bytes of data")
+    return torch.frombuffer(bytearray(data[start:]), dtype=dtype).reshape(shape) if tensor.numel() else tensor
 
 
 def _numpy(data: bytes) -> np.ndarray:
@@ -144,10 +146,11 @@ def _unflattener(node: Any, path: str, fields: list[str], where: str) -> Callabl
             _unflattener(c, f"{path}.{k}" if path else str(k), fields, where)
             for k, c in zip(keys, children, strict=True)
         ]
+        mapping = OrderedDict if kind == "collections.OrderedDict" else dict
         if all(part is next for part in parts):  # a dict of leaves: the common item
             # The item's leaves iterator goes on past this dict's: zip stops at the last key.
-            return lambda leaves: dict(zip(keys, leaves, strict=False))
-        return lambda leaves: {key: part(leaves) for key, part in zip(keys, parts, strict=True)}
+            return lambda leaves: mapping(zip(keys, leaves, strict=False))
+        return lambda leaves: mapping((key, part(leaves)) for key, part in zip(keys, parts, strict=True))
     parts = [_unflattener(child, f"{path}[{i}]", fields, where) for i, child in enumerate(children)]
     container = list if kind == "builtins.list" else tuple
     return lambda leaves: container(part(leaves) for part in parts)
