@@ -256,6 +256,13 @@ def test_a_malformed_index_names_the_field_and_what_was_expected(
         litdata_stream(copy)
 
 
+def test_building_a_stream_opens_no_chunk(copy: Path) -> None:
+    index = json.loads((copy / "index.json").read_text())
+    for chunk in copy.glob("*.bin"):
+        chunk.unlink()  # only index.json is left: the sizes must come from it
+    assert litdata_stream(copy, shuffle=False).sizes == [c["chunk_size"] for c in index["chunks"]]
+
+
 def test_a_missing_index_or_chunk_is_named(copy: Path) -> None:
     with pytest.raises(ResumeError, match=r"litdata index '.*nowhere/index.json' is missing"):
         litdata_stream(copy.parent / "nowhere")
