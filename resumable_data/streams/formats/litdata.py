@@ -240,7 +240,8 @@ class LitdataReader(RemoteReading):
             self._check_size(name, entry, size)
             if self._whole_file:
                 return self._records(name, entry, self._inflated(name, entry, file.read()))
-            data = memoryview(mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ)) if size else memoryview(b"")
+            # A slice of the mapping is a copy of just those bytes; an empty file cannot be mapped.
+            data: Any = mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ) if size else b""
         return self._records(name, entry, data)
 
     def _records(self, name: str, entry: LitdataChunk, data: Any) -> ChunkRecords:
