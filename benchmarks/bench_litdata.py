@@ -153,7 +153,7 @@ def spread(values: list[float], fmt: Any) -> str:
 def main() -> None:
     args = parse_args(__doc__.splitlines()[0])
     sizes = {"items": 4000, "tokens": 400} if args.quick else {"items": 20_000, "tokens": 6000}
-    rounds = 1 if args.quick else 5
+    rounds = 1 if args.quick else 7
     epoch_rows, restore_rows = [], []
     with tempfile.TemporaryDirectory(prefix="bench-litdata-") as tmp:
         for kind, n in sizes.items():
