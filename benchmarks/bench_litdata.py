@@ -18,6 +18,8 @@ Readers, batches of 32, with 0 and 2 workers:
 2. Restore at 90 %: a loader's state after 90 % of the epoch's batches, loaded into a freshly built
    loader (ours: ``load_state_dict``; litdata: ``StreamingDataLoader.load_state_dict``) and timed to
    the first batch in hand, checked equal to the uninterrupted run's next batch; median (min-max).
+   With workers, ours makes that batch in the loader's process while they start (StreamLoader's
+   warm start, its default).
 
 Every measurement runs in a fresh process (``_common.run_isolated``). Needs litdata:
 ``PYTHONPATH=. /work/peers-venv/bin/python benchmarks/bench_litdata.py`` (``--quick``: a smoke test).
