@@ -22,7 +22,7 @@ from resumable_data.streams.formats import MDSReader, mds_stream
 from resumable_data.testing import assert_same
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "formats"
-sys.path.insert(0, str(FIXTURES))
+sys.path.insert(0, str(FIXTURES / "mds"))  # the script that wrote the fixtures, next to them
 from make_mds import encode  # noqa: E402
 
 

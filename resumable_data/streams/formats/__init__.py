@@ -8,13 +8,16 @@ own token shards.
 
 from __future__ import annotations
 
+from .litdata import LitdataReader, litdata_stream
 from .mds import MDSReader, mds_stream
 from .webdataset import WebDatasetReader, expand_braces, webdataset_stream
 
 __all__: list[str] = [
+    "LitdataReader",
     "MDSReader",
     "WebDatasetReader",
     "expand_braces",
+    "litdata_stream",
     "mds_stream",
     "webdataset_stream",
 ]

@@ -1,7 +1,7 @@
 """MDSReader: Mosaic Streaming's MDS shards read as its MDSWriter wrote them, with an O(1) seek.
 
 Specifications: every sample of the committed fixtures (written by Mosaic's own MDSWriter, see
-tests/fixtures/formats/make_mds.py) equals, in value, type and bits, what Mosaic's own reader
+tests/fixtures/formats/mds/make_mds.py) equals, in value, type and bits, what Mosaic's own reader
 yields, plain and zstd-compressed, and a multi-stream root; a read from sample ``k`` reads no sample
 before it; the sizes come from index.json alone; a pipeline over the shards (shuffle_window, mix,
 StreamLoader with 0 and 2 workers) stopped and restored equals the uninterrupted run bitwise and
@@ -33,7 +33,7 @@ from streams_harness import assert_exactly_once_across_layout_change, ids
 
 FIXTURES = Path(__file__).resolve().parents[2] / "fixtures" / "formats"
 MDS = FIXTURES / "mds"
-sys.path.insert(0, str(FIXTURES))
+sys.path.insert(0, str(MDS))  # the script that wrote the fixtures, next to them
 from make_mds import encode  # noqa: E402
 
 EXPECTED = json.loads((MDS / "expected.json").read_text())
@@ -292,7 +292,7 @@ def _mosaic() -> Any:
     """Mosaic's ``streaming``, or a visible skip where it does not import (the dev environment)."""
     if importlib.util.find_spec("streaming") is None:
         pytest.skip("mosaicml-streaming is not installed here (it pins numpy < 2.2); see make_mds.py")
-    sys.path.insert(0, str(FIXTURES.parent))  # tests/, for the torchvision workaround
+    sys.path.insert(0, str(FIXTURES.parents[1]))  # tests/, for the torchvision workaround
     try:
         from torchvision_compat import load_torchvision
 
