@@ -50,7 +50,7 @@ def test_an_mds_dataset_over_s3_reads_as_its_local_files(
     url = upload(s3_server, name)
     cache = {"cache_dir": tmp_path / "cache"} if cached else {}
     reader = MDSReader(storage_options=s3_server.options(), **cache)
-    remote, local = mds_stream(url, reader=reader, seed=1), mds_stream(FIXTURES / "mds" / name, seed=1)
+    remote, local = mds_stream(url, read_shard=reader, seed=1), mds_stream(FIXTURES / "mds" / name, seed=1)
     assert remote.sizes == local.sizes
     assert [encode(r) for r in remote.shuffle_window(10, seed=2)] == [
         encode(r) for r in local.shuffle_window(10, seed=2)
@@ -66,7 +66,7 @@ def test_a_cached_loader_in_two_workers_resumes_as_the_local_run(s3_server: Any,
 
     def loader(location: Any, **options: Any) -> StreamLoader:
         reader = MDSReader(["id", "tokens"], **options)
-        stream = mds_stream(location, reader=reader, seed=3).shuffle_window(16, seed=4).map(as_tensor)
+        stream = mds_stream(location, read_shard=reader, seed=3).shuffle_window(16, seed=4).map(as_tensor)
         return StreamLoader(stream, batch_size=4, num_workers=2, timeout=60)
 
     reference = list(loader(FIXTURES / "mds" / "zstd"))
@@ -78,7 +78,7 @@ def test_a_shard_rewritten_on_the_server_is_refused_by_name(s3_server: Any, tmp_
     url = upload(s3_server, "plain")
 
     def stream() -> Any:
-        return mds_stream(url, reader=MDSReader(storage_options=s3_server.options()), shuffle=False)
+        return mds_stream(url, read_shard=MDSReader(storage_options=s3_server.options()), shuffle=False)
 
     first = stream()
     items = iter(first)

@@ -146,7 +146,7 @@ class MDSReader(RemoteReading):
 
         reader = MDSReader(["tokens", "label"])
         stream = ShardedIterable(sorted(glob("mds/shard.*.mds")), read_shard=reader, seed=0)
-        stream = mds_stream("mds/", reader=reader, seed=0)  # the same, in the index's order
+        stream = mds_stream("mds/", read_shard=reader, seed=0)  # the same, in the index's order
     """
 
     def __init__(
@@ -390,14 +390,17 @@ class MDSReader(RemoteReading):
         return [decoder(data) for data in self._open(name, entry, basename, wait=False).samples(offsets)]
 
 
-def mds_stream(location: str | os.PathLike[str], *, reader: MDSReader | None = None, **kwargs: Any) -> ShardedIterable:
+def mds_stream(
+    location: str | os.PathLike[str], *, read_shard: MDSReader | None = None, **kwargs: Any
+) -> ShardedIterable:
     """A :class:`~resumable_data.streams.ShardedIterable` over the MDS dataset at ``location`` (the
     folder Mosaic's ``MDSWriter`` wrote, a URL of one, or a multi-stream root), its shards and sizes
     from ``index.json``: nothing but the index is read here.
 
     Args:
         location: the dataset's folder or URL.
-        reader: the :class:`MDSReader` (columns, decode, cache...); a default one when None.
+        read_shard: the :class:`MDSReader` (columns, decode, cache...); a default one when None
+            (named as :class:`~resumable_data.streams.ShardedIterable` names its reader).
         **kwargs: the other arguments of ShardedIterable (``seed``, ``shuffle``, ``growth``...).
 
     Raises:
@@ -407,8 +410,8 @@ def mds_stream(location: str | os.PathLike[str], *, reader: MDSReader | None = N
 
     Example::
 
-        stream = mds_stream("s3://bucket/mds/train", reader=MDSReader(cache_dir="/tmp/cache"), seed=0)
+        stream = mds_stream("s3://bucket/mds/train", read_shard=MDSReader(cache_dir="/tmp/cache"), seed=0)
         loader = StreamLoader(stream.shuffle_window(10_000), batch_size=32, num_workers=2)
     """
-    reader = MDSReader() if reader is None else reader
+    reader = MDSReader() if read_shard is None else read_shard
     return ShardedIterable(reader.shards(location), read_shard=reader, **kwargs)

@@ -109,10 +109,10 @@ def test_sizes_come_from_the_index_without_opening_a_shard(plain: Path) -> None:
 
 
 def test_only_the_columns_asked_are_decoded() -> None:
-    records = list(mds_stream(MDS / "plain", reader=MDSReader(["id", "text"]), shuffle=False))
+    records = list(mds_stream(MDS / "plain", read_shard=MDSReader(["id", "text"]), shuffle=False))
     assert records[3] == {"id": 3 * 1_000_003 - 2**40, "text": "sample 3 ééé"}
     with pytest.raises(ResumeError, match=r"lacks the column\(s\) \['label'\]; its columns are \['blob', 'f16'"):
-        mds_stream(MDS / "plain", reader=MDSReader(["label"]))
+        mds_stream(MDS / "plain", read_shard=MDSReader(["label"]))
     with pytest.raises(TypeError, match=r"pass \['id'\]"):
         MDSReader("id")
 
@@ -123,9 +123,9 @@ def test_pickle_is_refused_unless_allowed() -> None:
         mds_stream(MDS / "pickled")
     with pytest.raises(ResumeError, match=r"'obj' .* pickled"):
         next(MDSReader()(MDS / "pickled" / "shard.00000.mds", 0))
-    allowed = mds_stream(MDS / "pickled", reader=MDSReader(allow_pickle=True), shuffle=False)
+    allowed = mds_stream(MDS / "pickled", read_shard=MDSReader(allow_pickle=True), shuffle=False)
     assert encoded(allowed) == EXPECTED["pickled"]
-    assert [r["id"] for r in mds_stream(MDS / "pickled", reader=MDSReader(["id"]), shuffle=False)] == [0, 1, 2, 3]
+    assert [r["id"] for r in mds_stream(MDS / "pickled", read_shard=MDSReader(["id"]), shuffle=False)] == [0, 1, 2, 3]
 
 
 def test_an_image_column_needs_a_decode_hook() -> None:
@@ -135,9 +135,9 @@ def test_an_image_column_needs_a_decode_hook() -> None:
     import io
 
     reader = MDSReader(decode={"png": lambda data: image.open(io.BytesIO(data))})
-    assert encoded(mds_stream(MDS / "image", reader=reader, shuffle=False)) == EXPECTED["image"]
+    assert encoded(mds_stream(MDS / "image", read_shard=reader, shuffle=False)) == EXPECTED["image"]
     raw = MDSReader(decode={"img": bytes})  # by column name: kept encoded
-    assert next(iter(mds_stream(MDS / "image", reader=raw, shuffle=False)))["img"][:4] == b"\x89PNG"
+    assert next(iter(mds_stream(MDS / "image", read_shard=raw, shuffle=False)))["img"][:4] == b"\x89PNG"
 
 
 def _index(folder: Path) -> dict[str, Any]:
@@ -240,8 +240,10 @@ def as_tensor(record: dict[str, Any]) -> torch.Tensor:
 
 
 def pipeline(seed: int = 0) -> Stream:
-    plain = mds_stream(MDS / "zstd", reader=MDSReader(["id", "tokens"]), seed=seed).shuffle_window(16, seed=seed + 1)
-    multi = mds_stream(MDS / "multi", reader=MDSReader(["id"]), seed=seed + 2)
+    plain = mds_stream(MDS / "zstd", read_shard=MDSReader(["id", "tokens"]), seed=seed).shuffle_window(
+        16, seed=seed + 1
+    )
+    multi = mds_stream(MDS / "multi", read_shard=MDSReader(["id"]), seed=seed + 2)
     return mix([plain, multi], weights=[3, 1], seed=seed + 3).map(as_tensor)
 
 
@@ -252,7 +254,7 @@ def test_a_shuffled_mixed_pipeline_resumes_identically() -> None:
 @pytest.mark.parametrize("workers", [0, 2])
 def test_a_stream_loader_resumes_identically_and_reads_each_sample_once(workers: int) -> None:
     def make() -> StreamLoader:
-        source = mds_stream(MDS / "plain", reader=MDSReader(["id", "tokens"]), seed=4).shuffle_window(20, seed=5)
+        source = mds_stream(MDS / "plain", read_shard=MDSReader(["id", "tokens"]), seed=4).shuffle_window(20, seed=5)
         extra = {"num_workers": workers, "timeout": 60} if workers else {}
         return StreamLoader(source.map(as_tensor), batch_size=5, **extra)
 
@@ -266,7 +268,7 @@ def sample_id(record: dict[str, Any]) -> int:
 
 
 def id_stream() -> Stream:
-    return mds_stream(MDS / "plain", reader=MDSReader(["id"]), seed=6).shuffle_window(12, seed=7).map(sample_id)
+    return mds_stream(MDS / "plain", read_shard=MDSReader(["id"]), seed=6).shuffle_window(12, seed=7).map(sample_id)
 
 
 def test_each_sample_once_across_a_change_of_world_size() -> None:
@@ -281,7 +283,7 @@ def test_each_sample_once_across_a_change_of_world_size_and_workers(old: Any, ne
 
 def test_a_shuffle_buffer_restores_by_reading_records_by_offset() -> None:
     def make() -> Stream:
-        return mds_stream(MDS / "zstd", reader=MDSReader(["id"]), seed=8).shuffle_buffer(10, seed=9).map(sample_id)
+        return mds_stream(MDS / "zstd", read_shard=MDSReader(["id"]), seed=8).shuffle_buffer(10, seed=9).map(sample_id)
 
     assert_resumes_identically(make, [0, 5, 23, 47, 50], epochs=2)
     assert sorted(ids(list(make()))) == sorted(PLAIN_IDS)
