@@ -13,6 +13,9 @@ Methods, as a user would build each one:
 - resumable_data: ``ResumableDataLoader``; ``load_state_dict`` + ``next(iter(loader))``.
 - resumable_data, warm start: the same with ``warm_start=True`` (the main process fetches the
   first batch while the workers start); only with workers, where it changes anything.
+- Grain (torchtitan's loader now; optional, see ``_grain.py``): ``grain.python.DataLoader`` with a
+  shuffled ``IndexSampler``, ``Batch(32)`` and ``worker_count`` 0 or 2; ``set_state`` on a fresh
+  iterator + ``next``. Skipped, with a line that says why, where Grain does not import.
 
 Epoch start: one more table times a fresh epoch of a running job (the second epoch of a loader,
 2 workers, persistent or not, with and without warm start): its first batch and its total time,
@@ -22,8 +25,12 @@ over interleaved rounds, each epoch checked to be the same batches in every vari
 loader. The state for position k is the method's real state after one batch with its position
 counters set to k, which is what it would have saved after k batches; producing it by iterating k
 batches would take the naive skip's time again for every cell. The exactness column confirms that
-each restore lands on batch k: the resumed batch is compared with batch k of an uninterrupted run of
-the method's own sampler (computed once per sampler and size, outside the timed region).
+each restore lands on batch k: the resumed batches (the timed first one and the next ones, up to
+``CHECKED_BATCHES``, taken after the clock stops) are compared with batches k, k + 1, ... of an
+uninterrupted run of the method's own sampler (computed once per sampler and size, outside the
+timed region). A method that resumes wrong gets no figure: its cells say "no figure: resumed
+wrong". The state size is the bytes of the checkpoint as saved: pickled for a state dict, the JSON
+Grain's ``get_state()`` returns (what its checkpoint handler writes) for Grain.
 
 The floor: in every resumable_data cell with a dataset, the same process also times the first
 batch of a fresh, unshuffled plain ``DataLoader`` over the same dataset with the same workers
@@ -43,6 +50,7 @@ import argparse
 import functools
 import gc
 import itertools
+import pickle
 import statistics
 import time
 import warnings
@@ -52,6 +60,7 @@ from pathlib import Path
 from typing import Any
 
 import _common  # first: it puts this checkout's resumable_data on the path
+import _grain
 import numpy as np
 import torch
 import torchdata.nodes as tn
@@ -81,7 +90,8 @@ STATEFUL = "StatefulDataLoader"
 NODES = "torchdata.nodes"
 OURS = "resumable_data"
 WARM = "resumable_data, warm start"
-DATA_METHODS = (NAIVE, INDEX_SKIP, STATEFUL, NODES, OURS, WARM)
+GRAIN = _grain.NAME
+DATA_METHODS = (NAIVE, INDEX_SKIP, STATEFUL, NODES, OURS, WARM, GRAIN)
 OURS_METHODS = (OURS, WARM)  # one loader, one state format, one order: they share a reference
 # Without a dataset, discarding batches *is* the index-only skip, so the naive skip has no row there.
 INDEX_METHODS = (INDEX_SKIP, STATEFUL, NODES, OURS)
@@ -99,8 +109,13 @@ MEMORY_CAP_BYTES = 4 * 2**30  # the machine is shared: no baseline cell may need
 # above ITERATED_REFERENCE_LIMIT, for resumable_data, the permutation evaluated at the target positions
 # (iterating 10^9 indices is what no one can afford).
 LOADER_REFERENCE_LIMIT = 10**5
+# Grain's loader reads about 3,000 records/s here (0 µs/sample, with or without workers): above this
+# size its reference is its sampler, laid out over workers as its loader does (see _grain.py).
+GRAIN_LOADER_REFERENCE_LIMIT = 10**4
 ITERATED_REFERENCE_LIMIT = 10**7
 CELL_TIMEOUT_FLOOR_S = 30
+# Every restore is checked on this many batches from its position on (fewer at the epoch's end).
+CHECKED_BATCHES = 3
 
 
 @dataclass(frozen=True)
@@ -144,6 +159,7 @@ QUICK = Plan(
 # What a restore is compared with: the first batch of a plain, unshuffled DataLoader.
 FLOOR = "floor: fresh unshuffled DataLoader"
 FLOOR_TARGET = 2.0  # restore ≤ 2× the floor
+REFUSED = "no figure: resumed wrong"
 
 
 class DeadlineExceeded(Exception):
@@ -206,6 +222,7 @@ _BUILDERS: dict[str, Callable[..., Any]] = {
     NODES: _nodes_loader,
     OURS: functools.partial(_common.resumable_loader, batch_size=BATCH_SIZE, seed=SEED, warm_start=False),
     WARM: functools.partial(_common.resumable_loader, batch_size=BATCH_SIZE, seed=SEED, warm_start=True),
+    GRAIN: functools.partial(_grain.loader, batch_size=BATCH_SIZE, seed=SEED),
 }
 
 
@@ -229,21 +246,25 @@ def _stateful_state_at(state: dict[str, Any], k: int, workers: int) -> dict[str,
     return state
 
 
-def _state_after_one_batch(loader: Any) -> dict[str, Any]:
+def _state_after_one_batch(loader: Any) -> Any:
     iterator = iter(loader)
     next(iterator)
-    state = loader.state_dict()
+    # Grain keeps the state on the iterator, the others on the loader.
+    state = iterator.get_state() if hasattr(iterator, "get_state") else loader.state_dict()
     del iterator  # shuts its workers down
     return state
 
 
-def _checkpoint(method: str, dataset: SyntheticDataset, k: int, workers: int) -> dict[str, Any]:
+def _checkpoint(method: str, dataset: SyntheticDataset, k: int, workers: int) -> Any:
     if method == STATEFUL:
         return _stateful_state_at(_state_after_one_batch(_BUILDERS[STATEFUL](dataset, workers=workers)), k, workers)
     if method == NODES:
         state = _state_after_one_batch(_nodes_loader(dataset, workers=workers))
         _set_keys(state, ("num_yielded", "_num_yielded"), k)
         return state
+    if method == GRAIN:
+        state = _state_after_one_batch(_BUILDERS[GRAIN](dataset, workers=workers))
+        return _grain.state_at(state, k, batch_size=BATCH_SIZE, workers=workers)
     state = _state_after_one_batch(_BUILDERS[method](dataset, workers=workers))
     state["position"] = k * BATCH_SIZE  # the documented, editable field: global samples consumed
     return state
@@ -252,17 +273,26 @@ def _checkpoint(method: str, dataset: SyntheticDataset, k: int, workers: int) ->
 # -- the cells ------------------------------------------------------------------------------------
 
 
+def _with_next(first: Any, iterator: Iterator[Any], count: int) -> list[torch.Tensor]:
+    """``first`` and the iterator's next ``count - 1`` batches (taken after the clock stopped), as tensors."""
+    # Grain hands out numpy arrays; the checks compare tensors.
+    return [torch.as_tensor(batch) for batch in (first, *itertools.islice(iterator, count - 1))]
+
+
 def _skip_cell(
-    method: str, dataset: SyntheticDataset, k: int, workers: int, deadline_s: float
-) -> tuple[float, torch.Tensor | None, str]:
-    """Build the loader, skip k batches, take the next. Returns (seconds, batch or None, note)."""
+    method: str, dataset: SyntheticDataset, k: int, workers: int, deadline_s: float, count: int
+) -> tuple[float, list[torch.Tensor] | None, str]:
+    """Build the loader, skip k batches, take the next (timed) and ``count - 1`` more.
+
+    Returns (seconds, batches or None, note).
+    """
     start = time.perf_counter()
     if method == INDEX_SKIP:
         sampler = RandomSampler(dataset, generator=seeded_generator(SEED))
         skipping = SkipBatches(BatchSampler(sampler, BATCH_SIZE, drop_last=False), k, start + deadline_s)
-        loader = DataLoader(dataset, batch_sampler=skipping, num_workers=workers)
+        iterator = iter(DataLoader(dataset, batch_sampler=skipping, num_workers=workers))
         try:
-            batch = next(iter(loader))
+            batch = next(iterator)
         except DeadlineExceeded as stop:
             elapsed = time.perf_counter() - start
             return (
@@ -270,7 +300,8 @@ def _skip_cell(
                 None,
                 f"> {deadline_s:.0f} s deadline: extrapolated (linear from {stop.done} batches)",
             )
-        return time.perf_counter() - start, batch, ""
+        seconds = time.perf_counter() - start
+        return seconds, _with_next(batch, iterator, count), ""
     iterator = iter(_common.plain_loader(dataset, batch_size=BATCH_SIZE, seed=SEED, workers=workers))
     batch = next(iterator)
     first = time.perf_counter() - start  # start-up: the permutation and the workers
@@ -281,21 +312,28 @@ def _skip_cell(
             per_batch = (elapsed - first) / done
             estimate = first + k * per_batch
             return estimate, None, f"> {deadline_s:.0f} s deadline: extrapolated (linear from {done} batches)"
-    return time.perf_counter() - start, batch, ""
+    seconds = time.perf_counter() - start
+    return seconds, _with_next(batch, iterator, count), ""
 
 
 def _restore_once(
-    method: str, dataset: SyntheticDataset, workers: int, state: dict[str, Any]
-) -> tuple[float, torch.Tensor]:
+    method: str, dataset: SyntheticDataset, workers: int, state: Any, count: int
+) -> tuple[float, list[torch.Tensor]]:
+    """Restore a fresh loader, time its first batch, then take ``count - 1`` more to check."""
     loader = _BUILDERS[method](dataset, workers=workers)
     gc.collect()
     start = time.perf_counter()
-    loader.load_state_dict(state)
-    iterator = iter(loader)
+    if method == GRAIN:
+        iterator = iter(loader)  # Grain restores an iterator, as its checkpoint handler does
+        iterator.set_state(state)
+    else:
+        loader.load_state_dict(state)
+        iterator = iter(loader)
     batch = next(iterator)
     seconds = time.perf_counter() - start
+    batches = _with_next(batch, iterator, count)
     del iterator  # its workers shut down outside the timed part
-    return seconds, batch
+    return seconds, batches
 
 
 def _floor_once(dataset: SyntheticDataset, workers: int) -> float:
@@ -312,15 +350,21 @@ def _floor_once(dataset: SyntheticDataset, workers: int) -> float:
     return seconds
 
 
-def _check(got: list[int], expected: list[int]) -> str:
-    if got == expected:
-        return "ok"
-    return f"MISMATCH: got {got[:3]}…, expected {expected[:3]}…"
+def _check(got: list[list[int]], expected: list[list[int]]) -> str:
+    """ "ok" when the resumed batches are the reference's batches k, k + 1, ... (same indices, same order)."""
+    for offset, (mine, theirs) in enumerate(itertools.zip_longest(got, expected)):
+        if mine != theirs:
+            shown = "nothing" if mine is None else f"{mine[:3]}…"
+            return f"MISMATCH at batch k + {offset}: got {shown}, expected {(theirs or [])[:3]}…"
+    return "ok"
 
 
-def _check_batch(batch: torch.Tensor, dataset: SyntheticDataset, expected: list[int]) -> str:
-    verdict = _check(batch[:, 0].tolist(), expected)
-    if verdict == "ok" and not torch.equal(batch, torch.stack([dataset[i] for i in expected])):
+def _check_batches(batches: list[torch.Tensor], dataset: SyntheticDataset, expected: list[list[int]]) -> str:
+    verdict = _check([batch[:, 0].tolist() for batch in batches], expected)
+    if verdict == "ok" and not all(
+        torch.equal(batch, torch.stack([dataset[i] for i in indices]))
+        for batch, indices in zip(batches, expected, strict=True)
+    ):
         return "MISMATCH: indices right, sample contents wrong"
     return verdict
 
@@ -331,11 +375,14 @@ def data_cell(
     k: int,
     work_iterations: int,
     workers: int,
-    expected: list[int],
+    expected: list[list[int]],
     deadline_s: float,
     max_reps: int,
 ) -> dict[str, Any]:
-    """One cell with a dataset: restore at batch k of N samples; latency, peak memory, exactness."""
+    """One cell with a dataset: restore at batch k of N samples; latency, peak memory, exactness.
+
+    ``expected`` is batches k, k + 1, ... of the uninterrupted run, as index lists.
+    """
     torch.set_num_threads(1)  # as in a DataLoader worker; also keeps cells from fighting over cores
     dataset = SyntheticDataset(n, work_iterations)
     state = None if method in SKIP_METHODS else _checkpoint(method, dataset, k, workers)
@@ -343,39 +390,50 @@ def data_cell(
     memory = PeakMemory()
     memory.start()
     if method in SKIP_METHODS:
-        seconds, batch, note = _skip_cell(method, dataset, k, workers, deadline_s)
-        reps = 1
-        extrapolated = batch is None
+        seconds, batches, note = _skip_cell(method, dataset, k, workers, deadline_s, len(expected))
+        times = [seconds]
+        extrapolated = batches is None
     else:
-        batches: list[torch.Tensor] = []
+        restored: list[list[torch.Tensor]] = []
         floors: list[float] = []
+        times = []
 
         def once() -> float:
-            seconds, batch = _restore_once(method, dataset, workers, state)
-            batches.append(batch)
+            seconds, batches = _restore_once(method, dataset, workers, state, len(expected))
+            restored.append(batches)
+            times.append(seconds)
             if method == OURS:  # the floor, interleaved with the restores in this process
                 floors.append(_floor_once(dataset, workers))
             return seconds
 
-        seconds, reps = repeat_timed(once, max_reps=max_reps)
-        batch, note, extrapolated = batches[-1], "", False
+        seconds, _ = repeat_timed(once, max_reps=max_reps)
+        batches, note, extrapolated = restored[-1], "", False
     peak = memory.peak_mb()
-    exact = "not reached (deadline)" if batch is None else _check_batch(batch, dataset, expected)
+    exact = "not reached (deadline)" if batches is None else _check_batches(batches, dataset, expected)
     result = {
         "seconds": seconds,
-        "reps": reps,
+        "min_seconds": min(times),
+        "max_seconds": max(times),
+        "reps": len(times),
         "peak_mb": peak,
         "exact": exact,
         "extrapolated": extrapolated,
         "note": note,
     }
+    if state is not None:
+        # As saved: Grain's JSON bytes as they are, a state dict pickled (as torch.save stores it).
+        result["state_bytes"] = len(state) if isinstance(state, bytes) else len(pickle.dumps(state))
     if method == OURS:
         result["floor_seconds"] = statistics.median(floors)
     return result
 
 
-def index_cell(method: str, n: int, k: int, expected: list[int], deadline_s: float, max_reps: int) -> dict[str, Any]:
-    """One cell of index generation alone: the first batch of indices at batch k of N."""
+def index_cell(
+    method: str, n: int, k: int, expected: list[list[int]], deadline_s: float, max_reps: int
+) -> dict[str, Any]:
+    """One cell of index generation alone: the first batch of indices at batch k of N (timed), and the
+    next ones, checked against ``expected``."""
+    count = len(expected)
     torch.set_num_threads(1)
     source = range(n)  # a Sized of length N that stores nothing
     if method == INDEX_SKIP:
@@ -383,8 +441,9 @@ def index_cell(method: str, n: int, k: int, expected: list[int], deadline_s: flo
         memory.start()
         start = time.perf_counter()
         order = BatchSampler(RandomSampler(source, generator=seeded_generator(SEED)), BATCH_SIZE, False)
+        skipping = iter(SkipBatches(order, k, start + deadline_s))
         try:
-            got = next(iter(SkipBatches(order, k, start + deadline_s)))
+            got = next(skipping)
         except DeadlineExceeded as stop:
             estimate = (time.perf_counter() - start) * k / stop.done
             note = f"> {deadline_s:.0f} s deadline: extrapolated (linear from {stop.done} batches)"
@@ -401,7 +460,7 @@ def index_cell(method: str, n: int, k: int, expected: list[int], deadline_s: flo
             "seconds": seconds,
             "reps": 1,
             "peak_mb": memory.peak_mb(),
-            "exact": _check(got, expected),
+            "exact": _check([got, *itertools.islice(skipping, count - 1)], expected),
             "extrapolated": False,
             "note": "",
         }
@@ -436,7 +495,8 @@ def index_cell(method: str, n: int, k: int, expected: list[int], deadline_s: flo
     gc.collect()
     memory = PeakMemory()
     memory.start()
-    results: list[list[int]] = []
+    results: list[list[list[int]]] = []
+    times: list[float] = []
 
     def once() -> float:
         fresh = build()
@@ -444,18 +504,23 @@ def index_cell(method: str, n: int, k: int, expected: list[int], deadline_s: flo
         if method == STATEFUL:
             iterator = iter(fresh)  # as StatefulDataLoader does: a new iterator, then its state
             iterator.load_state_dict(state)
-            results.append(next(iterator))
         elif method == NODES:
             fresh.reset(state)
-            results.append(next(fresh))
+            iterator = fresh
         else:
             fresh.load_state_dict(state)
-            results.append(next(iter(BatchSampler(fresh, BATCH_SIZE, False))))
-        return time.perf_counter() - start
+            iterator = iter(BatchSampler(fresh, BATCH_SIZE, False))
+        first = next(iterator)
+        seconds = time.perf_counter() - start
+        results.append([first, *itertools.islice(iterator, count - 1)])
+        times.append(seconds)
+        return seconds
 
     seconds, reps = repeat_timed(once, max_reps=max_reps)
     return {
         "seconds": seconds,
+        "min_seconds": min(times),
+        "max_seconds": max(times),
         "reps": reps,
         "peak_mb": memory.peak_mb(),
         "exact": _check(results[-1], expected),
@@ -504,14 +569,28 @@ def _reference_order(method: str, n: int, workers: int) -> tuple[Iterator[list[i
 
 
 def reference_batches(method: str, n: int, ks: list[int], workers: int) -> dict[str, Any]:
-    """Batch k (for each k in ``ks``) of an uninterrupted epoch of ``method``, as index lists."""
+    """Batches k .. k + CHECKED_BATCHES - 1 (those in the epoch) for each k in ``ks``, of an
+    uninterrupted epoch of ``method``, as index lists."""
     wanted = set(ks)
     if method == OURS and n > ITERATED_REFERENCE_LIMIT:
         permutation = Permutation(n, SEED, 0)
-        found = {k: permutation(np.arange(k * BATCH_SIZE, min(n, (k + 1) * BATCH_SIZE))).tolist() for k in wanted}
+        starts = range(0, n, BATCH_SIZE)
+        found = {
+            k: [permutation(np.arange(i, min(n, i + BATCH_SIZE))).tolist() for i in starts[k : k + CHECKED_BATCHES]]
+            for k in wanted
+        }
         return {"batches": found, "how": "permutation evaluated at the positions"}
+    if method == GRAIN and n > GRAIN_LOADER_REFERENCE_LIMIT:
+        # Grain's sampler is random access, so its batches need no iteration (the layout over
+        # workers is _grain.py's, checked against Grain's uninterrupted run at N <= GRAIN_LOADER_REFERENCE_LIMIT).
+        found = _grain.batches_at(n, sorted(wanted), CHECKED_BATCHES, batch_size=BATCH_SIZE, seed=SEED, workers=workers)
+        return {"batches": found, "how": "IndexSampler evaluated at the positions"}
     batches, how = _reference_order(method, n, workers)
-    found = {k: batch for k, batch in enumerate(itertools.islice(batches, max(wanted) + 1)) if k in wanted}
+    found = {k: [] for k in wanted}
+    for j, batch in enumerate(itertools.islice(batches, max(wanted) + CHECKED_BATCHES)):
+        for k in range(j - CHECKED_BATCHES + 1, j + 1):  # the ks whose checked batches include batch j
+            if k in found:
+                found[k].append(batch)
     return {"batches": found, "how": how}
 
 
@@ -659,13 +738,15 @@ class Cell:
         return min(batches - 1, self.percent * batches // 100)
 
 
-def plan_cells(plan: Plan) -> list[Cell]:
+def plan_cells(plan: Plan, skipped: tuple[str, ...] = ()) -> list[Cell]:
+    """Every cell of ``plan``, the methods interleaved within each position; none for ``skipped``."""
     cells = [Cell("index", m, n, p, 0.0, 0) for n in plan.index_sizes for p in plan.positions for m in INDEX_METHODS]
     largest = max(plan.data_sizes)
     for cost, workers in plan.configs:
+        methods = [m for m in _data_methods(workers) if m not in skipped]
         for n in plan.data_sizes:
             positions = plan.positions if n == largest else (plan.vs_size_position,)
-            cells += [Cell("data", m, n, p, cost, workers) for p in positions for m in _data_methods(workers)]
+            cells += [Cell("data", m, n, p, cost, workers) for p in positions for m in methods]
     return cells
 
 
@@ -679,8 +760,18 @@ def not_run_reason(cell: Cell) -> str | None:
     return None
 
 
-def run(plan: Plan, deadline_s: float, work_iterations: dict[float, int]) -> dict[Cell, dict[str, Any]]:
-    cells = plan_cells(plan)
+def _refuse_if_wrong(result: dict[str, Any]) -> None:
+    """A method that resumed wrong gets no figure: its times are dropped, its verdict stays."""
+    if result.get("exact", "").startswith("MISMATCH"):
+        for key in ("seconds", "min_seconds", "max_seconds", "floor_seconds"):
+            result.pop(key, None)
+        result["refused"] = True
+
+
+def run(
+    plan: Plan, deadline_s: float, work_iterations: dict[float, int], skipped: tuple[str, ...] = ()
+) -> dict[Cell, dict[str, Any]]:
+    cells = plan_cells(plan, skipped)
     references: dict[tuple[str, int], dict[str, Any]] = {}
     results: dict[Cell, dict[str, Any]] = {}
     timeout = max(CELL_TIMEOUT_FLOOR_S, 4 * deadline_s)
@@ -711,6 +802,7 @@ def run(plan: Plan, deadline_s: float, work_iterations: dict[float, int]) -> dic
             kwargs.update(work_iterations=work_iterations[cell.cost_us], workers=cell.workers)
         function = index_cell if cell.sweep == "index" else data_cell
         result = run_isolated(function, kwargs, timeout_s=timeout)
+        _refuse_if_wrong(result)
         result["reference"] = reference["how"]
         results[cell] = result
         floor = (
@@ -729,6 +821,8 @@ def run(plan: Plan, deadline_s: float, work_iterations: dict[float, int]) -> dic
 def _latency(result: Mapping[str, Any]) -> str:
     if "not_run" in result:
         return "not run"
+    if "refused" in result:
+        return REFUSED
     if "error" in result:
         return f"error: {result['error']}"
     text = format_seconds(result["seconds"])
@@ -755,7 +849,7 @@ def _wide_table(
     """One row per method, one column per ``column(cell)``; with ``floor``, the floor and our ratio to it."""
     columns = list(dict.fromkeys(column(c) for c in cells))
     rows = []
-    for method in methods:
+    for method in (m for m in methods if any(c.method == m for c in cells)):  # a skipped method has no row
         by_column = {column(c): results[c] for c in cells if c.method == method}
         rows.append([method, *(_latency(by_column[col]) if col in by_column else "" for col in columns)])
     if floor:
@@ -856,12 +950,62 @@ def _targets(results: Mapping[Cell, dict[str, Any]], plan: Plan) -> list[str]:
     return lines
 
 
+GRAIN_POSITIONS = (0, 50, 90)
+# The methods that restore from a state, side by side with Grain (the skips have no state to size).
+STATE_METHODS = (STATEFUL, NODES, OURS, WARM, GRAIN)
+
+
+def _spread(result: Mapping[str, Any]) -> str:
+    """The median with its min–max over the repetitions, or why there is no figure."""
+    if "seconds" not in result or "min_seconds" not in result:
+        return _latency(result)
+    if result["reps"] == 1:
+        return f"{format_seconds(result['seconds'])} (1 run)"
+    low, high = format_seconds(result["min_seconds"]), format_seconds(result["max_seconds"])
+    return f"{format_seconds(result['seconds'])} ({low}–{high}, {result['reps']} runs)"
+
+
+def grain_report(results: Mapping[Cell, dict[str, Any]], plan: Plan, grain_missing: str | None) -> list[str]:
+    """Grain next to the methods that restore from a state: latency at 0/50/90 % and the state's size."""
+    largest = max(plan.data_sizes)
+    title = f"## Grain side by side: restore vs position and state size, N = {format_count(largest)}"
+    if grain_missing is not None:
+        return [title, "", f"Grain skipped: {grain_missing}.", ""]
+    positions = [p for p in plan.positions if p in GRAIN_POSITIONS] or list(plan.positions)
+    rows = []
+    for cost, workers in plan.configs:
+        for method in (m for m in STATE_METHODS if m in _data_methods(workers)):
+            by_position = {
+                c.percent: r
+                for c, r in results.items()
+                if (c.sweep, c.method, c.n, c.cost_us, c.workers) == ("data", method, largest, cost, workers)
+            }
+            last = by_position.get(positions[-1], {})
+            size = f"{last['state_bytes']:,} B" if "state_bytes" in last else ""
+            rows.append(
+                [method, f"{cost:.0f} µs", workers, *(_spread(by_position.get(p, {})) for p in positions), size]
+            )
+    return [
+        title,
+        "",
+        f"Grain {_grain.version()}: `grain.python.DataLoader` over the same dataset, a shuffled `IndexSampler` "
+        f"(seed {SEED}), `Batch({BATCH_SIZE})`, `worker_count` as in the row; restored by `set_state` on a fresh "
+        "iterator. The same cells as in the tables above (each method's cells interleaved with the others' at every "
+        "position). Median (min–max) over the repetitions; the state size is the checkpoint as saved (Grain: the JSON "
+        "bytes of `get_state()`; the others: their state dict, pickled), at the last position shown.",
+        "",
+        markdown_table(["method", "work", "workers", *(f"{p} %" for p in positions), "state size"], rows),
+        "",
+    ]
+
+
 def report(
     results: Mapping[Cell, dict[str, Any]],
     plan: Plan,
     deadline_s: float,
     work_iterations: dict[float, int],
     epoch_runs: dict[str, list[dict[str, Any]]],
+    grain_missing: str | None = None,
 ) -> str:
     cells = list(results)
     largest = max(plan.data_sizes)
@@ -874,7 +1018,9 @@ def report(
         "(workers' memory not included). Times are medians of up to "
         f"{plan.max_reps} repetitions for cells under 1 s, one run otherwise. The floor is the first batch of a fresh, "
         "unshuffled plain DataLoader over the same dataset with the same workers, timed in each resumable_data cell's "
-        "process between its restores (median of as many runs).",
+        "process between its restores (median of as many runs). Every restore is checked on its first "
+        f"{CHECKED_BATCHES} batches against the uninterrupted run; a method that resumes wrong gets no figure "
+        f'("{REFUSED}").',
         "",
         "## Targets",
         "",
@@ -903,6 +1049,7 @@ def report(
             _wide_table(results, chosen, lambda c: f"N = {format_count(c.n)}", _data_methods(workers), floor=True),
             "",
         ]
+    parts += grain_report(results, plan, grain_missing)
     parts += epoch_start_report(epoch_runs, plan)
     index_cells = [c for c in cells if c.sweep == "index"]
     parts += [
@@ -928,6 +1075,12 @@ def report(
         peak = f"{result['peak_mb']:.0f} MB" if "peak_mb" in result else ""
         note = result.get("not_run") or result.get("note", "")
         floor = format_seconds(result["floor_seconds"]) if "floor_seconds" in result else ""
+        spread = (
+            f"{format_seconds(result['min_seconds'])}–{format_seconds(result['max_seconds'])}"
+            if "min_seconds" in result and result["reps"] > 1
+            else ""
+        )
+        state = f"{result['state_bytes']:,} B" if "state_bytes" in result else ""
         rows.append(
             [
                 cell.method,
@@ -937,9 +1090,11 @@ def report(
                 f"{cell.cost_us:.0f} µs",
                 cell.workers,
                 _latency(result),
+                spread,
                 floor,
                 _floor_verdict(result),
                 peak,
+                state,
                 _exact(result),
                 result.get("reps", ""),
                 result.get("reference", ""),
@@ -958,9 +1113,11 @@ def report(
                 "work",
                 "workers",
                 "latency",
+                "min–max",
                 "floor",
                 "÷ floor",
                 "peak RSS",
+                "state size",
                 "exact",
                 "reps",
                 "reference",
@@ -1062,6 +1219,9 @@ def results_from_report(path: Path) -> dict[Cell, dict[str, Any]]:
         if latency.startswith("error"):
             results[cell] = {"error": latency}
             continue
+        if latency == REFUSED:
+            results[cell] = {"refused": True}
+            continue
         extrapolated = latency.startswith("≈")
         result: dict[str, Any] = {
             "seconds": _common.parse_seconds(latency.strip("≈ ").replace(" (extrapolated)", "")),
@@ -1097,11 +1257,14 @@ def main() -> None:
         return
     if args.deadline is None:
         args.deadline = 5.0 if args.quick else 15.0
+    grain_missing = _grain.unavailable()
+    if grain_missing is not None:
+        print(f"Grain skipped: {grain_missing}", flush=True)
     work_iterations = {cost: _common.calibrate_work(cost) for cost in dict.fromkeys(c for c, _ in plan.configs)}
     started = time.perf_counter()
-    results = run(plan, args.deadline, work_iterations)
+    results = run(plan, args.deadline, work_iterations, skipped=(GRAIN,) if grain_missing else ())
     epoch_runs = run_epoch_starts(plan, _common.calibrate_work(EPOCH_COST_US))
-    text = report(results, plan, args.deadline, work_iterations, epoch_runs)
+    text = report(results, plan, args.deadline, work_iterations, epoch_runs, grain_missing)
     text += f"\n\nTotal run time: {time.perf_counter() - started:.0f} s."
     print(text)
     _common.write_report(args.out, "bench_resume", text)

@@ -7,6 +7,7 @@ epoch hands out each sample once, every checkpoint loads back as it was saved.
 
 from __future__ import annotations
 
+import importlib.util
 import subprocess
 import sys
 from pathlib import Path
@@ -67,9 +68,20 @@ def test_bench_resume_quick(tmp_path: Path) -> None:
     )
     expected = {("data", m) for m in data_methods}
     expected |= {("index", m) for m in ("index-only skip", "StatefulDataLoader", "torchdata.nodes", "resumable_data")}
+    # Grain side by side where it is installed (the [peers] extra); else a line says it was skipped.
+    if importlib.util.find_spec("grain") is not None:
+        expected.add(("data", "Grain"))
+        section = text.split("## Grain side by side")[1].split("\n## ")[0]
+        grain = _common.parse_markdown_rows(section, "method")
+        assert {row["method"] for row in grain} >= {"Grain", "resumable_data"}
+        assert all(row["state size"].endswith(" B") for row in grain), grain
+    else:
+        assert "Grain skipped: not installed" in text
     assert methods == expected
     wrong = [row for row in rows if row["exact"] != "ok" and not row["exact"].startswith("not run")]
     assert not wrong, wrong
+    # Every checked cell has a figure: none was refused for resuming wrong.
+    assert all(row["latency"] != "no figure: resumed wrong" for row in rows), rows
     # Baselines are skipped only where they would materialize the whole permutation; ours never is.
     assert all(row["exact"] == "ok" for row in rows if row["method"] == "resumable_data")
     assert all("would materialize" in row["note"] for row in rows if row["exact"].startswith("not run"))

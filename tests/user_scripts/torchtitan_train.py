@@ -1,5 +1,6 @@
 """A user's training loop on torchtitan's components over a TitanLoader, used by
-tests/integrations/test_torchtitan.py.
+tests/integrations/torchtitan_checks.py (run in torchtitan's own environment by
+tests/integrations/test_torchtitan.py).
 
     python -m torch.distributed.run --nproc_per_node=2 torchtitan_train.py --run-dir DIR
 
