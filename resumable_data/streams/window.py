@@ -108,6 +108,7 @@ class ShuffleWindow(Wrapper):
         self._keys: list[Key] | None = None  # pending windows: their records' keys (None: take them again)
         self._records: list[tuple[Key, Any]] | None = None  # read windows: its records (None: re-read them)
         self._permutation: tuple[tuple[int, int, int, int], Permutation] | None = None  # the open window's order
+        self._ahead: tuple[int, list[Key], list[Any]] | None = None  # the next window's first records, read ahead
 
     def _pending_view(self, count: int) -> Positional | None:
         """The source's positional view when it has at least ``count`` pending records (and at least
@@ -198,9 +199,30 @@ class ShuffleWindow(Wrapper):
             stop = min(self._count, self._taken + FETCH_AHEAD)
             order = self._order(self._taken, stop)
             keys = view.keys_at(order + first) if held is None else [held[p] for p in order.tolist()]
-            for key, record in zip(keys, view.fetch_many(keys), strict=True):
+            ahead, self._ahead = self._ahead, None
+            if ahead is not None and ahead[0] == self._window and ahead[1] == keys:
+                records = ahead[2]
+            else:
+                next_keys = self._next_window_keys(view) if held is None and stop == self._count else []
+                records = view.fetch_many(keys + next_keys)
+                if next_keys:
+                    self._ahead = (self._window + 1, next_keys, records[len(keys) :])
+                    records = records[: len(keys)]
+            for key, record in zip(keys, records, strict=True):
                 self._taken += 1
                 yield key, record
+
+    def _next_window_keys(self, view: Positional) -> list[Key]:
+        """The keys of the next window's first chunk (none at the epoch's end), read together with the
+        open window's last chunk: a batch that spans two windows then waits for one read, not two
+        in turn (a restore over remote shards: one round trip, not two)."""
+        length = view.slot_length()
+        count = 0 if length is None or view.position is None else min(self.size, length - view.position)
+        if count <= 0:
+            return []
+        which = (count, self.seed, self._window + 1, self._epoch)
+        self._permutation = (which, window_permutation(count, self.seed, self._window + 1, self._epoch))  # built once
+        return view.keys_at(self._permutation[1](np.arange(min(count, FETCH_AHEAD), dtype=np.int64)) + view.position)
 
     def upcoming_keys(self, count: int) -> list[Key] | None:
         """The keys of the next ``count`` records, computed: the open window's rest in its order, then
@@ -361,7 +383,7 @@ class ShuffleWindow(Wrapper):
 
         def apply() -> None:
             self._window, self._count, self._taken, self._positional = window, count, taken, positional
-            self._start, self._records, self._keys = start, None, None
+            self._start, self._records, self._keys, self._ahead = start, None, None, None
 
         return apply
 

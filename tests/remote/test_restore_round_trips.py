@@ -35,13 +35,13 @@ def pipeline(index: Any, options: dict[str, Any] | None) -> Any:
     )
 
 
-def write(s3_server: Any, tmp_path: Path) -> tuple[str, Any, str]:
+def write(s3_server: Any, tmp_path: Path, shard_records: int = SHARD_RECORDS) -> tuple[str, Any, str]:
     bucket = s3_server.bucket()
     tokens = (np.arange(WINDOW * SHARD_RECORDS * 10) % 65536).astype(np.uint16)
     index = write_token_shards(
-        [tokens], f"s3://{bucket}/tokens", shard_tokens=WINDOW * SHARD_RECORDS, storage_options=s3_server.options()
+        [tokens], f"s3://{bucket}/tokens", shard_tokens=WINDOW * shard_records, storage_options=s3_server.options()
     )
-    local = write_token_shards([tokens], tmp_path / "local", shard_tokens=WINDOW * SHARD_RECORDS)
+    local = write_token_shards([tokens], tmp_path / "local", shard_tokens=WINDOW * shard_records)
     return bucket, index, local
 
 
@@ -83,6 +83,53 @@ def test_a_restored_window_reads_its_shards_and_checks_them_at_once(
     assert checked >= got, f"the identity checks waited for the reads (or the reads for them): {held}"
     assert len(head) == 1, "the restored stream gave no record once the requests were let through"
     assert_same(before + head + list(reading), list(pipeline(local, None)), "restored window, reads at once")
+
+
+def test_a_batch_spanning_two_windows_waits_for_one_round_of_requests(
+    s3_server: Any, proxy: Any, tmp_path: Path
+) -> None:
+    # Restored 16 records before a window's end, a batch of 32 takes the rest of that window and the
+    # start of the next: the next window's reads and the identities of the shards it enters are
+    # asked together with the open window's (a loader's first batch waited for two rounds in turn,
+    # then for a third: the identity a state takes of a shard entered). Shards of 160 records: the
+    # batch's records lie in three of them, as a 10,000-record window over shards of 15,625 does.
+    bucket, index, local = write(s3_server, tmp_path, shard_records=160)
+    options = s3_server.options(proxy.endpoint)
+    first = pipeline(index, options)
+    reading = iter(first)
+    before = [next(reading) for _ in range(2 * SHUFFLE - 16)]
+    state = json_roundtrip(first.state_dict())
+    restored = pipeline(index, options)
+    restored.load_state_dict(state)
+    upcoming = restored.upcoming_keys(32)
+    assert upcoming is not None
+    shards = ShardIndex.load(index, storage_options=s3_server.options()).locations
+    wanted = {"/" + shards[key[1]].removeprefix("s3://") for key in upcoming}
+
+    proxy.reset_counters()
+    proxy.hold = lambda method, path: path.startswith(f"/{bucket}/tokens/shard-")
+    batch: list[Any] = []
+    reading = iter(restored)
+
+    def take_a_batch() -> None:
+        batch.extend(next(reading) for _ in range(32))
+        restored.state_dict()  # what a loader takes after each batch
+
+    thread = threading.Thread(target=take_a_batch, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline and not wanted <= {path for method, path, _ in proxy.log if method == "GET"}:
+        time.sleep(0.05)
+    time.sleep(0.2)  # anything else the batch asks before an answer
+    held = list(proxy.log)
+    proxy.release()
+    thread.join(30)
+
+    got = {path for method, path, _ in held if method == "GET"}
+    assert wanted <= got, f"the reads of {sorted(wanted - got)} waited for others: {held}"
+    assert len(batch) == 32, "the batch did not come once the requests were let through"
+    assert proxy.log == held, f"requests after the first answers: {proxy.log[len(held) :]}"
+    assert_same(before + batch + list(reading), list(pipeline(local, None)), "restored across two windows")
 
 
 def test_a_record_past_the_end_of_a_shard_that_shrank_is_refused_by_name(s3_server: Any, tmp_path: Path) -> None:

@@ -14,7 +14,7 @@ reads, and anything that needs them first (a state, a read in order) takes them
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 from ...errors import ResumeError
@@ -38,6 +38,7 @@ class ShardIdentities:
         self.unverified: set[int] = set()  # restored identities not compared with the shard yet
         self.entered: dict[int, str] = {}  # every identity of this epoch, taken when entered or restored
         self.untaken: list[int] = []  # shards entered at their start, their identities not taken yet
+        self.early: dict[int, str] = {}  # asked with a read ahead of shards not entered yet (see take)
 
     @property
     def given(self) -> bool:
@@ -53,9 +54,17 @@ class ShardIdentities:
         except OSError as exc:
             raise ResumeError(f"cannot read shard {index} {self._names[index]!r}: {exc}") from exc
 
+    def ahead(self, indices: Iterable[int]) -> list[int]:
+        """Of the shards a re-read by position reads, those not entered yet (a window's read ahead into
+        the next): their identities are asked alongside the read and kept in ``early`` for when they
+        are entered."""
+        known = self.current.keys() | self.entered.keys() | self.early.keys() | set(self.untaken)
+        return sorted(set(indices) - known)
+
     def take(self, index: int) -> str | None:
-        """The identity of shard ``index`` as it is now, noted as entered in this epoch."""
-        identity = self.ask(index)
+        """The identity of shard ``index`` as it is now (as asked with the records read ahead of it,
+        if they were), noted as entered in this epoch."""
+        identity = self.early.pop(index) if index in self.early else self.ask(index)
         if identity is not None:
             self.entered[index] = identity
         return identity
@@ -69,14 +78,23 @@ class ShardIdentities:
             if identity is not None:
                 self.current[index] = self.entered[index] = identity
 
-    def answered(self, checks: Sequence[int], asked: Sequence[Any], where: Callable[[int], str]) -> None:
+    def answered(
+        self, checks: Sequence[int], asked: Sequence[Any], where: Callable[[int], str], ahead: Sequence[int] = ()
+    ) -> None:
         """The identities asked alongside a re-read: ``asked`` holds, in order, those of ``checks``
-        (restored ones, compared now) and of the untaken ones, or the error each ask raised."""
+        (restored ones, compared now), of the untaken ones and of the shards read ``ahead``, or the
+        error each ask raised."""
         for index, now in zip(checks, asked, strict=False):  # a changed shard first: it explains the rest
             if isinstance(now, BaseException):
                 raise now
             self.compare(index, where(index), now)
-        taken = asked[len(checks) :]
+        early = asked[len(asked) - len(ahead) :] if ahead else []
+        for index, outcome in zip(ahead, early, strict=True):
+            if isinstance(outcome, BaseException):
+                raise outcome
+            if outcome is not None:
+                self.early[index] = outcome
+        taken = asked[len(checks) : len(asked) - len(ahead)]
         for outcome in taken:
             if isinstance(outcome, BaseException):
                 raise outcome
@@ -109,10 +127,10 @@ class ShardIdentities:
 
     def reset(self) -> None:
         """A new epoch (or slot): nothing entered, nothing to check."""
-        self.current, self.unverified, self.entered, self.untaken = {}, set(), {}, []
+        self.current, self.unverified, self.entered, self.untaken, self.early = {}, set(), {}, [], {}
 
     def restore(self, identities: Mapping[int, str], *, check: bool) -> None:
         """A restored state's identities; with ``check``, each compared when its shard is next read
         (a restore opens no shard it does not read)."""
-        self.current, self.entered, self.untaken = dict(identities), dict(identities), []
+        self.current, self.entered, self.untaken, self.early = dict(identities), dict(identities), [], {}
         self.unverified = set(identities) if check else set()

@@ -283,7 +283,7 @@ class ShardedIterable(Stream):
         defer = self._ids.given and reads_concurrently(self.read_shard)
         for index in layout.shards[first : last + 1].tolist():
             identity = self._ids.current.get(index)
-            if identity is None and defer and is_url(self._shards.items[index]):
+            if identity is None and defer and is_url(self._shards.items[index]) and index not in self._ids.early:
                 untaken.append(index)
                 continue
             if identity is None:
@@ -386,9 +386,11 @@ class ShardedIterable(Stream):
             return read_at(self._shards, self.read_shard, index, [keys[p][2] for p in positions])
 
         def run(calls: Sequence[Callable[[], list[Any]]]) -> list[list[Any]]:
-            asked = [functools.partial(self.identity, index) for index in [*checks, *untaken]]
+            # Reading by position, a shard not entered yet is one the slot enters next (a window read ahead).
+            ahead = self._ids.ahead(indices) if self._position is not None and not len(self._pending) else []
+            asked = [functools.partial(self.identity, index) for index in [*checks, *untaken, *ahead]]
             outcomes = at_once([*asked, *calls])
-            self._ids.answered(checks, outcomes[: len(asked)], where)
+            self._ids.answered(checks, outcomes[: len(asked)], where, ahead)
             for outcome in outcomes[len(asked) :]:
                 if isinstance(outcome, BaseException):
                     raise outcome
