@@ -290,14 +290,26 @@ def rotated(methods: list[str], turn: int) -> list[str]:
     return methods[turn:] + methods[:turn]
 
 
+SECTIONS = ("throughput", "restore", "bytes")
+
+
 def _add_rounds(parser: Any) -> None:
     parser.add_argument("--rounds", type=int, default=3, help="rounds of the throughput and restore cells (default 3)")
+    parser.add_argument(
+        "--sections",
+        default=",".join(SECTIONS),
+        help="which tables to measure, comma-separated (default: all); a subset is written to "
+        "remote_<sections>.md, next to the whole run's remote.md",
+    )
 
 
 def main() -> None:
     # Cells never fork from this process, not even in a quick run: a forked cell would hold copies of
     # the proxy's sockets, so that a connection the proxy closes stays open for its client.
     args = parse_args(__doc__.splitlines()[0], _add_rounds, fork_when_quick=False)
+    sections = [name.strip() for name in args.sections.split(",") if name.strip()]
+    if not sections or not set(sections) <= set(SECTIONS):
+        raise SystemExit(f"--sections takes a comma-separated subset of {SECTIONS}, but got {args.sections!r}")
     records = 64_000 if args.quick else 1_000_000
     rounds = 1 if args.quick else args.rounds
     restore_rounds = rounds
@@ -316,7 +328,7 @@ def main() -> None:
             data = bench.write(root)
             front = litdata_over_tls(bench, data, root)
             print(f"written in {time.perf_counter() - started:.0f} s: {data['shards']} shards, {data['bytes']} bytes")
-            text = run(bench, data, rounds, restore_rounds)
+            text = run(bench, data, rounds, restore_rounds, sections)
             bench.proxy.close()
             if front is not None:
                 front.close()
@@ -329,7 +341,9 @@ def main() -> None:
         f"plain-HTTP endpoint); the others read the proxy in plain HTTP\n"
         f"- wall time of the whole run: {time.perf_counter() - started:.0f} s\n"
     )
-    write_report(args.out, "remote", header + text)
+    if sections != list(SECTIONS):
+        header += f"- tables measured in this run: {', '.join(sections)} (`--sections`)\n"
+    write_report(args.out, "remote" if sections == list(SECTIONS) else "remote_" + "_".join(sections), header + text)
 
 
 def litdata_over_tls(bench: Bench, data: dict[str, Any], root: Path) -> TlsFront | None:
@@ -347,7 +361,7 @@ def litdata_over_tls(bench: Bench, data: dict[str, Any], root: Path) -> TlsFront
     return front
 
 
-def run(bench: Bench, data: dict[str, Any], rounds: int, restore_rounds: int) -> str:
+def run(bench: Bench, data: dict[str, Any], rounds: int, restore_rounds: int, sections: list[str]) -> str:
     out: list[str] = []
     probe = bench.cell(probe_cell, 0.0, method=LITDATA, data=data)
     if "error" in probe or probe["error_text"]:
@@ -373,11 +387,23 @@ def run(bench: Bench, data: dict[str, Any], rounds: int, restore_rounds: int) ->
             "",
         ]
 
-    # 1. throughput
+    failures: list[str] = []
+    if "throughput" in sections:
+        out += throughput(bench, data, rounds, litdata_name, failures)
+    if "restore" in sections:
+        out += restore(bench, data, restore_rounds, litdata_name, failures)
+    if "bytes" in sections:
+        out += downloads(bench, data, failures)
+    if failures:
+        out += ["## Cells that failed (left out of the tables above)", "", *(f"- {line}" for line in failures)]
+    return "\n".join(out)
+
+
+def throughput(bench: Bench, data: dict[str, Any], rounds: int, litdata_name: str, failures: list[str]) -> list[str]:
+    """Table 1: one epoch at 20 ms per method, rounds interleaved."""
     methods = [OURS, LOCAL, MOSAIC, LITDATA]
     seconds: dict[str, list[float]] = {m: [] for m in methods}
     ratios: list[float] = []
-    failures: list[str] = []
     requests: dict[str, dict[str, int]] = {}  # requests at the proxy in an epoch, by method (the last round's)
     for r in range(rounds):
         this_round = {}
@@ -392,7 +418,7 @@ def run(bench: Bench, data: dict[str, Any], rounds: int, restore_rounds: int) ->
             requests[method] = result["requests"]
         if OURS in this_round and LOCAL in this_round:
             ratios.append(this_round[LOCAL] / this_round[OURS])
-    out += [
+    return [
         f"## 1. Epoch throughput at {THROUGHPUT_LATENCY * 1000:.0f} ms added round trip, {WORKERS} workers",
         "",
         f"One epoch from a cold cache (no cache bound), {rounds} rounds, methods interleaved; median (min–max). "
@@ -418,7 +444,11 @@ def run(bench: Bench, data: dict[str, Any], rounds: int, restore_rounds: int) ->
         "",
     ]
 
-    # 2. restore
+
+def restore(
+    bench: Bench, data: dict[str, Any], restore_rounds: int, litdata_name: str, failures: list[str]
+) -> list[str]:
+    """Table 2: each method's states at 10/50/90 %, restored cold at 20 and 50 ms."""
     restorable = [OURS, MOSAIC, LITDATA]
     taken, caches = {}, {}
     for method in restorable:
@@ -452,7 +482,7 @@ def run(bench: Bench, data: dict[str, Any], rounds: int, restore_rounds: int) ->
             worst = max(statistics.median(times[method, latency, f] or [float("inf")]) for f in range(len(FRACTIONS)))
             row.append(f"{format_seconds(target)}: {'met' if worst <= target else 'missed'}" if method == OURS else "")
             rows.append(row)
-    out += [
+    return [
         "## 2. Restore → first batch in hand, cold cache",
         "",
         f"Each method's own state after 10/50/90 % of the epoch, restored into a new loader with an empty "
@@ -464,7 +494,9 @@ def run(bench: Bench, data: dict[str, Any], rounds: int, restore_rounds: int) ->
         "",
     ]
 
-    # 3. bytes over 3 epochs, cache = half
+
+def downloads(bench: Bench, data: dict[str, Any], failures: list[str]) -> list[str]:
+    """Table 3: bytes at the proxy over 3 epochs with each cache at half its dataset."""
     byte_methods = [OURS, OURS_LRU, MOSAIC] + ([LITDATA] if data["litdata_remote"] else [])
     downloaded = {}
     for method in byte_methods:
@@ -485,7 +517,7 @@ def run(bench: Bench, data: dict[str, Any], rounds: int, restore_rounds: int) ->
     rows.append(("any policy's lower bound (D + D/2 + D/2)", "", "2.00", ""))
     rows.append(("its ratio to LRU's upper bound (3 D)", "", "", f"{2 / 3:.2f}"))
     ratio = downloaded.get(OURS, float("nan")) / lru
-    out += [
+    return [
         "## 3. Bytes downloaded over 3 epochs, cache = half the dataset",
         "",
         "Counted at the proxy (response bytes: bodies and headers, listings, index files and ranged reads "
@@ -501,9 +533,6 @@ def run(bench: Bench, data: dict[str, Any], rounds: int, restore_rounds: int) ->
         f"({'at the bound' if ratio <= 0.7 else 'above the bound'} here).",
         "",
     ]
-    if failures:
-        out += ["## Cells that failed (left out of the tables above)", "", *(f"- {line}" for line in failures)]
-    return "\n".join(out)
 
 
 def failed(result: dict[str, Any], what: str, failures: list[str]) -> bool:
