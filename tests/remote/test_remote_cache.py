@@ -102,6 +102,10 @@ def epochs_read(stream: ShardedIterable, epochs: int, num_workers: int = 0) -> N
             pass
 
 
+# 21 s of the default suite (two spawned workers per epoch); the default suite keeps the same property
+# for processes through test_torchrun_cache.py (two ranks with two workers each: one download per shard
+# over both epochs).
+@pytest.mark.slow
 def test_two_workers_sharing_one_cache_download_each_shard_once_over_two_epochs(
     s3_server: Any, proxy: Any, tmp_path: Path
 ) -> None:
