@@ -120,12 +120,16 @@ class ShuffleWindow(Wrapper):
 
     def _order(self, start: int, stop: int) -> np.ndarray:
         """Positions inside the open window of its ``start``-th to ``stop``-th records handed out."""
-        which = (self._count, self.seed, self._window, self._epoch)
+        return self._window_order(self._count, self._window)(np.arange(start, stop, dtype=np.int64))
+
+    def _window_order(self, count: int, window: int) -> Permutation:
+        """The order of window ``window`` of ``count`` records in this epoch, kept for the next chunks."""
+        which = (count, self.seed, window, self._epoch)
         if self._permutation is None or self._permutation[0] != which:
             # One per window, not per chunk: a window of up to 2**14 records is an exact keyed
             # shuffle whose table is built on first use, O(window) each time it is built.
-            self._permutation = (which, window_permutation(self._count, self.seed, self._window, self._epoch))
-        return self._permutation[1](np.arange(start, stop, dtype=np.int64))
+            self._permutation = (which, window_permutation(count, self.seed, window, self._epoch))
+        return self._permutation[1]
 
     def iter_keyed(self) -> Iterator[tuple[Key | None, Any]]:
         records: Iterator[tuple[Key | None, Any]] | None = None  # the source's, for read windows
@@ -220,9 +224,8 @@ class ShuffleWindow(Wrapper):
         count = 0 if length is None or view.position is None else min(self.size, length - view.position)
         if count <= 0:
             return []
-        which = (count, self.seed, self._window + 1, self._epoch)
-        self._permutation = (which, window_permutation(count, self.seed, self._window + 1, self._epoch))  # built once
-        return view.keys_at(self._permutation[1](np.arange(min(count, FETCH_AHEAD), dtype=np.int64)) + view.position)
+        order = self._window_order(count, self._window + 1)  # kept: the window uses it once it opens
+        return view.keys_at(order(np.arange(min(count, FETCH_AHEAD), dtype=np.int64)) + view.position)
 
     def upcoming_keys(self, count: int) -> list[Key] | None:
         """The keys of the next ``count`` records, computed: the open window's rest in its order, then

@@ -88,16 +88,12 @@ class ShardIdentities:
             if isinstance(now, BaseException):
                 raise now
             self.compare(index, where(index), now)
-        early = asked[len(asked) - len(ahead) :] if ahead else []
-        for index, outcome in zip(ahead, early, strict=True):
+        split = len(asked) - len(ahead)
+        taken, early = asked[len(checks) : split], asked[split:]
+        for outcome in [*taken, *early]:
             if isinstance(outcome, BaseException):
                 raise outcome
-            if outcome is not None:
-                self.early[index] = outcome
-        taken = asked[len(checks) : len(asked) - len(ahead)]
-        for outcome in taken:
-            if isinstance(outcome, BaseException):
-                raise outcome
+        self.early.update((index, outcome) for index, outcome in zip(ahead, early, strict=True) if outcome is not None)
         self.settle(taken)
 
     def verify(self, index: int, where: str) -> None:
