@@ -6,10 +6,18 @@ With 0 workers (and no ``pin_memory``) no DataLoader iterates the pipeline: in t
 only add its per-batch machinery (a profiler range, a fetcher) to every batch (its cost:
 benchmarks/README.md). A DataLoader is still built for each pass, so that the keywords given are
 checked as they always are.
+
+Batches per message. Each message from a worker costs the main process a fixed amount (the
+worker queue, and a shared-memory segment per tensor), which for small batches (token ids, a few
+KB) is more than the batch's own work. With ``batches_per_message=k`` each worker sends its batches
+``k`` to a message, and the main process hands them out in the order a DataLoader hands out single
+batches: round-robin over the slots, one batch each (:func:`interleaved`). The stream and every
+state are the same as with ``k = 1``.
 """
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Iterable, Iterator
 from typing import Any, NamedTuple
 
@@ -20,9 +28,10 @@ from ..core.hash import hash_more
 from ..rng.global_rngs import GLOBAL_RNGS
 from .base import Stream
 
-__all__ = ["Seeding", "SlotDataset", "slot_batches", "slot_loader"]
+__all__ = ["Seeding", "SlotDataset", "interleaved", "slot_batches", "slot_loader"]
 
 _END = object()
+Item = tuple[int, int, dict[str, Any], Any]  # (slot, batches it has yielded, state update, batch)
 
 
 def unchanged(item: Any) -> Any:
@@ -44,7 +53,7 @@ class SlotDataset(IterableDataset):
     ``holds`` is the slot whose state the loader's own pipeline already holds (see
     ``SlotLedger.holds``); iterating in the loader's process (0 workers), that pipeline goes on
     from there instead of validating and applying the same state again. A worker always loads its
-    slot's state into its copy of the pipeline.
+    slot's state into its copy of the pipeline, and sends its batches ``per_message`` to a list.
     """
 
     def __init__(
@@ -55,6 +64,7 @@ class SlotDataset(IterableDataset):
         seeding: Seeding | None,
         next_worker: int,
         holds: int | None,
+        per_message: int = 1,
     ) -> None:
         self.stream = stream
         self.states = states
@@ -62,19 +72,35 @@ class SlotDataset(IterableDataset):
         self.seeding = seeding
         self.next_worker = next_worker
         self.holds = holds
+        self.per_message = per_message
 
-    def __iter__(self) -> Iterator[tuple[int, int, dict[str, Any], Any]]:
+    def __iter__(self) -> Iterator[Item | list[Item]]:
         info = get_worker_info()
         # Rotate slots over workers so that the DataLoader's round-robin, which always starts at
         # worker 0, starts at the slot that was next when the state was saved.
         local = 0 if info is None else (info.id + self.next_worker) % len(self.states)
         load = info is not None or local != self.holds
-        yield from slot_batches(self.stream, local, self.states[local], self.yielded[local], self.seeding, load=load)
+        batches = slot_batches(self.stream, local, self.states[local], self.yielded[local], self.seeding, load=load)
+        if info is None or self.per_message == 1:
+            yield from batches
+            return
+        group: list[Item] = []
+        for item in batches:
+            group.append(item)
+            if len(group) == self.per_message:
+                yield group
+                group = []
+        if group:
+            yield group
+
+    def worker_order(self) -> list[int]:
+        """The slots in the order a DataLoader's round-robin asks its workers (worker 0 first)."""
+        return [(worker + self.next_worker) % len(self.states) for worker in range(len(self.states))]
 
 
 def slot_batches(
     stream: Stream, local: int, state: dict[str, Any], yielded: int, seeding: Seeding | None, *, load: bool
-) -> Iterator[tuple[int, int, dict[str, Any], Any]]:
+) -> Iterator[Item]:
     """The per-batch path: slot ``local``'s batches from ``state`` (loaded when ``load``), each with
     the count of batches the slot has yielded and the change to the state it makes; whichever
     process runs it (a worker, or this one)."""
@@ -97,9 +123,33 @@ def slot_batches(
         yield local, yielded, stream.state_update(), item
 
 
-def slot_loader(
-    dataset: SlotDataset, num_workers: int, seed: int, dataloader_kwargs: dict[str, Any]
-) -> Iterable[tuple[int, int, dict[str, Any], Any]]:
+def interleaved(messages: Iterable[list[Item]], order: list[int]) -> Iterator[Item]:
+    """The batches of ``messages`` (lists of a slot's batches, all full but its last) in the order a
+    DataLoader hands out single batches: round-robin over the slots in ``order``, one batch each,
+    a slot dropped for good once it is exhausted.
+
+    The DataLoader hands out messages round-robin too, skipping exhausted workers. So when a slot's
+    held batches run out, the next message is that slot's next one, unless the slot is exhausted:
+    a message from another slot (or none) says that it is.
+    """
+    held: dict[int, deque[Item]] = {local: deque() for local in order}
+    alive, at = list(order), 0
+    messages = iter(messages)
+    while alive:
+        local = alive[at]
+        if not held[local]:
+            group = next(messages, None)
+            if group is not None:
+                held[group[0][0]].extend(group)
+            if not held[local]:
+                del alive[at]
+                at = at % len(alive) if alive else 0
+                continue
+        yield held[local].popleft()
+        at = (at + 1) % len(alive)
+
+
+def slot_loader(dataset: SlotDataset, num_workers: int, seed: int, dataloader_kwargs: dict[str, Any]) -> Iterable[Item]:
     """The pass's batches from ``dataset``'s slots: through a DataLoader's workers, or in this process."""
     # A private generator: torch draws the workers' base seed from it, which would otherwise
     # consume the global RNG (and change model randomness after a resume).
@@ -117,5 +167,7 @@ def slot_loader(
     if num_workers == 0 and not loader.pin_memory:
         # In this process a DataLoader adds nothing but its own per-batch machinery (a profiler
         # range, the fetcher), so the slot's pipeline is iterated directly.
-        return dataset
+        return dataset  # (in this process it yields single batches)
+    if num_workers and dataset.per_message > 1:
+        return interleaved(loader, dataset.worker_order())
     return loader

@@ -3,7 +3,8 @@
 Specification: the script (``from_index`` over ``s3://`` shards, ``shuffle_window``, a
 ``StreamLoader`` with 2 workers, 2 epochs, the loader's state saved with ``torch.save`` every 3
 batches), SIGKILLed at a batch drawn at random and launched again, yields over both launches
-exactly the batches of one uninterrupted launch over the same shards read locally: the batches
+exactly the batches of one uninterrupted launch over the same shards read locally, also when the
+launches over S3 have the workers send 3 batches to a message and the local one 1: the batches
 after the last checkpoint come again and are the same, and each epoch reads every record once.
 """
 
@@ -31,8 +32,9 @@ KILL_AT = random.Random(32).randint(4, BATCHES - 1)  # after the first checkpoin
 SCRIPT_TIMEOUT_S = 120  # a launch: about 4 s here
 
 
-def launch(data: str, out: Path, kill_at: int = 0) -> int:
+def launch(data: str, out: Path, kill_at: int = 0, per_message: int = 1) -> int:
     command = [sys.executable, str(SCRIPT), data, str(out), "--kill-at", str(kill_at)]
+    command += ["--batches-per-message", str(per_message)]
     code, output = run_script(command, out / f"launch-{kill_at}.log", timeout=SCRIPT_TIMEOUT_S)
     assert code in (0, -signal.SIGKILL), output[-3000:]
     return code
@@ -50,8 +52,8 @@ def test_a_sigkilled_script_over_s3_shards_resumes_as_an_uninterrupted_local_run
     write_token_shards([np.arange(TOKENS)], url, shard_tokens=SHARD_TOKENS, dtype=np.uint16)
     local = str(s3_server.root / url.removeprefix("s3://"))  # the same files, as the server holds them
     assert launch(local, tmp_path / "local") == 0
-    assert launch(url, tmp_path / "s3", kill_at=KILL_AT) == -signal.SIGKILL
-    assert launch(url, tmp_path / "s3") == 0
+    assert launch(url, tmp_path / "s3", kill_at=KILL_AT, per_message=3) == -signal.SIGKILL
+    assert launch(url, tmp_path / "s3", per_message=3) == 0
 
     reference = {entry["batch"]: entry for entry in logged(tmp_path / "local")}
     assert sorted(reference) == list(range(1, BATCHES + 1))

@@ -42,11 +42,14 @@ def main() -> None:
     parser.add_argument("data", help="the shards' folder or URL (holding index.json)")
     parser.add_argument("out", type=Path)
     parser.add_argument("--kill-at", type=int, default=0, help="SIGKILL this process after that batch (0: never)")
+    parser.add_argument("--batches-per-message", type=int, default=1, help="batches a worker sends at once")
     args = parser.parse_args()
 
     reader = TokenShardReader(WINDOW, dtype=np.uint16)
     windows = ShardedIterable.from_index(args.data, read_shard=reader, seed=7).shuffle_window(10, seed=8)
-    loader = StreamLoader(windows, batch_size=4, num_workers=2, timeout=60)
+    loader = StreamLoader(
+        windows, batch_size=4, num_workers=2, timeout=60, batches_per_message=args.batches_per_message
+    )
     checkpoint = args.out / "checkpoint.pt"
     done = 0
     if checkpoint.exists():
