@@ -8,11 +8,13 @@ bytes it forwards. Every method reads the same records: record ``i`` is the int6
 
 Ours: ``write_token_shards`` to the bucket, read by ``ShardedIterable.from_index`` through
 ``TokenShardReader(cache_dir=..., cache_limit=..., prefetch=2)``, ``shuffle_window(10,000)``,
-batches of 32, ``StreamLoader`` with 2 workers. "Local files" is the same pipeline over the very
+batches of 32, ``StreamLoader`` with 2 workers sending 16 batches to a message (and, in the
+throughput table, with the default of one). "Local files" is the same pipeline over the very
 files the server serves. Peers: see ``benchmarks/_peers.py``.
 
 1. Throughput at 20 ms, 2 workers: one epoch from a cold cache, per round one cell per method in an
-   order turned each round; median (min–max) over rounds. Every epoch is checked to yield each
+   order turned each round (ours over the server and over local files back to back, for their paired
+   ratio); median (min–max) over rounds. Every epoch is checked to yield each
    record once.
 2. Restore at 10, 50 and 90 % of the epoch, at 20 and 50 ms: each method's own state, taken in one
    pass (at 0 ms), restored into a freshly built loader with a fresh (cold) cache, as on a new
@@ -20,7 +22,8 @@ files the server serves. Peers: see ``benchmarks/_peers.py``.
    run's batch at that place. Target: three round trips plus 20 ms.
 3. Bytes over 3 epochs with the cache set to half the dataset, counted at the proxy: ours evicting
    by next use (the default) and by recency (``ShardCache(policy="lru")``), each peer with its own
-   cache set to half its dataset.
+   cache set to half its dataset; Mosaic also with its shuffle block the size of our window. A cell
+   killed at its time limit is reported as a lower bound (its bytes so far, and how far it got).
 
 Each cell runs in a process of its own (``_common.run_isolated``); the proxy runs in this process,
 so what it counts during a cell is that cell's traffic. Run: ``python benchmarks/bench_remote.py``
@@ -33,6 +36,7 @@ from __future__ import annotations
 
 import gc
 import itertools
+import json
 import os
 import pickle
 import re
@@ -43,7 +47,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import _peers
 import numpy as np
@@ -62,10 +66,14 @@ from s3_server import KEY, SECRET, binary, serve
 
 from proxy import FaultProxy
 
+T = TypeVar("T")
 BATCH = 32
 WINDOW = 10_000  # records, for 15,625-record shards; a quick run's shorter shards get the same share
 WORKERS = 2
 PREFETCH = 2
+# Records of 16 bytes make batches of 512: each worker sends 16 to a message, as the StreamLoader
+# docs advise for small batches (the throughput table also runs the default, one to a message).
+PER_MESSAGE = 16
 SHARDS = 64
 BANDWIDTH = 64 << 20  # bytes per second per connection
 FRACTIONS = (0.1, 0.5, 0.9)
@@ -76,7 +84,12 @@ BUCKET = "bench"
 OURS = "resumable_data, remote"
 OURS_LRU = "resumable_data, remote, LRU eviction"
 LOCAL = "resumable_data, local files"
+OURS_SINGLE = "resumable_data, remote, one batch per message (the default)"
 MOSAIC = "Mosaic Streaming 0.13.0"
+# Mosaic shuffles within blocks of samples (default 262,144, here 17 shards per block); this row
+# shuffles blocks of as many samples as our window holds, so that its working set of shards is as
+# small as ours (its docs: a smaller block, fewer shard downloads, a weaker shuffle).
+MOSAIC_BLOCK = "Mosaic Streaming 0.13.0, shuffle_block_size = our window"
 LITDATA = "litdata 0.2.76"
 LIBRARIES = ((OURS, "ours"), (MOSAIC, "mosaic"), (LITDATA, "litdata"))  # (method, its folder in the bucket)
 
@@ -96,6 +109,7 @@ class LruCachedRemote(CachedRemote):
 
 
 def ours(data: dict[str, Any], method: str, cache: Path, cache_limit: int | None) -> StreamLoader:
+    per_message = 1 if method == OURS_SINGLE else PER_MESSAGE
     if method == LOCAL:
         index, options, reader = data["local_index"], None, TokenShardReader(2, dtype=np.int64)
     else:
@@ -112,7 +126,12 @@ def ours(data: dict[str, Any], method: str, cache: Path, cache_limit: int | None
             if getattr(planner, "__self__", None) is not swapped:  # the swap must reach what the reader uses
                 raise RuntimeError(f"{method}: the reader does not read through the swapped-in cache")
     stream = ShardedIterable.from_index(index, read_shard=reader, storage_options=options, seed=0)
-    return StreamLoader(stream.shuffle_window(window(data), seed=1), batch_size=BATCH, num_workers=WORKERS)
+    return StreamLoader(
+        stream.shuffle_window(window(data), seed=1),
+        batch_size=BATCH,
+        num_workers=WORKERS,
+        batches_per_message=per_message,
+    )
 
 
 def window(data: dict[str, Any]) -> int:
@@ -123,13 +142,15 @@ def window(data: dict[str, Any]) -> int:
 def build(method: str, data: dict[str, Any], cache: Path, cache_fraction: float | None) -> Any:
     """``method``'s loader; ``cache_fraction`` of its own dataset's bytes as its cache (None: no bound
     for ours and litdata's default, Mosaic's default: none)."""
-    if method in (OURS, OURS_LRU, LOCAL):
+    if method in (OURS, OURS_LRU, LOCAL, OURS_SINGLE):
         limit = None if cache_fraction is None else int(cache_fraction * data["bytes"][OURS])
         return ours(data, method, cache, limit)
-    limit = None if cache_fraction is None else int(cache_fraction * data["bytes"][method])
-    if method == MOSAIC:
+    limit = None if cache_fraction is None else int(cache_fraction * data["bytes"][dataset_of(method)])
+    if method in (MOSAIC, MOSAIC_BLOCK):
         os.environ.update(data["mosaic_env"])  # how Mosaic takes an S3-compatible endpoint
-        extra = {} if limit is None else {"cache_limit": limit}
+        extra: dict[str, Any] = {} if limit is None else {"cache_limit": limit}
+        if method == MOSAIC_BLOCK:
+            extra["shuffle_block_size"] = window(data)
         return _peers.mosaic_loader(cache, remote=data["mosaic"], batch_size=BATCH, workers=WORKERS, **extra)
     if data["litdata_remote"]:
         os.environ.update(data["litdata_env"])  # the TLS front's CA, for obstore and boto3 (see _tls)
@@ -140,11 +161,22 @@ def build(method: str, data: dict[str, Any], cache: Path, cache_fraction: float 
     return _peers.litdata_loader(data["litdata_local"], batch_size=BATCH, workers=WORKERS)
 
 
+def dataset_of(method: str) -> str:
+    """The method whose dataset (in the bucket, and its bytes in ``data["bytes"]``) ``method`` reads."""
+    return {OURS_LRU: OURS, LOCAL: OURS, OURS_SINGLE: OURS, MOSAIC_BLOCK: MOSAIC}.get(method, method)
+
+
+def progress_path(cache: str) -> Path:
+    """Where a cell notes how far it got (next to its cache folder): read if the cell is killed."""
+    return Path(cache + ".progress")
+
+
 # -- cells -------------------------------------------------------------------------------------------
 def epochs_cell(
     method: str, data: dict[str, Any], cache: str, epochs: int, cache_fraction: float | None
 ) -> dict[str, Any]:
-    """``epochs`` epochs of one loader: the seconds of each, each checked to yield every record once."""
+    """``epochs`` epochs of one loader: the seconds of each, each checked to yield every record once.
+    Every 2 s it notes its epoch and records so far (``progress_path``)."""
     torch.set_num_threads(1)
     loader = build(method, data, Path(cache), cache_fraction)
     seconds = []
@@ -153,7 +185,14 @@ def epochs_cell(
             loader.set_epoch(epoch)  # ours; the peers count their epochs themselves
         gc.collect()
         start = time.perf_counter()
-        seen = [i for batch in loader for i in record_ids(batch)]
+        seen: list[int] = []
+        noted = start
+        progress_path(cache).write_text(json.dumps({"epoch": epoch, "records": 0}))
+        for batch in loader:
+            seen += record_ids(batch)
+            if time.perf_counter() - noted > 2:
+                progress_path(cache).write_text(json.dumps({"epoch": epoch, "records": len(seen)}))
+                noted = time.perf_counter()
         seconds.append(time.perf_counter() - start)
         if sorted(seen) != list(range(data["records"])):
             return {"error": f"epoch {epoch} did not yield every record once ({len(seen)} records)"}
@@ -280,6 +319,8 @@ class Bench:
             Path(cache).mkdir()
         result = run_isolated(fn, {**kwargs, "cache": cache}, timeout_s=timeout_s)
         result["bytes_down"], result["requests"] = self.proxy.bytes_down, dict(self.proxy.methods)
+        if "error" in result and progress_path(cache).exists():
+            result["progress"] = json.loads(progress_path(cache).read_text())
         result["cache_dir"] = cache
         return result
 
@@ -290,9 +331,9 @@ def spread(values: list[float], fmt: Any = format_seconds) -> str:
     return f"{fmt(statistics.median(values))} ({fmt(min(values))}–{fmt(max(values))})"
 
 
-def rotated(methods: list[str], turn: int) -> list[str]:
-    turn %= len(methods)
-    return methods[turn:] + methods[:turn]
+def rotated(items: list[T], turn: int) -> list[T]:
+    turn %= len(items)
+    return items[turn:] + items[:turn]
 
 
 SECTIONS = ("throughput", "restore", "bytes")
@@ -378,7 +419,7 @@ def run(bench: Bench, data: dict[str, Any], rounds: int, restore_rounds: int, se
         f"Data: {data['records']:,} records (the int64 pair [i, i]); shards (files, bytes): "
         + ", ".join(f"{m} {data['shards'][name]}, {data['bytes'][m]:,}" for m, name in LIBRARIES)
         + f". Batches of {BATCH}, {WORKERS} workers, "
-        f"ours `shuffle_window({window(data):,})`, `prefetch={PREFETCH}`.",
+        f"ours `shuffle_window({window(data):,})`, `prefetch={PREFETCH}`, `batches_per_message={PER_MESSAGE}`.",
         "",
     ]
     if not data["litdata_remote"]:
@@ -406,13 +447,16 @@ def run(bench: Bench, data: dict[str, Any], rounds: int, restore_rounds: int, se
 
 def throughput(bench: Bench, data: dict[str, Any], rounds: int, litdata_name: str, failures: list[str]) -> list[str]:
     """Table 1: one epoch at 20 ms per method, rounds interleaved."""
-    methods = [OURS, LOCAL, MOSAIC, LITDATA]
+    methods = [OURS, LOCAL, OURS_SINGLE, MOSAIC, LITDATA]
     seconds: dict[str, list[float]] = {m: [] for m in methods}
     ratios: list[float] = []
     requests: dict[str, dict[str, int]] = {}  # requests at the proxy in an epoch, by method (the last round's)
     for r in range(rounds):
         this_round = {}
-        for method in rotated(methods, r):
+        # Ours over the server and over local files run back to back (in turn first), so that their
+        # ratio compares two epochs under the same load on a shared machine.
+        pair = [OURS, LOCAL] if r % 2 == 0 else [LOCAL, OURS]
+        for method in itertools.chain.from_iterable(rotated([pair, [OURS_SINGLE], [MOSAIC], [LITDATA]], r)):
             result = bench.cell(
                 epochs_cell, THROUGHPUT_LATENCY, method=method, data=data, epochs=1, cache_fraction=None
             )
@@ -501,30 +545,43 @@ def restore(
 
 
 def downloads(bench: Bench, data: dict[str, Any], failures: list[str]) -> list[str]:
-    """Table 3: bytes at the proxy over 3 epochs with each cache at half its dataset."""
-    byte_methods = [OURS, OURS_LRU, MOSAIC] + ([LITDATA] if data["litdata_remote"] else [])
-    downloaded = {}
+    """Table 3: bytes at the proxy over 3 epochs with each cache at half its dataset. A cell killed
+    at its time limit gets a lower bound: what it had downloaded by then, and how far it got."""
+    byte_methods = [OURS, OURS_LRU, MOSAIC, MOSAIC_BLOCK] + ([LITDATA] if data["litdata_remote"] else [])
+    # Mosaic with its default shuffle block re-downloads shards for nearly every batch at this cache
+    # size (over 900 MiB for its first 6,500 records in an earlier run): 300 s bound it from below.
+    timeouts = {MOSAIC: 300, MOSAIC_BLOCK: 1800}
+    downloaded, killed = {}, {}
     for method in byte_methods:
-        timeout = 1800 if method == MOSAIC else 600  # Mosaic's three epochs did not finish in 600 s in earlier runs
-        result = bench.cell(epochs_cell, 0.0, timeout, method=method, data=data, epochs=3, cache_fraction=0.5)
+        result = bench.cell(
+            epochs_cell, 0.0, timeouts.get(method, 600), method=method, data=data, epochs=3, cache_fraction=0.5
+        )
         if not failed(result, f"bytes, {method}", failures):
             downloaded[method] = result["bytes_down"]
+        elif result["error"].startswith("killed after") and "progress" in result:
+            downloaded[method] = result["bytes_down"]
+            killed[method] = f"killed after {timeouts.get(method, 600)} s in epoch {result['progress']['epoch'] + 1} "
+            killed[method] += f"of 3, {result['progress']['records']:,} records into it"
     byte_methods = [m for m in byte_methods if m in downloaded]
     lru = downloaded.get(OURS_LRU, float("nan"))
-    rows = [
-        (
-            m,
-            f"{downloaded[m] / 2**20:.1f} MiB",
-            f"{downloaded[m] / data['bytes'][OURS if m in (OURS, OURS_LRU) else m]:.2f}",
-            f"{downloaded[m] / lru:.2f}",
+    rows = []
+    for m in byte_methods:
+        at_least = "≥ " if m in killed else ""
+        rows.append(
+            (
+                m + (f" ({killed[m]})" if m in killed else ""),
+                f"{at_least}{downloaded[m] / 2**20:,.1f} MiB",
+                f"{at_least}{downloaded[m] / data['bytes'][dataset_of(m)]:.2f}",
+                f"{at_least}{downloaded[m] / lru:.2f}",
+            )
         )
-        for m in byte_methods
-    ]
     floor, lru_model = simulated_downloads(data["shards"]["ours"])
     rows.append(("any policy's lower bound (D + D/2 + D/2)", "", "2.00", ""))
     rows.append(("model: LRU over a new random order each epoch (simulated)", "", f"{lru_model:.2f}", ""))
     rows.append(("model: next use over the same orders (simulated)", "", f"{floor:.2f}", ""))
     ratio = downloaded.get(OURS, float("nan")) / lru
+    peers = [m for m in byte_methods if m in (MOSAIC, MOSAIC_BLOCK, LITDATA)]
+    below = [m for m in peers if downloaded.get(OURS, float("inf")) < downloaded[m]]
     return [
         "## 3. Bytes downloaded over 3 epochs, cache = half the dataset",
         "",
@@ -532,7 +589,10 @@ def downloads(bench: Bench, data: dict[str, Any], failures: list[str]) -> list[s
         "included, so a method may exceed 3 D); "
         "each method's cache set to half its own dataset's shard bytes D. Ours evicts by next use "
         '(the default); **LRU eviction** is the same cache with `ShardCache(policy="lru")`, swapped in by '
-        "the benchmark (the same downloads, prefetch and sharing: only what is evicted differs). The model "
+        "the benchmark (the same downloads, prefetch and sharing: only what is evicted differs). Mosaic "
+        "is run as its docs teach, and again with `shuffle_block_size` set to our shuffle window "
+        f"({window(data):,} records), so that it shuffles within as few shards as ours. **≥**: the cell was "
+        "killed at its time limit; the figure is what it had downloaded by then. The model "
         "rows count whole shards, one reader, 200 draws of 3 random orders.",
         "",
         markdown_table(["method", "downloaded", "× its dataset D", "× ours, LRU eviction"], rows),
@@ -541,6 +601,11 @@ def downloads(bench: Bench, data: dict[str, Any], failures: list[str]) -> list[s
         "policy can reach: with a cache of D/2, epochs 2 and 3 each start with at most D/2 cached, so any "
         "policy downloads at least D + D/2 + D/2 = 2 D while LRU downloads at most 3 D (the model: "
         f"{lru_model:.2f} D): the ratio is at least 2/3 ({floor / lru_model:.2f} in the model).",
+        "",
+        f"Ours against each peer (a killed peer's figure is a lower bound, so below it is below its "
+        f"total): below {len(below)} of {len(peers)} peer rows"
+        + (f"; not below {', '.join(m for m in peers if m not in below)}" if len(below) < len(peers) else "")
+        + ".",
         "",
     ]
 
