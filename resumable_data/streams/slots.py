@@ -17,6 +17,7 @@ state are the same as with ``k = 1``.
 
 from __future__ import annotations
 
+import itertools
 from collections import deque
 from collections.abc import Iterable, Iterator
 from typing import Any, NamedTuple
@@ -76,26 +77,23 @@ class SlotDataset(IterableDataset):
 
     def __iter__(self) -> Iterator[Item | list[Item]]:
         info = get_worker_info()
-        # Rotate slots over workers so that the DataLoader's round-robin, which always starts at
-        # worker 0, starts at the slot that was next when the state was saved.
-        local = 0 if info is None else (info.id + self.next_worker) % len(self.states)
+        local = 0 if info is None else self.slot_of(info.id)
         load = info is not None or local != self.holds
         batches = slot_batches(self.stream, local, self.states[local], self.yielded[local], self.seeding, load=load)
         if info is None or self.per_message == 1:
             yield from batches
             return
-        group: list[Item] = []
-        for item in batches:
-            group.append(item)
-            if len(group) == self.per_message:
-                yield group
-                group = []
-        if group:
+        while group := list(itertools.islice(batches, self.per_message)):
             yield group
+
+    def slot_of(self, worker: int) -> int:
+        """The slot ``worker`` serves. Slots rotate over workers so that the DataLoader's round-robin,
+        which always starts at worker 0, starts at the slot that was next when the state was saved."""
+        return (worker + self.next_worker) % len(self.states)
 
     def worker_order(self) -> list[int]:
         """The slots in the order a DataLoader's round-robin asks its workers (worker 0 first)."""
-        return [(worker + self.next_worker) % len(self.states) for worker in range(len(self.states))]
+        return [self.slot_of(worker) for worker in range(len(self.states))]
 
 
 def slot_batches(
