@@ -202,6 +202,7 @@ class ShardCache:
         self._keys: list[str] = []
         self._shards: list[RemoteShard] = []
         self._cursor = 0
+        self._reading = 0  # shards from the cursor that the slot reads now (prefetch counts past them)
         stem = os.path.join(self.cache_dir, "plans", uuid.uuid4().hex)
         self._plan_path, self._plan_lock = stem + ".plan", stem + ".lock"
         # Registered under the accounting lock, so that no scan takes the new lock file for a dead one.
@@ -249,12 +250,15 @@ class ShardCache:
         self.close()
 
     # -- the public surface ---------------------------------------------------------------------------
-    def plan(self, upcoming: Sequence[RemoteShard]) -> None:
+    def plan(self, upcoming: Sequence[RemoteShard], *, reading: int = 0) -> None:
         """Set this slot's schedule: the shards it reads next, in order (may run into the next epoch).
 
         Each :meth:`use` of the next planned shard moves the schedule on. Eviction on the whole
-        machine keeps the shards some live slot needs soonest; prefetching follows this schedule.
+        machine keeps the shards some live slot needs soonest; prefetching follows this schedule:
+        the ``prefetch`` shards after the first ``reading``, which the slot reads now (a shuffle
+        reading by key from several; they download too if they are not cached), until a use.
         """
+        check_int_arg("reading", reading, minimum=0)
         self._this_process()
         shards = list(upcoming)
         for shard in shards:
@@ -262,6 +266,7 @@ class ShardCache:
                 raise ValueError(f"plan() takes RemoteShard values, but got {shard!r}")
         with self._planning:  # a reader may plan from another thread than the one in use()
             self._shards, self._keys, self._cursor = shards, [_key(shard.url, 32) for shard in shards], 0
+            self._reading = reading
             header = f"{0:0{_CURSOR_WIDTH}d}\n".encode()
             with self._accounting(), open(self._plan_path, "wb") as out:
                 out.write(header + "\n".join(self._keys).encode())
@@ -316,6 +321,15 @@ class ShardCache:
                     return None
                 self._fetch(shard, step)
         return handle
+
+    def has(self, shard: RemoteShard) -> bool:
+        """Whether some process on the machine has the local copy of ``shard`` now: one ``stat``, no
+        lock taken and nothing moved. A hint for choosing how to read (the copy may be evicted before
+        it is opened: :meth:`cached` and :meth:`use` say for sure)."""
+        try:
+            return os.stat(self._entry_path(shard)).st_size == shard.size
+        except FileNotFoundError:
+            return False
 
     # -- reading and downloading ----------------------------------------------------------------------
     def _entry_path(self, shard: RemoteShard) -> str:
@@ -475,7 +489,7 @@ class ShardCache:
             at = self._keys.index(url_key, self._cursor)
         except ValueError:
             return
-        self._cursor = at + 1
+        self._cursor, self._reading = at + 1, 0
         with self._accounting():
             fd = os.open(self._plan_path, os.O_WRONLY)
             try:
@@ -485,10 +499,11 @@ class ShardCache:
 
     # -- prefetching ----------------------------------------------------------------------------------
     def _top_up(self) -> None:
-        """Keep the next ``prefetch`` planned shards downloading (or cached), nearest first."""
+        """Keep the planned shards read now and the ``prefetch`` after them downloading (or cached),
+        nearest first."""
         if self.prefetch == 0:
             return
-        for step, shard in enumerate(self._shards[self._cursor : self._cursor + self.prefetch]):
+        for step, shard in enumerate(self._shards[self._cursor : self._cursor + self._reading + self.prefetch]):
             if not self._fetch(shard, step):
                 return
 

@@ -66,6 +66,7 @@ class CachedRemote:
         self._held: tuple[CachedShard, Any, int] | None = None
         self._partial = False  # whether the cache was given only the known head of the schedule
         self._schedule: list[str] = []  # the slot's shards from the one it reads now, as last planned
+        self._reading = 0  # how many of them the slot reads now (see plan())
         self._lookups: tuple[ThreadPoolExecutor, list[Future[None]], int] | None = None  # and their process
         self._guarded: tuple[threading.RLock, int] | None = None  # see _guard()
 
@@ -105,9 +106,10 @@ class CachedRemote:
             self.identity(url)
         return self._known[url]
 
-    def plan(self, upcoming: Sequence[Any]) -> None:
-        """The shards this slot reads next, in order (the rest of its epoch, then the next one): the
-        cache prefetches the first ones and evicts by these next uses. Local paths are skipped.
+    def plan(self, upcoming: Sequence[Any], *, reading: int = 0) -> None:
+        """The shards this slot reads next, in order (the rest of its epoch, then the next one), the
+        first ``reading`` of them read now: the cache prefetches the ones after those and evicts by
+        these next uses. Local paths are skipped.
 
         Sizes and identities of shards not seen yet are asked in the background, an object store's
         64 at a time (a listing of their folder), 8 such at once (a restore's first batch waits for
@@ -118,7 +120,7 @@ class CachedRemote:
         if not urls and self._cache is None:  # local shards only: no cache to open
             return
         with self._guard():
-            self._schedule = urls
+            self._schedule, self._reading = urls, reading
             unknown = list(dict.fromkeys(url for url in urls if url not in self._known))
             if unknown and not self._looking_up():
                 if self._lookups is None or self._lookups[2] != os.getpid():  # none yet, or a forked copy's
@@ -164,7 +166,7 @@ class CachedRemote:
     def _send_plan(self) -> None:
         """Give the cache the schedule's head whose shards are known (all of it once they are)."""
         known = list(itertools.takewhile(self._known.__contains__, self._schedule))
-        self.cache.plan([self._known[url] for url in known])
+        self.cache.plan([self._known[url] for url in known], reading=min(self._reading, len(known)))
         self._partial = len(known) < len(self._schedule)
 
     def local(self, url: str, load: Callable[[str], Any], *, wait: bool) -> Any | None:
@@ -182,7 +184,8 @@ class CachedRemote:
         with self._guard():
             self.release()
             if url in self._schedule[:_NEAR]:  # the schedule from the shard read now, for a late re-plan
-                self._schedule = self._schedule[self._schedule.index(url) :]
+                at = self._schedule.index(url)
+                self._schedule, self._reading = self._schedule[at:], max(0, self._reading - at)
             if self._partial and not self._looking_up():
                 self._send_plan()
         # Not under the guard: a download may take long, and the lookups' re-plan must not wait for it.
@@ -198,6 +201,20 @@ class CachedRemote:
             self.release()
             self._held = (handle, loaded, os.getpid())
         return loaded
+
+    def has(self, url: str) -> bool:
+        """Whether the shard's copy is in the cache now, so that :meth:`local` would find it (a hint,
+        see :meth:`ShardCache.has`); False while its size and identity are not known."""
+        shard = self._known.get(url)
+        if shard is None:
+            return False
+        held = self._held
+        return (held is not None and held[0].shard == shard and held[2] == os.getpid()) or self.cache.has(shard)
+
+    def cached_identity(self, url: str) -> str | None:
+        """The identity of the shard's copy in the cache (the object it was downloaded as) if it is
+        there now (see :meth:`has`), else None: no request either way."""
+        return self._known[url].identity if self.has(url) else None
 
     def release(self) -> None:
         """Let the shard held be evicted (what was loaded from it stays readable: an open file or a
@@ -246,6 +263,22 @@ class RemoteReading:
     def _remote_identity(self, url: str) -> str:
         """The object's size and ETag, asked now (and noted for the cache)."""
         return (self._remote if self._shard_cache is None else self._shard_cache).identity(url)
+
+    def reads_locally(self, shard: Any) -> bool:
+        """Whether reading ``shard`` now asks nothing of the network: a local path, or a remote shard
+        whose copy is in the cache (a hint: the copy may be evicted before the read opens it, which
+        then reads by ranged requests)."""
+        if not is_url(shard):
+            return True
+        return self._shard_cache is not None and self._shard_cache.has(str(shard))
+
+    def known_identity(self, shard: Any) -> str | None:
+        """The identity of a remote shard's copy in the cache, without a request (None: not cached, a
+        local path, or no cache). A slot entering the shard takes it: it names the bytes the reads
+        take; a restore's check asks the server (:meth:`identity`)."""
+        if self._shard_cache is None or not is_url(shard):
+            return None
+        return self._shard_cache.cached_identity(str(shard))
 
     def _local_copy(self, shard: Any, load: Callable[[str], Any], *, wait: bool) -> Any | None:
         """``load(path)`` of a remote shard's cached copy (downloaded first with ``wait``), held while

@@ -442,21 +442,21 @@ def fetch_grouped(
     keys: Sequence[Key],
     field: int,
     fetch: Callable[[int, list[int]], list[Any]],
-    run: Callable[[Sequence[Callable[[], list[Any]]]], list[list[Any]]] | None = None,
+    run: Callable[[Sequence[Any], Sequence[Callable[[], list[Any]]]], list[list[Any]]] | None = None,
 ) -> list[Any]:
     """Records for ``keys`` in their order, read one group at a time: what ``fetch_many`` needs.
 
     A group is the keys sharing ``key[field]`` (a shard, a source); within it, positions come in
     ascending order of ``key[field:]`` (for a shard: ascending offsets, so reads go forward).
     ``fetch(group, positions)`` returns the records of ``keys[p]`` for those positions, in order.
-    ``run`` takes the groups' fetches (in ascending group order) and returns their results in that
-    order: by default they run one after the other; a source whose reads wait on the network runs
-    them at once.
+    ``run(groups, fetches)`` takes the groups (ascending) and their fetches and returns the fetches'
+    results in that order: by default they run one after the other; a source whose reads wait on
+    the network runs them at once.
     """
     ascending = sorted(range(len(keys)), key=lambda p: keys[p][field:])
     groups = [(group, list(members)) for group, members in itertools.groupby(ascending, key=lambda p: keys[p][field])]
     calls = [functools.partial(fetch, group, positions) for group, positions in groups]
-    fetched = [call() for call in calls] if run is None else run(calls)
+    fetched = [call() for call in calls] if run is None else run([group for group, _ in groups], calls)
     records: list[Any] = [None] * len(keys)
     for (_, positions), group_records in zip(groups, fetched, strict=True):
         for position, record in zip(positions, group_records, strict=True):

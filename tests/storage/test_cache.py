@@ -252,6 +252,33 @@ def test_a_prefetch_error_surfaces_at_the_read_of_that_shard(tmp_path: Path) -> 
     cache.close()
 
 
+def test_a_plan_read_by_key_from_its_first_shards_prefetches_the_shards_after_them(tmp_path: Path) -> None:
+    # A shuffle window reads by key from the two shards it spans: "the next prefetch shards" are the
+    # ones after those (before, the window's own two used up prefetch=2 and the next shard was read
+    # by ranged requests until its first records made it download).
+    names = make_remote(tmp_path / "remote", 6, 4096)
+    remote = FolderRemote(tmp_path / "remote", tmp_path / "downloads.log")
+    shards = [remote.shard(name) for name in names]
+    with ShardCache(tmp_path / "cache", None, download=remote, prefetch=2) as cache:
+        cache.plan(shards, reading=2)
+        deadline = time.monotonic() + TIMEOUT
+        while len(remote.downloads()) < 4 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(0.2)  # a fifth download would have begun by now
+        assert sorted(remote.downloads()) == sorted(shard.url for shard in shards[:4])
+        for shard in shards[:2]:  # the shards read now: cached, and no use() moved the plan
+            handle = cache.cached(shard)
+            assert handle is not None
+            handle.close()
+        cache.use(shards[2]).close()  # reading in order from here: prefetch counts past the shard used
+        while len(remote.downloads()) < 5 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(0.2)
+        assert sorted(remote.downloads()) == sorted(shard.url for shard in shards[:5])
+    with pytest.raises(ValueError, match="reading should be"):
+        ShardCache(tmp_path / "cache", None, download=remote).plan(shards, reading=-1)
+
+
 def test_a_resumed_job_reads_the_cache_it_left_without_downloading(tmp_path: Path) -> None:
     names = make_remote(tmp_path / "remote", 4, 4096)
     remote = FolderRemote(tmp_path / "remote", tmp_path / "downloads.log")

@@ -9,7 +9,10 @@ for a stage above that saves a finished shard's records with its own state (``en
 Over remote shards an identity is a request. A window's opening enters its shards without reading
 them, so it leaves their identities to take (``untaken``): its first re-read asks them alongside its
 reads, and anything that needs them first (a state, a read in order) takes them
-(:meth:`ShardIdentities.settle`).
+(:meth:`ShardIdentities.settle`). A shard whose copy the reader holds locally (a node-local cache)
+is entered with that copy's identity, which the reader knows without a request
+(``known_identity(shard)``): it names the bytes the slot reads. A restored identity is always
+compared with the shard as it is now on the server.
 """
 
 from __future__ import annotations
@@ -30,10 +33,19 @@ class ShardIdentities:
         items: the shards as the reader takes them.
         names: their names, for errors.
         read_identity: the reader's ``identity(shard)``, or None (a reader that gives none).
+        known_identity: the reader's ``known_identity(shard)`` (an identity it holds without a
+            request, or None), or None (a reader that has none).
     """
 
-    def __init__(self, items: Sequence[Any], names: Sequence[str], read_identity: Callable[[Any], Any] | None) -> None:
+    def __init__(
+        self,
+        items: Sequence[Any],
+        names: Sequence[str],
+        read_identity: Callable[[Any], Any] | None,
+        known_identity: Callable[[Any], Any] | None = None,
+    ) -> None:
         self._items, self._names, self._read = items, names, read_identity
+        self._known = known_identity if read_identity is not None else None
         self.current: dict[int, str] = {}  # shard index -> identity, saved in the state
         self.unverified: set[int] = set()  # restored identities not compared with the shard yet
         self.entered: dict[int, str] = {}  # every identity of this epoch, taken when entered or restored
@@ -54,6 +66,12 @@ class ShardIdentities:
         except OSError as exc:
             raise ResumeError(f"cannot read shard {index} {self._names[index]!r}: {exc}") from exc
 
+    def known(self, index: int) -> str | None:
+        """The identity of shard ``index`` that the reader holds without a request (a cached copy's,
+        the bytes a read takes), or None."""
+        identity = None if self._known is None else self._known(self._items[index])
+        return None if identity is None else str(identity)
+
     def ahead(self, indices: Iterable[int]) -> list[int]:
         """Of the shards a re-read by position reads, those not entered yet (a window's read ahead into
         the next): their identities are asked alongside the read and kept in ``early`` for when they
@@ -63,8 +81,8 @@ class ShardIdentities:
 
     def take(self, index: int) -> str | None:
         """The identity of shard ``index`` as it is now (as asked with the records read ahead of it,
-        if they were), noted as entered in this epoch."""
-        identity = self.early.pop(index) if index in self.early else self.ask(index)
+        if they were; the cached copy's, if the reader holds one), noted as entered in this epoch."""
+        identity = self.early.pop(index) if index in self.early else (self.known(index) or self.ask(index))
         if identity is not None:
             self.entered[index] = identity
         return identity
@@ -73,7 +91,7 @@ class ShardIdentities:
         """Take the identities left to take (``taken``: asked already, in their order)."""
         untaken, self.untaken = self.untaken, []
         if taken is None:
-            taken = [self.ask(index) for index in untaken]
+            taken = [self.known(index) or self.ask(index) for index in untaken]
         for index, identity in zip(untaken, taken, strict=True):
             if identity is not None:
                 self.current[index] = self.entered[index] = identity

@@ -7,13 +7,19 @@ A reader is ``read_shard(shard, start)`` (records from record offset ``start``),
 * ``read_records(shard, offsets)``: the records at those ascending offsets, one open per shard;
 * ``identity(shard)``: a short fingerprint of the shard as it is now (:class:`ShardedIterable`
   refuses a restore over a changed shard);
+* ``known_identity(shard)``: the identity of a copy the reader holds locally (a node-local cache's),
+  without a request, or None: a slot entering the shard takes it in place of asking ``identity``
+  (a restore's check always asks);
 * ``num_records(shard)``: the shard's record count, cheaply (:class:`RecordCounter`): asked for
   every shard when a ShardedIterable is built, unless ``sizes=`` says otherwise;
 * ``reads_concurrently``: true when the reader may be called from several threads at once for
   different remote shards, and gains from it (its reads wait on the network:
-  :class:`~resumable_data.streams.TokenShardReader`). A re-read of records from several shards, all
-  named by URL, then reads them all at once (:func:`at_once`) and checks the shards' identities
-  alongside: a restore's first batch costs one round trip, not two per shard it touches.
+  :class:`~resumable_data.streams.TokenShardReader`). A re-read of records from several shards then
+  reads those that wait on the network all at once (:func:`at_once`) and checks the shards'
+  identities alongside: a restore's first batch costs one round trip, not two per shard it touches.
+  Such a reader may also say ``reads_locally(shard)``: true when reading the shard now asks nothing
+  of the network (a copy in a node-local cache). Those reads run in the calling thread meanwhile;
+  handing a read of a few microseconds to another thread costs more than the read.
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ from typing import Any, Protocol, runtime_checkable
 
 from ...core.state import check_int_arg
 from ...errors import ResumeError
+from ...storage.files import is_url
 from .keys import COUNT, UNKNOWN
 from .shards import Shards
 
@@ -37,6 +44,7 @@ __all__ = [
     "reads_concurrently",
     "records_from",
     "resolve_sizes",
+    "waits_on_network",
 ]
 
 _AT_ONCE = 8  # reads (and identity checks) of one re-read that run at the same time
@@ -195,11 +203,30 @@ def reads_concurrently(reader: Any) -> bool:
     return getattr(reader, "reads_concurrently", False) is True
 
 
-def at_once(calls: Sequence[Callable[[], Any]]) -> list[Any]:
-    """Each call's result, or the exception it raised, in call order; the calls run at the same time
-    (at most 8 at once) on this process's threads (a forked process makes its own)."""
+def waits_on_network(reader: Any, shard: Any) -> bool:
+    """Whether reading ``shard`` with a reader that ``reads_concurrently`` waits on the network: a URL
+    that the reader does not say it ``reads_locally`` (see the module docstring)."""
+    if not is_url(shard):
+        return False
+    reads_locally = getattr(reader, "reads_locally", None)
+    return reads_locally is None or not reads_locally(shard)
+
+
+def at_once(calls: Sequence[Callable[[], Any]], here: Sequence[Callable[[], Any]] = ()) -> list[Any]:
+    """Each call's result, or the exception it raised, in order: ``calls``, then ``here``.
+
+    ``calls`` run at the same time (at most 8 at once) on this process's threads (a forked process
+    makes its own); ``here`` run meanwhile in the calling thread, one after the other (reads that
+    wait on nothing: a thread would cost more than they do).
+    """
     global _pool
-    if _pool is None or _pool[1] != os.getpid():
+    if calls and (_pool is None or _pool[1] != os.getpid()):
         _pool = (ThreadPoolExecutor(_AT_ONCE, thread_name_prefix="shard-read"), os.getpid())
-    futures = [_pool[0].submit(call) for call in calls]
-    return [future.exception() or future.result() for future in futures]
+    futures = [_pool[0].submit(call) for call in calls] if _pool is not None else []
+    done_here: list[Any] = []
+    for call in here:
+        try:
+            done_here.append(call())
+        except Exception as exc:  # as a future keeps it: the caller raises it after all are in
+            done_here.append(exc)
+    return [future.exception() or future.result() for future in futures] + done_here

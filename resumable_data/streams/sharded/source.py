@@ -27,7 +27,7 @@ from .identities import ShardIdentities
 from .keys import DEALT, IDENTITIES, NUM_SHARDS, NUM_SLOTS, PENDING, POSITION, REMAINING, SLOT, WHAT
 from .layout import NO_CURSOR, Dealt, Layout
 from .plans import Plans
-from .reading import at_once, read_at, reads_concurrently, records_from, resolve_sizes
+from .reading import at_once, read_at, reads_concurrently, records_from, resolve_sizes, waits_on_network
 from .rebalance import rebalance
 from .shards import Shards
 from .state import ShardState
@@ -142,7 +142,12 @@ class ShardedIterable(Stream):
             identity=getattr(read_shard, "identity", None),
         )
         # The shards' identities: in the state, checked after a restore, deferred by a window's opening.
-        self._ids = ShardIdentities(self.shards, self._shards.names, getattr(read_shard, "identity", None))
+        self._ids = ShardIdentities(
+            self.shards,
+            self._shards.names,
+            getattr(read_shard, "identity", None),
+            getattr(read_shard, "known_identity", None),
+        )
         self._position: int | None = None  # with sizes: records this slot has read in its shards' order
         self._dealt: Dealt = ()  # with sizes: the epoch's layout changes so far (see DEALT)
         self._pieces: tuple[int, ...] = (len(self.shards),)  # what the current epoch's order is built over
@@ -153,6 +158,7 @@ class ShardedIterable(Stream):
         # [shard index, offset] rows (streams.pending), read-only: handed out from the top as slices.
         self._pending: np.ndarray = NO_RECORDS
         self._plans = Plans()  # the slot's next shards, told to a reader that caches them
+        self._last_read = -1  # the shard fetch_many read last
         self.reset(0, None)
 
     @classmethod
@@ -283,8 +289,9 @@ class ShardedIterable(Stream):
         defer = self._ids.given and reads_concurrently(self.read_shard)
         for index in layout.shards[first : last + 1].tolist():
             identity = self._ids.current.get(index)
-            if identity is None and defer and is_url(self._shards.items[index]) and index not in self._ids.early:
-                untaken.append(index)
+            remote = defer and is_url(self._shards.items[index])
+            if identity is None and remote and index not in self._ids.early and self._ids.known(index) is None:
+                untaken.append(index)  # asked with the window's first re-read
                 continue
             if identity is None:
                 identity = self._ids.take(index)
@@ -364,18 +371,21 @@ class ShardedIterable(Stream):
         A reader with ``read_records(shard, offsets)`` gets all of a shard's offsets in one call (the
         ready-made readers open the file once and slice or seek); any other reader is read in runs,
         one ``read_shard`` call per run of consecutive records. A reader that ``reads_concurrently``
-        reads the shards at once, asking the identities still to check or to take alongside.
+        reads the shards that wait on the network at once, asking the identities still to check or
+        to take alongside, and the others (local, or cached) meanwhile in this thread.
         """
         self._plan({key[1] for key in keys if key[0] == self._epoch})
         indices = {key[1] for key in keys}
         checks, untaken = sorted(indices & self._ids.unverified), self._ids.untaken
-        together = (
-            reads_concurrently(self.read_shard)
-            and len(indices) + len(checks) + len(untaken) > 1
-            and all(is_url(self._shards.items[index]) for index in indices)  # local reads gain nothing
-        )
+        waiting: set[int] = set()  # shards whose reads wait on the network
+        together = False  # whether requests (reads, identities) are more than one: then all at once
+        if reads_concurrently(self.read_shard):
+            items = self._shards.items
+            waiting = {index for index in indices if waits_on_network(self.read_shard, items[index])}
+            together = len(waiting) + sum(is_url(items[index]) for index in (*checks, *untaken)) > 1
         if not together:
             self._ids.settle()
+        last = self._last_read
 
         def where(index: int) -> str:
             return f"read again by key from offset {min(key[2] for key in keys if key[1] == index)}"
@@ -385,18 +395,28 @@ class ShardedIterable(Stream):
                 self._ids.verify(index, where(index))
             return read_at(self._shards, self.read_shard, index, [keys[p][2] for p in positions])
 
-        def run(calls: Sequence[Callable[[], list[Any]]]) -> list[list[Any]]:
+        def run(groups: Sequence[int], calls: Sequence[Callable[[], list[Any]]]) -> list[list[Any]]:
+            pooled = [p for p, group in enumerate(groups) if together and group in waiting]
+            # The shard read last goes first: a reader holding one shard open moves to another once, not twice.
+            here = sorted(set(range(len(groups))) - set(pooled), key=lambda p: (groups[p] != last, p))
+            if here:
+                self._last_read = groups[here[-1]]
+            if not together:
+                done = {p: calls[p]() for p in here}
+                return [done[p] for p in range(len(calls))]
             # Reading by position, a shard not entered yet is one the slot enters next (a window read ahead).
             ahead = self._ids.ahead(indices) if self._position is not None and not len(self._pending) else []
             asked = [functools.partial(self.identity, index) for index in [*checks, *untaken, *ahead]]
-            outcomes = at_once([*asked, *calls])
+            outcomes = at_once([*asked, *(calls[p] for p in pooled)], [calls[p] for p in here])
             self._ids.answered(checks, outcomes[: len(asked)], where, ahead)
-            for outcome in outcomes[len(asked) :]:
+            by_position = dict(zip([*pooled, *here], outcomes[len(asked) :], strict=True))
+            results = [by_position[p] for p in range(len(calls))]
+            for outcome in results:
                 if isinstance(outcome, BaseException):
                     raise outcome
-            return outcomes[len(asked) :]
+            return results
 
-        return fetch_grouped(keys, 1, read, run if together else None)
+        return fetch_grouped(keys, 1, read, run)
 
     def iter_keyed(self) -> Iterator[tuple[Key, Any]]:
         self._ids.settle()
