@@ -179,8 +179,8 @@ class CachedRemote:
             return None
         shard = self._shard(url)
         held = self._held
-        if held is not None and held[0].shard == shard and held[2] == os.getpid():
-            return held[1]
+        if self._holds(held, shard):
+            return held[1]  # type: ignore[index]
         with self._guard():
             self.release()
             if url in self._schedule[:_NEAR]:  # the schedule from the shard read now, for a late re-plan
@@ -208,8 +208,12 @@ class CachedRemote:
         shard = self._known.get(url)
         if shard is None:
             return False
-        held = self._held
-        return (held is not None and held[0].shard == shard and held[2] == os.getpid()) or self.cache.has(shard)
+        return self._holds(self._held, shard) or self.cache.has(shard)
+
+    @staticmethod
+    def _holds(held: tuple[CachedShard, Any, int] | None, shard: RemoteShard) -> bool:
+        """Whether ``held`` (the slot's held shard, read once by the caller) is ``shard``, held in this process."""
+        return held is not None and held[0].shard == shard and held[2] == os.getpid()
 
     def cached_identity(self, url: str) -> str | None:
         """The identity of the shard's copy in the cache (the object it was downloaded as) if it is
