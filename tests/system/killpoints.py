@@ -8,13 +8,18 @@ run) at the N-th time it reaches ``KILLPOINT``, so verify-resume and the chaos h
 the few milliseconds that random timing rarely hits. The moments are recognized from the outside of
 the library and of the trainer's loop, which carry no test hooks: by wrapping the calls every
 checkpoint write makes (``torch.save``, ``os.fsync``, ``os.rename``, ``shutil.rmtree``) and looking
-at the paths involved, and by a global optimizer step pre-hook. Only the trainer's own process
+at the paths involved, by a global optimizer step pre-hook, and by a global forward pre-hook on the
+model in training mode (the micro-batches of a gradient-accumulation window). Only the trainer's own process
 kills itself: forked DataLoader workers inherit the wrappers but never fire; under torchrun only
 rank 0 is armed (torchrun then stops the other ranks). ``$TRAINER_INDEX_LOG``, read once here,
 installs :mod:`system.index_log`.
 
 Kill points (in the order a step and a save reach them):
 
+    micro             micro-batch N + 1 of this process about to run its forward: micro-batches
+                      1..N trained, their gradients accumulated; with --grad-accum G and N not a
+                      multiple of G, inside a window, after its micro-batch N % G - 1 (0-based)
+    micro-sigterm     the same moment, but a SIGTERM to itself (a graceful stop) instead of SIGKILL
     step              optimizer step N of this process, after its backward, before the update
                       (step N of a run started from scratch)
 
@@ -43,6 +48,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch.nn.modules.module import register_module_forward_pre_hook
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 __all__ = ["ENTRY", "KILLPOINTS", "main"]
@@ -52,6 +58,8 @@ __all__ = ["ENTRY", "KILLPOINTS", "main"]
 ENTRY = ("-m", "system.killpoints")
 
 KILLPOINTS = (
+    "micro",
+    "micro-sigterm",
     "step",
     "payload-half",
     "payload-synced",
@@ -65,9 +73,9 @@ KILLPOINTS = (
 _MAIN_PID = os.getpid()
 
 
-def _die() -> None:
+def _die(signum: int = signal.SIGKILL) -> None:
     if os.getpid() == _MAIN_PID:  # never in a forked DataLoader worker
-        os.kill(os.getpid(), signal.SIGKILL)
+        os.kill(os.getpid(), signum)
 
 
 class _Counter:
@@ -154,6 +162,19 @@ def _arm(point: str, n: str) -> None:
                 _die()
 
         register_optimizer_step_pre_hook(before_step)
+    elif point in ("micro", "micro-sigterm"):
+        from trainer.model import GPT
+
+        forwards = _Counter(point, int(n) + 1)
+        signum = signal.SIGKILL if point == "micro" else signal.SIGTERM
+
+        # Every module's forward passes here; only the model's own, in training mode, is a micro-batch
+        # (evaluation runs in eval mode; DDP's wrapper calls the GPT inside it).
+        def before_forward(module: torch.nn.Module, args: Any) -> None:
+            if isinstance(module, GPT) and module.training and forwards.reached(point):
+                _die(signum)
+
+        register_module_forward_pre_hook(before_forward)
     else:
         _install(_Counter(point, int(n)))
 

@@ -19,8 +19,9 @@ from system.killpoints import KILLPOINTS
 # The session runs in subprocesses with their own timeouts; this bounds the whole test.
 SESSION_TIMEOUT_S = 240
 # Chaos aims at checkpoint writes and prunes, and kills mid-step at random moments ("after-seconds");
-# the "step" kill point (SIGKILL during a given optimizer step) is verify-resume's.
-CHAOS_KILLPOINTS = set(KILLPOINTS) - {"step"}
+# the "step" kill point (SIGKILL during a given optimizer step) is verify-resume's, "micro" and
+# "micro-sigterm" (a signal between two micro-batches) tests/trainer/test_trainer_grad_accum.py's.
+CHAOS_KILLPOINTS = set(KILLPOINTS) - {"step", "micro", "micro-sigterm"}
 
 
 def run_session(kills: int, run_dir: Path, seed: int) -> ChaosReport:
