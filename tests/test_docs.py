@@ -39,6 +39,7 @@ NAMESPACES = [
     "resumable_data.storage",
     "resumable_data.rng",
     "resumable_data.checkpoint",
+    "resumable_data.accumulation",
     "resumable_data.position",
     "resumable_data.distributed",
     "resumable_data.testing",
