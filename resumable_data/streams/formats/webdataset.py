@@ -74,7 +74,8 @@ class WebDatasetReader(RemoteReading):
     zeroed header, or a file that stops without its end-of-archive marker, as a partial copy cut
     on a block boundary leaves it, where WebDataset stops silently with fewer samples; or a cut
     member), a sample with two members of one field, and, at a restore, a shard whose identity
-    changed since the checkpoint.
+    changed since the checkpoint. A shard is refused when it is counted; one read before it is
+    counted (``sizes="unknown"``) yields the samples before the damage, then raises.
 
     Args:
         decode: applied to each sample dict (``{"__key__": ..., "jpg": b"..."}``); the dict of
