@@ -40,7 +40,9 @@ from ...errors import ResumeError
 __all__ = ["Member", "Sample", "TarIndex", "grouped", "scan"]
 
 BLOCK = 512
-INDEX_VERSION = 1  # of a saved index (TarIndex.arrays); another version is rebuilt, not read
+# Of a saved index (TarIndex.arrays); another version is rebuilt, not read. 2: version 1 indexes
+# were built by a scan that read a tar cut at a member's header short, so they are not trusted.
+INDEX_VERSION = 2
 _ZERO = bytes(BLOCK)
 _END_CHUNK = 1 << 20  # bytes after the end-of-archive marker checked at a time (all zeros in a whole tar)
 _REGULAR = (b"0", b"\0", b"7")  # tarfile's regular types, but the sparse one (refused)

@@ -11,6 +11,7 @@ sizes without opening a shard.
 
 from __future__ import annotations
 
+import contextlib
 import gzip
 import io
 import itertools
@@ -27,6 +28,7 @@ import pytest
 
 wds = pytest.importorskip("webdataset", reason="the tests compare with webdataset (in the [dev] extra)")
 
+import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
@@ -346,6 +348,29 @@ def test_the_index_is_saved_in_cache_dir_and_read_back_instead_of_scanning(
         WebDatasetReader(cache_dir=cache).num_records(shard)
     monkeypatch.undo()
     assert WebDatasetReader(cache_dir=cache).num_records(shard) == 5
+
+
+def test_an_index_saved_before_cut_shards_were_refused_is_built_again(
+    tmp_path: Path, shards: list[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The release before this index version read a tar cut at a member's header short and saved
+    # that short index in cache_dir: trusted, it would keep the cut shard silent.
+    cache, cut = tmp_path / "cache", tmp_path / "cut.tar"
+    cut.write_bytes(Path(shards[0]).read_bytes()[:SECOND])
+
+    def scan_then_stop(read: Any, size: int, shard: str) -> Any:
+        with contextlib.suppress(ResumeError):  # the older scan: the end of the file ended the archive
+            yield from scan(read, size, shard)
+
+    monkeypatch.setattr(wds_module, "scan", scan_then_stop)
+    assert WebDatasetReader(cache_dir=cache).num_records(str(cut)) == 1
+    monkeypatch.undo()
+    (saved,) = (cache / "tar-index").glob("*.npz")
+    with np.load(saved) as arrays:
+        older = {**arrays, "version": np.array(1)}
+    np.savez(saved, **older)
+    with pytest.raises(ResumeError, match=rf"'{cut}' is cut: it ends at offset {SECOND}"):
+        WebDatasetReader(cache_dir=cache).num_records(str(cut))
 
 
 def test_a_shard_without_an_index_is_read_in_one_pass_that_keeps_the_index(
