@@ -92,3 +92,25 @@ def test_a_shard_rewritten_on_the_server_is_refused_by_name(s3_server: Any, tmp_
     restored.load_state_dict(state)
     with pytest.raises(ResumeError, match=r"shard 0 '.*shard\.00000\.mds' .* changed since the checkpoint"):
         next(iter(restored))
+
+
+@pytest.mark.parametrize("damage", ["decreasing", "shifted"])
+def test_a_damaged_offset_table_read_by_ranges_is_refused_by_name(s3_server: Any, damage: str) -> None:
+    # Read by ranges, a restore reads only the table entries it needs: those are checked, and each
+    # sample's length against its columns'; a damage before them leaves them right.
+    url = upload(s3_server, "plain")
+    shard = FIXTURES / "mds" / "plain" / "shard.00000.mds"
+    data = bytearray(shard.read_bytes())
+    offsets = [int.from_bytes(data[4 + 4 * i : 8 + 4 * i], "little") for i in range(3)]
+    value = offsets[1] - 5 if damage == "decreasing" else offsets[2] + 3
+    data[12:16] = value.to_bytes(4, "little")  # where sample 2 starts
+    s3_server.put(f"{url}/shard.00000.mds", bytes(data))  # the same size: no cache, no hashes checked
+    reader = MDSReader(storage_options=s3_server.options())
+    named = rf"MDS shard '{url}/shard\.00000\.mds' is damaged: .*sample (2 starts at byte \d+, before|1 is \d+ bytes)"
+    for read in (lambda: list(reader(f"{url}/shard.00000.mds", 0)), lambda: list(reader(f"{url}/shard.00000.mds", 1))):
+        with pytest.raises(ResumeError, match=named):
+            read()
+    with pytest.raises(ResumeError, match=named):
+        reader.read_records(f"{url}/shard.00000.mds", [1])
+    intact = [encode(r) for r in MDSReader()(shard, 3)]
+    assert [encode(r) for r in reader(f"{url}/shard.00000.mds", 3)] == intact  # entries 3 on are right

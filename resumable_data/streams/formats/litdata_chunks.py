@@ -136,6 +136,10 @@ class ChunkRecords:
         self.offsets = np.frombuffer(bytes(data[4 : 4 + 4 * (items + 1)]), dtype="<u4").astype(np.int64)
         if len(self.offsets) != items + 1 or np.any(np.diff(self.offsets) < 0) or self.offsets[-1] > size:
             raise ValueError(f"its offsets are not ascending within its {size} bytes")
+        if self.offsets[0] != 4 * (items + 2):  # litdata's writer puts the items right after the table
+            raise ValueError(
+                f"its first offset is {self.offsets[0]}, not the end of its offset table ({4 * (items + 2)})"
+            )
         if index.loader == TOKENS:
             assert block_size is not None and entry.dim is not None  # checked by the reader and the index
             dtype = token_dtype(index.data_format[0], f"litdata chunk {self.name!r}")

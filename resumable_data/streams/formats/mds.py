@@ -10,13 +10,18 @@ opened (the last few are kept), as Mosaic's own reader does.
 
 The record counts come from ``index.json``'s ``samples``, so a stream is sized without opening a
 shard, and the index's file sizes (and, with ``verify_hashes``, its hashes) are checked against each
-file read: a truncated or rewritten shard is a :class:`~resumable_data.ResumeError` naming it.
+file read: a truncated or rewritten shard is a :class:`~resumable_data.ResumeError` naming it. So is
+a damaged offset table, which keeps the file's size (and Mosaic writes no hashes by default): the
+entries a read uses must lie after the table and within the file, each after the one before; a
+shard opened whole must have its column config (one JSON object) between the table and its first
+sample; and each sample's bytes must be as long as its columns' lengths say.
 """
 
 from __future__ import annotations
 
 import glob as local_glob
 import itertools
+import json
 import mmap
 import os
 from collections import OrderedDict
@@ -31,7 +36,7 @@ from ...storage.cached import RemoteReading
 from ...storage.files import is_url
 from ..readers import file_identity
 from ..sharded import ShardedIterable
-from .mds_columns import sample_decoder
+from .mds_columns import SampleLengthError, sample_decoder
 from .mds_index import INDEX, MDSShard, decompress, decompressor, hash_of, index_files, parse_index
 
 __all__ = ["MDSReader", "mds_stream"]
@@ -39,6 +44,82 @@ __all__ = ["MDSReader", "mds_stream"]
 _CHUNK = 1024  # offsets read from the table at a time (a restore reads the ones it needs, not all)
 _BLOCK = 8 << 20  # most bytes of a remote shard's samples fetched by one ranged read
 _OFFSET = np.dtype("<u4")
+
+
+def _check_offsets(name: str, offsets: np.ndarray, first: int, samples: int, table: int, size: int) -> None:
+    """That entries ``first, first + 1, ...`` of the offset table of a shard of ``samples`` samples
+    and ``size`` bytes point past the table (``table`` bytes with the count), within the file, each
+    after the one before (a sample of Mosaic's is never empty: it holds at least its columns'
+    lengths or fixed-size values), and that the last entry, where it is in the span, is the file's end.
+
+    Raises:
+        ResumeError: naming the shard, the entry and what is wrong with it.
+    """
+    values = offsets.astype(np.int64)
+
+    def entry(k: int) -> str:
+        return f"sample {k} starts" if k < samples else "its last sample ends"
+
+    def damaged(what: str) -> ResumeError:
+        return ResumeError(
+            f"MDS shard {name!r} is damaged: its offset table says {what}: the table was overwritten; write the "
+            "shard again (verify_hashes=True checks each shard against the hashes its writer put in index.json, "
+            "where it put any)"
+        )
+
+    outside = np.flatnonzero((values < table) | (values > size))
+    if outside.size:
+        k, value = first + int(outside[0]), int(values[outside[0]])
+        where = (
+            f"inside the offset table (bytes 0 to {table})"
+            if value < table
+            else f"past the end of the file ({size} bytes)"
+        )
+        raise damaged(f"{entry(k)} at byte {value}, {where}")
+    steps = np.flatnonzero(np.diff(values) <= 0)
+    if steps.size:
+        k = first + int(steps[0])
+        before, after = int(values[steps[0]]), int(values[steps[0] + 1])
+        if after < before:
+            raise damaged(f"{entry(k + 1)} at byte {after}, before sample {k} (at {before})")
+        raise damaged(f"sample {k} is empty (it starts and ends at byte {before})")
+    if first + len(values) == samples + 1 and int(values[-1]) != size:
+        raise ResumeError(
+            f"MDS shard {name!r}: its offset table ends at byte {int(values[-1])} but it holds {size} bytes "
+            "(truncated, rewritten, or the table damaged?)"
+        )
+
+
+def _check_config(name: str, buffer: Any, table: int, start: int) -> None:
+    """That the bytes between the offset table and the first sample are one JSON object, the column
+    config Mosaic's writer puts there: where the first sample starts is checked by nothing else."""
+    try:
+        text = bytes(buffer[table:start]).decode("utf-8")
+        config, end = json.JSONDecoder().raw_decode(text)
+        whole = isinstance(config, dict) and end == len(text)
+    except ValueError:  # not UTF-8 (UnicodeDecodeError) or not JSON
+        whole = False
+    if not whole:
+        raise ResumeError(
+            f"MDS shard {name!r} is damaged: the column config before the samples (bytes {table} to {start}) is "
+            "not one JSON object, so the offset table's first entry (where sample 0 starts), or the config, was "
+            "overwritten; write the shard again"
+        )
+
+
+def _decoded(
+    name: str, decoder: Callable[[Any], dict[str, Any]], numbers: Iterable[int], samples: Iterable[Any]
+) -> Iterator[dict[str, Any]]:
+    """The samples decoded; one whose bytes are not as long as its columns say (its offsets in the
+    table moved) is an error naming the shard and the sample."""
+    for number, data in zip(numbers, samples, strict=True):
+        try:
+            yield decoder(data)
+        except SampleLengthError as exc:
+            raise ResumeError(
+                f"MDS shard {name!r} is damaged: sample {number} {exc}: its offsets in the offset table (or its "
+                "bytes) were overwritten; write the shard again"
+            ) from None
 
 
 class _Opened:
@@ -52,15 +133,13 @@ class _Opened:
                 f"MDS shard {name!r} holds {count} samples but index.json says {samples}: the shard or the index "
                 "was rewritten since the other was written"
             )
-        if len(buffer) < 4 * (samples + 2):
+        table = 4 * (samples + 2)
+        if len(buffer) < table:
             raise ResumeError(f"MDS shard {name!r} holds {len(buffer)} bytes, less than its offset table: truncated")
-        self.offsets = np.frombuffer(buffer, _OFFSET, count=samples + 1, offset=4)
-        if int(self.offsets[-1]) != len(buffer):
-            raise ResumeError(
-                f"MDS shard {name!r}: its offset table ends at byte {int(self.offsets[-1])} but it holds "
-                f"{len(buffer)} bytes (truncated or rewritten?)"
-            )
-        self.buffer = buffer
+        offsets = np.frombuffer(buffer, _OFFSET, count=samples + 1, offset=4)
+        _check_offsets(name, offsets, 0, samples, table, len(buffer))
+        _check_config(name, buffer, table, int(offsets[0]))
+        self.offsets, self.buffer = offsets, buffer
 
     def samples(self, indices: Iterable[int]) -> Iterator[bytes]:
         """The bytes of the samples at ``indices`` (a range read in order, or ascending offsets)."""
@@ -78,11 +157,12 @@ class _Opened:
 class _Ranged:
     """A remote uncompressed shard read by ranged requests: the offsets it needs, then the samples."""
 
-    def __init__(self, reader: MDSReader, url: str, samples: int) -> None:
-        self.remote, self.url, self.count = reader._remote, url, samples
+    def __init__(self, reader: MDSReader, url: str, samples: int, size: int) -> None:
+        self.remote, self.url, self.count, self.size = reader._remote, url, samples, size
 
     def _offsets(self, starts: list[int], ends: list[int]) -> list[np.ndarray]:
-        """Spans of the offset table (entry indices ``[start, end)``), with the sample count checked."""
+        """Spans of the offset table (entry indices ``[start, end)``), with the sample count and the
+        entries checked (:func:`_check_offsets`)."""
         blocks = self.remote.read_ranges(self.url, [0] + [4 + 4 * s for s in starts], [4] + [4 + 4 * e for e in ends])
         count = int.from_bytes(blocks[0], "little")
         if count != self.count:
@@ -90,7 +170,13 @@ class _Ranged:
                 f"MDS shard {self.url!r} holds {count} samples but index.json says {self.count}: the shard or the "
                 "index was rewritten since the other was written"
             )
-        return [np.frombuffer(block, _OFFSET) for block in blocks[1:]]
+        spans = []
+        for start, end, block in zip(starts, ends, blocks[1:], strict=True):
+            if len(block) != 4 * (end - start):
+                raise ResumeError(f"MDS shard {self.url!r} ends inside its offset table: truncated")
+            spans.append(np.frombuffer(block, _OFFSET))
+            _check_offsets(self.url, spans[-1], start, count, 4 * (count + 2), self.size)
+        return spans
 
     def samples(self, indices: Iterable[int]) -> Iterator[bytes]:
         if isinstance(indices, range):
@@ -349,7 +435,7 @@ class MDSReader(RemoteReading):
                 (name, stat.st_size, stat.st_mtime_ns), lambda: self._load_file(name, name, entry, basename)
             )
         if basename == entry.raw_basename:
-            return _Ranged(self, name, entry.samples)
+            return _Ranged(self, name, entry.samples, entry.raw_bytes)
         size, tag = self._remote.size_and_tag(name)  # a compressed shard is fetched whole
         self._check_size(name, size, entry.expected_bytes(basename))
 
@@ -373,7 +459,8 @@ class MDSReader(RemoteReading):
         if start == entry.samples:  # a finished shard's cursor: nothing to open (nor to download)
             return iter(())
         opened = self._open(name, entry, basename, wait=start == 0)  # a restore reads by ranges until cached
-        return map(decoder, opened.samples(range(start, entry.samples)))
+        numbers = range(start, entry.samples)
+        return _decoded(name, decoder, numbers, opened.samples(numbers))
 
     def read_records(self, shard: Any, offsets: Sequence[int]) -> list[dict[str, Any]]:
         """The samples at ``offsets`` (ascending), with the shard opened once for all of them (a
@@ -387,7 +474,7 @@ class MDSReader(RemoteReading):
         if not offsets:
             return []
         decoder = self._decoder(name, entry)
-        return [decoder(data) for data in self._open(name, entry, basename, wait=False).samples(offsets)]
+        return list(_decoded(name, decoder, offsets, self._open(name, entry, basename, wait=False).samples(offsets)))
 
 
 def mds_stream(

@@ -26,7 +26,7 @@ import numpy as np
 
 from ...errors import ResumeError
 
-__all__ = ["PICKLE", "sample_decoder"]
+__all__ = ["PICKLE", "SampleLengthError", "sample_decoder"]
 
 PICKLE = "pkl"
 # The dtype codes of an ndarray column without a dtype in its encoding (Mosaic's NDArray).
@@ -128,6 +128,11 @@ def column_decoder(
     )
 
 
+class SampleLengthError(ValueError):
+    """A sample's bytes are not as long as its columns say: the offsets that cut it out of the shard
+    are wrong (or its bytes). The reader names the shard and the sample."""
+
+
 def sample_decoder(
     shard: str,
     names: Sequence[str],
@@ -144,6 +149,8 @@ def sample_decoder(
     Raises:
         ResumeError: a column of ``columns`` the shard lacks, or a column that cannot be decoded
             (see :func:`column_decoder`).
+
+    The function it returns raises :class:`SampleLengthError` for bytes that are not one sample's.
     """
     if columns is not None:
         missing = [c for c in columns if c not in names]
@@ -158,9 +165,17 @@ def sample_decoder(
         for name, encoding, size in zip(names, encodings, sizes, strict=True)
     ]
     head = struct.Struct(f"<{sum(size is None for _, size, _ in slots)}I")
+    fixed = head.size + sum(size for _, size, _ in slots if size is not None)
 
     def decode_sample(data: bytes) -> dict[str, Any]:
-        lengths = iter(head.unpack_from(data, 0))
+        if len(data) < head.size:
+            raise SampleLengthError(
+                f"is {len(data)} bytes long, shorter than the {head.size} bytes of its column lengths"
+            )
+        variable = head.unpack_from(data, 0)
+        if fixed + sum(variable) != len(data):
+            raise SampleLengthError(f"is {len(data)} bytes long but its columns take {fixed + sum(variable)}")
+        lengths = iter(variable)
         position, sample = head.size, {}
         for name, size, decoder in slots:
             length = next(lengths) if size is None else size

@@ -12,11 +12,17 @@ header parsed again.
 The header parser mirrors Python's ``tarfile`` (which WebDataset reads and writes with) for what a
 WebDataset shard holds: POSIX (ustar/pax) and GNU headers, pax ``path``/``size`` records (Python
 writes a pax header before every member whose mtime is a float, as ``webdataset.TarWriter``'s
-are), GNU long names, and the ustar name prefix. It is stricter than ``tarfile`` about damage: a
-header with a bad checksum in the middle of a file is an error naming the shard and the byte, where
-``tarfile`` (so WebDataset) ends the archive there silently; a member whose data runs past the end
-of the file is an error naming the member (``tarfile``'s says "empty header"). Compressed
-tars (``.tar.gz``...) and sparse members are refused: neither has an O(1) seek.
+are), GNU long names, and the ustar name prefix. It is stricter than ``tarfile`` about damage.
+``tarfile`` (so WebDataset) ends the archive silently, with fewer samples, wherever a member's
+header should start but the file has a bad header, a zero block followed by more data, a part of a
+header, or nothing (a file cut on a block boundary, as a partial copy leaves it: it lacks only the
+end-of-archive marker, which ``tarfile`` does not ask for); here each is an error naming the shard
+and the offset. A member whose data runs past the end of the file is an error naming the member
+(``tarfile``'s says "unexpected end of data", or "empty header" after a pax header). So a cut shard
+reads whole (cut after the first block of its end-of-archive marker) or is refused, never read short. A
+file whose tail was zero-filled at its full size (preallocated, then partly written) ends like a
+whole one where a member ends: only a hash could tell. Compressed tars (``.tar.gz``...) and sparse
+members are refused: neither has an O(1) seek.
 """
 
 from __future__ import annotations
@@ -34,8 +40,11 @@ from ...errors import ResumeError
 __all__ = ["Member", "Sample", "TarIndex", "grouped", "scan"]
 
 BLOCK = 512
-INDEX_VERSION = 1  # of a saved index (TarIndex.arrays); another version is rebuilt, not read
+# Of a saved index (TarIndex.arrays); another version is rebuilt, not read. 2: version 1 indexes
+# were built by a scan that read a tar cut at a member's header short, so they are not trusted.
+INDEX_VERSION = 2
 _ZERO = bytes(BLOCK)
+_END_CHUNK = 1 << 20  # bytes after the end-of-archive marker checked at a time (all zeros in a whole tar)
 _REGULAR = (b"0", b"\0", b"7")  # tarfile's regular types, but the sparse one (refused)
 _DIRECTORY, _SPARSE = b"5", b"S"
 _GNU = (b"L", b"K", b"S")  # headers whose ustar prefix field holds other data
@@ -138,18 +147,21 @@ def scan(read: Callable[[int, int], bytes], size: int, shard: str) -> Iterator[M
 
     Raises:
         ResumeError: the file is not a tar file (compressed, or another format), is damaged (a bad
-            header, data past its end), or holds a sparse member.
+            header, a zero block followed by more data) or cut (data past its end, no end-of-archive
+            marker), or holds a sparse member.
     """
-    position, global_pax = 0, {}
+    position, global_pax, last = 0, {}, None
     if size == 0:
         raise ResumeError(f"tar shard {shard!r} is empty (0 bytes): not a tar file")
     while position < size:
         start, overrides = position, []
         block = read(position, BLOCK)
-        if block == _ZERO[: len(block)]:
-            return  # the end-of-archive blocks (or the file's zero padding)
+        if block == _ZERO:
+            _check_end(read, size, shard, position)
+            return
         if len(block) < BLOCK:
-            raise ResumeError(f"tar shard {shard!r} is cut: it ends inside the header at offset {position}")
+            where = "its end-of-archive marker" if block == _ZERO[: len(block)] else "the header"
+            raise ResumeError(f"tar shard {shard!r} is cut: it ends inside {where} at offset {position}")
         kind, name, length = _header(block, shard, position)
         while kind in _EXTENDED:  # a header that describes the next one
             if position + BLOCK + length > size:
@@ -192,7 +204,32 @@ def scan(read: Callable[[int, int], bytes], size: int, shard: str) -> Iterator[M
             position = offset + _padded(length)
         else:
             position, length = offset, 0
+        last = name
         yield Member(start, name, regular, offset, length)
+    # A file cut where a member's header would start (a block boundary: what a partial copy leaves)
+    # is whole up to there; only the missing end marker tells that the archive went on.
+    raise ResumeError(
+        f"tar shard {shard!r} is cut: it ends at offset {size}, after member {last!r}, without the end-of-archive "
+        "marker (a zero block) that ends a whole tar; the rest of the archive is missing: copy the shard again "
+        "(or write it again, if its writer was stopped before closing it)"
+    )
+
+
+def _check_end(read: Callable[[int, int], bytes], size: int, shard: str, at: int) -> None:
+    """That the bytes after the zero block at ``at`` are zeros too: the end-of-archive marker and its
+    padding (tarfile pads to 10 KiB). Anything else means a header zeroed where it stood, or another
+    archive after this one (``cat a.tar b.tar``): tarfile, so WebDataset, stops at the zero block."""
+    position = at + BLOCK
+    while position < size:
+        chunk = read(position, min(_END_CHUNK, size - position))
+        if chunk.count(0) != len(chunk):
+            found = position + len(chunk) - len(chunk.lstrip(b"\0"))
+            raise ResumeError(
+                f"tar shard {shard!r} is damaged: a zero block at offset {at} ends the archive, but non-zero bytes "
+                f"follow at offset {found}: a header overwritten with zeros, or tars were concatenated (tar and "
+                "WebDataset read only the first); write the shard again as one archive"
+            )
+        position += len(chunk)
 
 
 def sample_key(name: str) -> tuple[str, str] | None:

@@ -70,9 +70,12 @@ class WebDatasetReader(RemoteReading):
 
     Read: plain (uncompressed) tar files as ``webdataset.TarWriter``/``ShardWriter``, ``tar`` or
     Python's ``tarfile`` write them. Refused with a :class:`~resumable_data.ResumeError` naming
-    the shard: a compressed tar (no O(1) seek: decompress it), a damaged one (a bad header, where
-    WebDataset would stop silently, or a cut member), a sample with two members of one
-    field, and, at a restore, a shard whose identity changed since the checkpoint.
+    the shard: a compressed tar (no O(1) seek: decompress it), a damaged or cut one (a bad or
+    zeroed header, or a file that stops without its end-of-archive marker, as a partial copy cut
+    on a block boundary leaves it, where WebDataset stops silently with fewer samples; or a cut
+    member), a sample with two members of one field, and, at a restore, a shard whose identity
+    changed since the checkpoint. A shard is refused when it is counted; one read before it is
+    counted (``sizes="unknown"``) yields the samples before the damage, then raises.
 
     Args:
         decode: applied to each sample dict (``{"__key__": ..., "jpg": b"..."}``); the dict of

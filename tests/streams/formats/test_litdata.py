@@ -197,6 +197,21 @@ def test_an_item_whose_bytes_were_damaged_is_refused_by_chunk(copy: Path) -> Non
         list(litdata_stream(copy, shuffle=False))
 
 
+def test_a_tokens_chunk_whose_first_offset_was_overwritten_is_refused_by_name(tmp_path: Path) -> None:
+    # The same size, every offset ascending: only the first one tells, which litdata's writer puts
+    # right after the table. Tokens have no item lengths to check them (the blocks came shifted).
+    folder = Path(shutil.copytree(FIXTURES / "tokens", tmp_path / "tokens"))
+    chunk = sorted(folder.glob("chunk-*.bin"))[0]
+    data = bytearray(chunk.read_bytes())
+    data[4:8] = (int.from_bytes(data[4:8], "little") - 2).to_bytes(4, "little")
+    chunk.write_bytes(bytes(data))
+    message = (
+        rf"{chunk.name}' has a damaged header .*: its first offset is \d+, not the end of its offset table \(\d+\)"
+    )
+    with pytest.raises(ResumeError, match=message):
+        list(litdata_stream(folder, shuffle=False, block_size=BLOCK))
+
+
 def test_a_chunk_rewritten_since_the_checkpoint_is_refused_by_name(copy: Path) -> None:
     def make() -> ShardedIterable:
         return litdata_stream(copy, seed=3)

@@ -11,6 +11,7 @@ sizes without opening a shard.
 
 from __future__ import annotations
 
+import contextlib
 import gzip
 import io
 import itertools
@@ -27,6 +28,7 @@ import pytest
 
 wds = pytest.importorskip("webdataset", reason="the tests compare with webdataset (in the [dev] extra)")
 
+import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
@@ -296,8 +298,13 @@ def test_a_cut_or_rewritten_shard_is_refused_by_name(tmp_path: Path, damage: str
             rf"bad\.tar' is damaged: the bytes at offset {SECOND}",
         ),
         (lambda tar: b"", r"bad\.tar' is empty"),
+        (
+            lambda tar: tar[:SECOND] + bytes(512) + tar[SECOND + 512 :],
+            rf"bad\.tar' is damaged: a zero block at offset {SECOND} ends the archive, but non-zero bytes follow",
+        ),
+        (lambda tar: tar + tar, r"bad\.tar' is damaged: .* tars were concatenated"),
     ],
-    ids=["not-a-tar", "gzip", "cut-in-data", "bad-header", "empty"],
+    ids=["not-a-tar", "gzip", "cut-in-data", "bad-header", "empty", "zeroed-header", "concatenated"],
 )
 def test_a_malformed_tar_is_a_clear_error_naming_the_shard(tmp_path: Path, content: Any, message: str) -> None:
     (good,) = write_shards(tmp_path, [4])
@@ -343,6 +350,29 @@ def test_the_index_is_saved_in_cache_dir_and_read_back_instead_of_scanning(
     assert WebDatasetReader(cache_dir=cache).num_records(shard) == 5
 
 
+def test_an_index_saved_before_cut_shards_were_refused_is_built_again(
+    tmp_path: Path, shards: list[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The release before this index version read a tar cut at a member's header short and saved
+    # that short index in cache_dir: trusted, it would keep the cut shard silent.
+    cache, cut = tmp_path / "cache", tmp_path / "cut.tar"
+    cut.write_bytes(Path(shards[0]).read_bytes()[:SECOND])
+
+    def scan_then_stop(read: Any, size: int, shard: str) -> Any:
+        with contextlib.suppress(ResumeError):  # the older scan: the end of the file ended the archive
+            yield from scan(read, size, shard)
+
+    monkeypatch.setattr(wds_module, "scan", scan_then_stop)
+    assert WebDatasetReader(cache_dir=cache).num_records(str(cut)) == 1
+    monkeypatch.undo()
+    (saved,) = (cache / "tar-index").glob("*.npz")
+    with np.load(saved) as arrays:
+        older = {**arrays, "version": np.array(1)}
+    np.savez(saved, **older)
+    with pytest.raises(ResumeError, match=rf"'{cut}' is cut: it ends at offset {SECOND}"):
+        WebDatasetReader(cache_dir=cache).num_records(str(cut))
+
+
 def test_a_shard_without_an_index_is_read_in_one_pass_that_keeps_the_index(
     shards: list[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -386,3 +416,117 @@ def test_brace_patterns_expand_as_webdatasets(tmp_path: Path, shards: list[str])
     pattern = shards[0].replace("0000.tar", "{0000..0002}.tar")
     assert webdataset_stream(pattern).shards == shards
     assert list(webdataset_stream(pattern, shuffle=False)) == theirs(shards)
+
+
+# -- a cut shard: read whole, or refused by name -----------------------------------------------------
+def without_location(samples: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The samples but their ``__url__`` and ``__local_path__`` (a cut copy lies elsewhere)."""
+    return [{k: v for k, v in sample.items() if k not in ("__url__", "__local_path__")} for sample in samples]
+
+
+def member_starts(path: str) -> list[int]:
+    """Where each member's first header (a pax header before it counts) starts, as tarfile reads it."""
+    with tarfile.open(path) as tar:
+        return [member.offset for member in tar.getmembers()]
+
+
+def archive_end(path: str) -> int:
+    """Where the last member's padded data ends: the end-of-archive marker's first zero block."""
+    with tarfile.open(path) as tar:
+        last = tar.getmembers()[-1]
+    return last.offset_data + -(-last.size // 512) * 512
+
+
+def read_cut(intact: str, cut: int, directory: Path) -> tuple[list[dict[str, Any]], list[dict[str, Any]]] | str:
+    """The intact shard's first ``cut`` bytes as a shard of its own, read by a fresh reader in one pass
+    (no index yet) and by a count then a read through the index: both reads, or the ResumeError's
+    message (the two must agree: the same refusal)."""
+    path = directory / "cut.tar"
+    path.write_bytes(Path(intact).read_bytes()[:cut])
+    messages, reads = [], []
+    for counted in (False, True):
+        reader = WebDatasetReader()
+        try:
+            if counted:
+                reader.num_records(str(path))
+            reads.append(list(reader(str(path), 0)))
+        except ResumeError as exc:
+            messages.append(str(exc))
+    if messages:
+        assert len(messages) == 2, f"cut at {cut}: one read refused ({messages[0]}), the other read"
+        assert messages[0] == messages[1]
+        return messages[0]
+    return reads[0], reads[1]
+
+
+def check_cut(intact: str, cut: int, directory: Path) -> None:
+    """A shard cut at ``cut`` reads all its samples, equal to WebDataset's read of the intact shard,
+    or is a ResumeError naming it: refused exactly where a sample (or a field of one) is lost, or where
+    the end-of-archive marker is (a whole zero block after the last member: tarfile writes two)."""
+    outcome = read_cut(intact, cut, directory)
+    if cut < archive_end(intact) + 512:
+        assert isinstance(outcome, str), f"cut at {cut} of {Path(intact).stat().st_size} bytes read silently"
+        assert "'" + str(directory / "cut.tar") + "'" in outcome
+    else:
+        assert not isinstance(outcome, str), f"cut at {cut}, after the end marker, refused: {outcome}"
+        expected = without_location(theirs([intact]))
+        assert without_location(outcome[0]) == expected and without_location(outcome[1]) == expected
+
+
+def test_a_tar_cut_at_a_4_kib_block_boundary_is_refused_by_name(tmp_path: Path) -> None:
+    # What a block-wise partial copy leaves: the file ends on a 4 KiB block, which can be a member's
+    # first header (the members are 512-byte aligned): no byte of it is damaged, the archive simply
+    # stops there, without its end-of-archive marker, in the middle of a sample.
+    (intact,) = write_shards(tmp_path, [50])
+    full = theirs([intact])
+    starts = member_starts(intact)
+    cut = next(c for c in range(4096, len(Path(intact).read_bytes()), 4096) if c in starts[1:] and starts.index(c) % 4)
+    copy = tmp_path / "copy.tar"
+    copy.write_bytes(Path(intact).read_bytes()[:cut])
+    short = theirs([str(copy)])  # WebDataset's own reader stops there silently, as the docs say
+    assert 0 < len(short) < len(full) and set(short[-1]) < set(full[len(short) - 1])
+    message = rf"tar shard '{copy}' is cut: it ends at offset {cut}, after member '.*', without the end-of-archive"
+    with pytest.raises(ResumeError, match=message):
+        ShardedIterable([str(copy)], read_shard=WebDatasetReader())
+    with pytest.raises(ResumeError, match=message):
+        list(WebDatasetReader()(str(copy), 0))
+
+
+def test_a_tar_cut_at_any_512_byte_boundary_reads_whole_or_is_refused_by_name(
+    tmp_path: Path, shards: list[str]
+) -> None:
+    intact = shards[1]
+    assert archive_end(intact) + 1024 <= Path(intact).stat().st_size  # the marker and tarfile's padding
+    for cut in range(512, Path(intact).stat().st_size + 1, 512):
+        check_cut(intact, cut, tmp_path)
+
+
+@settings(max_examples=60)
+@given(fraction=st.floats(0, 1, exclude_max=True))
+def test_a_tar_cut_anywhere_reads_whole_or_is_refused_by_name(shards: list[str], fraction: float) -> None:
+    # Mid-header, mid-member, inside a pax record, inside the end marker or tarfile's padding.
+    intact = shards[1]
+    with tempfile.TemporaryDirectory() as directory:
+        check_cut(intact, 1 + int(fraction * (Path(intact).stat().st_size - 1)), Path(directory))
+
+
+def test_webdatasets_own_reader_reads_damaged_tars_as_the_docs_say(tmp_path: Path) -> None:
+    # The docs contrast this reader with WebDataset's: where the archive stops at a member's header
+    # (a file cut there, or a header overwritten), tarfile ends the archive and WebDataset yields
+    # fewer samples without a word; a member cut in its data is an error there too (tarfile's
+    # "unexpected end of data"), naming the file but not the member.
+    (intact,) = write_shards(tmp_path, [4])
+    data, full = Path(intact).read_bytes(), theirs([intact])
+    assert member_starts(intact)[1] == SECOND
+    damaged = {"cut-at-a-header": data[:SECOND], "bad-header": data[:SECOND] + b"\x01" * 512 + data[SECOND + 512 :]}
+    damaged["zeroed-header"] = data[:SECOND] + bytes(512) + data[SECOND + 512 :]
+    for name, content in damaged.items():
+        path = tmp_path / f"{name}.tar"
+        path.write_bytes(content)
+        assert len(theirs([str(path)])) < len(full), name
+        with pytest.raises(ResumeError, match=rf"tar shard '{path}' is (cut|damaged)"):
+            WebDatasetReader().num_records(str(path))
+    path = tmp_path / "cut-in-data.tar"
+    path.write_bytes(data[:2000])
+    with pytest.raises(tarfile.ReadError, match="unexpected end of data"):
+        theirs([str(path)])
