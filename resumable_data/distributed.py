@@ -29,9 +29,12 @@ its own (it is parsed with ``json.loads``), but it cannot remove DCP's.
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import json
+import os
 from collections.abc import Callable, Iterator, Mapping
+from pathlib import Path
 from typing import Any, TypeVar
 
 import torch
@@ -58,6 +61,8 @@ T = TypeVar("T")
 DATA_STATE_VERSION = 1
 STATE_JSON = "state_json"
 _WHAT = "DataLoaderState"
+# Under this many free bytes a failed write is most likely a full disk (a DCP shard is larger).
+_NEARLY_FULL = 1 << 20
 
 
 def _digest(state: Any) -> int:
@@ -337,10 +342,18 @@ def dcp_errors(action: str, checkpoint_id: Any) -> Iterator[None]:
 
     ``except Exception`` does not catch a ``CheckpointException``; inside this block a failed
     ``dcp.save``/``dcp.load`` becomes a ``ResumeError`` naming the action, the path and each
-    failing rank's error.
+    failing rank's error. A failed write is reported as what the OS said (``[Errno 28] No space
+    left on device``), not as torch's serializer's ``[enforce fail at inline_container.cc]
+    unexpected pos``: DCP's writer ``torch.save``-s into each file, and torch keeps the ``OSError``
+    only as the context of its own error. Under a process group DCP pickles each rank's error,
+    which drops that context; the message then says how much space the folder's file system has
+    left on this host, and points at ``ErrnoFileSystemWriter`` (what ``DcpStore.writer`` returns), a
+    writer that raises the ``OSError`` itself and so keeps the errno and the file on every rank.
 
     Example::
 
+        with dcp_errors("save", path):
+            dcp.save(app, storage_writer=ErrnoFileSystemWriter(path))
         with dcp_errors("load", path):
             dcp.load(app, checkpoint_id=path)
     """
@@ -350,8 +363,55 @@ def dcp_errors(action: str, checkpoint_id: Any) -> Iterator[None]:
         yield
     except CheckpointException as e:
         failures = getattr(e, "failures", {}) or {}
-        detail = "; ".join(f"rank {rank}: {_first_line(err)}" for rank, err in sorted(failures.items())) or str(e)
+        detail = "; ".join(
+            f"rank {rank}: {_describe(err, checkpoint_id)}" for rank, err in sorted(failures.items())
+        ) or str(e)
         raise ResumeError(f"torch.distributed.checkpoint could not {action} {checkpoint_id}: {detail}") from e
+
+
+def _describe(error: Any, checkpoint_id: Any) -> str:
+    """One failing rank's error: the OS error behind it where one is known, else its first line."""
+    exc = error[0] if isinstance(error, tuple) else error
+    os_error = _os_error_behind(exc)
+    if os_error is not None and os_error.errno is not None:
+        where = os_error.filename if os_error.filename is not None else f"writing into {checkpoint_id}"
+        return f"OSError: [Errno {os_error.errno}] {os_error.strerror}: {where}"
+    line = _first_line(exc)
+    if isinstance(exc, RuntimeError) and "unexpected pos" in line:
+        return (
+            f"a write failed ({line}: how torch.save reports a file write the OS refused; "
+            f"{_free_space(checkpoint_id)}; save with storage_writer=ErrnoFileSystemWriter(path), from "
+            "resumable_data.checkpoint.dcp_writer, for the OS error and the file on every rank)"
+        )
+    return line
+
+
+def _os_error_behind(exc: BaseException) -> OSError | None:
+    """The first ``OSError`` in ``exc``'s chain (itself, its cause, its context), if any."""
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        if isinstance(current, OSError):
+            return current
+        seen.add(id(current))
+        current = current.__cause__ or current.__context__
+    return None
+
+
+def _free_space(checkpoint_id: Any) -> str:
+    """How many bytes the file system holding ``checkpoint_id`` has free, as this process sees it."""
+    if not isinstance(checkpoint_id, (str, os.PathLike)):
+        return "its free space is unknown (not a local path)"
+    folder = Path(checkpoint_id)
+    while not folder.exists() and folder != folder.parent:
+        folder = folder.parent
+    try:
+        info = os.statvfs(folder)
+    except OSError as e:
+        return f"its free space is unknown ({e})"
+    free = info.f_bavail * info.f_frsize
+    full = f": no space left on device (errno {errno.ENOSPC}) is the likely cause" if free < _NEARLY_FULL else ""
+    return f"the file system holding {folder} has {free} bytes free on this host{full}"
 
 
 def _first_line(error: Any) -> str:

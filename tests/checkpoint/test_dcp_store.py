@@ -338,6 +338,20 @@ def test_a_dcp_save_on_a_full_disk_raises_the_errno_naming_the_file_not_torchs_s
         store.close()
 
 
+def test_dcp_errors_around_a_plain_dcp_save_on_a_full_disk_names_errno_28_and_the_path(tmp_path: Path) -> None:
+    """The guide's raw-DCP route (``dcp.save(app, checkpoint_id=path)`` inside ``dcp_errors``, no
+    DcpStore) on a full disk: the ResumeError says what the OS said, not torch's serializer (issue 45,
+    item 14: on main "[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598")."""
+    with small_disk(tmp_path / "disk") as disk:
+        fill(disk, leave=16 * 1024)
+        path = disk / "checkpoint"
+        with pytest.raises(ResumeError) as info, dcp_errors("save", path):
+            dcp.save({"model": {"w": torch.zeros(64, 1024)}}, checkpoint_id=path)
+        message = str(info.value)
+        assert f"[Errno {errno.ENOSPC}] {os.strerror(errno.ENOSPC)}" in message, message
+        assert str(path) in message and "enforce fail" not in message, message
+
+
 def test_a_publish_that_failed_on_a_full_disk_can_be_retried_once_space_is_freed(tmp_path: Path) -> None:
     """The failed publish removes the payload it had begun to write, so calling it again works (on
     main it was refused: "payload name 'trainer.pt' must be a plain file name that DCP's files do not
