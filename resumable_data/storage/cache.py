@@ -65,6 +65,7 @@ from typing import Any, BinaryIO, Literal
 
 from ..core.state import check_int_arg
 from ..errors import ResumeError
+from .files import redact
 from .locks import flocked, held, open_shared, release, remove, try_exclusive, unlock
 
 __all__ = ["CacheCounters", "CachedShard", "RemoteShard", "ShardCache"]
@@ -89,9 +90,15 @@ class RemoteShard:
     size: int
     identity: str
 
+    def __repr__(self) -> str:
+        # the dataclass's repr but for the URL's credentials (see files.redact)
+        return f"RemoteShard(url={redact(self.url)!r}, size={self.size!r}, identity={self.identity!r})"
+
     def __post_init__(self) -> None:
         if not isinstance(self.url, str) or not isinstance(self.identity, str):
-            raise ValueError(f"RemoteShard url and identity should be str, but got {self.url!r}, {self.identity!r}")
+            raise ValueError(
+                f"RemoteShard url and identity should be str, but got {redact(self.url)!r}, {self.identity!r}"
+            )
         check_int_arg("RemoteShard size", self.size, minimum=0)
 
 
@@ -385,14 +392,14 @@ class ShardCache:
             raise TypeError(f"download() should return the object's identity as a str, but got {identity!r}")
         if identity != shard.identity:
             raise ResumeError(
-                f"shard {shard.url!r} is not the object expected: expected identity {shard.identity!r}, "
+                f"shard {redact(shard.url)!r} is not the object expected: expected identity {shard.identity!r}, "
                 f"the download has {identity!r}: it was rewritten since it was listed or checkpointed; to "
                 f"read it as it is now, list it again and pass its current identity"
             )
         with open(partial, "rb") as written:
             size = os.fstat(written.fileno()).st_size
             if size != shard.size:
-                raise OSError(f"download of {shard.url!r} wrote {size} bytes, but the object has {shard.size}")
+                raise OSError(f"download of {redact(shard.url)!r} wrote {size} bytes, but the object has {shard.size}")
             os.fsync(written.fileno())  # on disk before its name says complete: a preempted VM keeps its disk
 
     # -- accounting and eviction (under the accounting lock) ----------------------------------------

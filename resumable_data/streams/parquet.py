@@ -24,7 +24,7 @@ from typing import IO, Any
 from ..core.state import check_int_arg
 from ..errors import ResumeError
 from ..storage.cached import RemoteReading
-from ..storage.files import is_url
+from ..storage.files import is_url, redact
 
 __all__ = ["ParquetReader"]
 
@@ -127,17 +127,19 @@ class ParquetReader(RemoteReading):
             # Closed with close(force=True): the file is ours whether pyarrow or the opener opened it.
             parquet = pq.ParquetFile(self._source(shard, wait))
         except FileNotFoundError as exc:
-            raise ResumeError(f"parquet shard {name!r} is missing: {exc}") from exc
+            raise ResumeError(f"parquet shard {redact(name)!r} is missing: {exc}") from exc
         except (OSError, ValueError) as exc:  # pyarrow's ArrowInvalid is a ValueError
             raise ResumeError(
-                f"parquet shard {name!r} is not a readable Parquet file (truncated or replaced?): {exc}"
+                f"parquet shard {redact(name)!r} is not a readable Parquet file (truncated or replaced?): {exc}"
             ) from exc
         if self.columns is not None:
             names = parquet.schema_arrow.names
             missing = [c for c in self.columns if c not in names]
             if missing:
                 parquet.close(force=True)
-                raise ResumeError(f"parquet shard {name!r} lacks the column(s) {missing}; its columns are {names}")
+                raise ResumeError(
+                    f"parquet shard {redact(name)!r} lacks the column(s) {missing}; its columns are {names}"
+                )
         return parquet
 
     def _source(self, shard: Any, wait: bool) -> Any:
@@ -163,14 +165,14 @@ class ParquetReader(RemoteReading):
             with open(os.fspath(shard), "rb") if self.opener is None else self.opener(shard) as file:
                 size = file.seek(0, os.SEEK_END)
                 if size < 12:
-                    raise ResumeError(f"parquet shard {name!r} holds {size} bytes: not a Parquet file")
+                    raise ResumeError(f"parquet shard {redact(name)!r} holds {size} bytes: not a Parquet file")
                 file.seek(size - 8)
                 tail = file.read(8)
                 footer = min(int.from_bytes(tail[:4], "little") + 8, size)
                 file.seek(size - footer)
                 digest = hashlib.blake2b(file.read(footer), digest_size=8).hexdigest()
         except FileNotFoundError as exc:
-            raise ResumeError(f"parquet shard {name!r} is missing: {exc}") from exc
+            raise ResumeError(f"parquet shard {redact(name)!r} is missing: {exc}") from exc
         return f"{size}:{digest}"
 
     def num_records(self, shard: Any) -> int:
@@ -189,7 +191,7 @@ class ParquetReader(RemoteReading):
         if start > metadata.num_rows:
             parquet.close(force=True)
             raise ResumeError(
-                f"parquet shard {str(shard)!r} has {metadata.num_rows} rows but the cursor is at row {start}: "
+                f"parquet shard {redact(shard)!r} has {metadata.num_rows} rows but the cursor is at row {start}: "
                 "the shard is shorter than when the checkpoint was written (truncated or replaced?)"
             )
         group, first = 0, 0  # the row group holding `start`, and its first row number
@@ -233,7 +235,7 @@ class ParquetReader(RemoteReading):
             table = parquet.read_row_group(group, columns=self.columns, use_threads=False)
         except (OSError, ValueError) as exc:
             raise ResumeError(
-                f"parquet shard {str(shard)!r}: row group {group} is unreadable (truncated or corrupt?): {exc}"
+                f"parquet shard {redact(shard)!r}: row group {group} is unreadable (truncated or corrupt?): {exc}"
             ) from exc
         if self.cache_row_groups:
             self._row_groups[key] = table

@@ -23,7 +23,7 @@ import torch
 from ..core.state import check_int_arg
 from ..errors import ResumeError
 from ..storage.cached import RemoteReading
-from ..storage.files import StorageError, is_url
+from ..storage.files import StorageError, is_url, redact
 
 __all__ = ["TextLineReader", "TokenShardReader", "file_identity"]
 
@@ -62,7 +62,7 @@ def _path_identity(shard: Any, what: str, remote_identity: Callable[[str], str])
         with open(os.fspath(shard), "rb") as file:
             return file_identity(file)
     except FileNotFoundError as exc:
-        raise ResumeError(f"{what} shard {str(shard)!r} is missing: {exc}") from exc
+        raise ResumeError(f"{what} shard {redact(shard)!r} is missing: {exc}") from exc
 
 
 def _npy_header(file: BinaryIO, size: int) -> tuple[int, int, np.dtype] | None:
@@ -165,7 +165,7 @@ class TokenShardReader(RemoteReading):
         try:
             stat = os.stat(path)
         except FileNotFoundError as exc:
-            raise ResumeError(f"token shard {path!r} is missing: {exc}") from exc
+            raise ResumeError(f"token shard {redact(path)!r} is missing: {exc}") from exc
         key = (path, stat.st_size, stat.st_mtime_ns)
         tokens = self._mapped.get(key)
         if tokens is None:
@@ -186,7 +186,7 @@ class TokenShardReader(RemoteReading):
                 return np.load(path, mmap_mode="r")
             if size % self.dtype.itemsize:
                 raise ResumeError(
-                    f"token shard {name!r} holds {size} bytes, not a multiple of {self.dtype.itemsize} "
+                    f"token shard {redact(name)!r} holds {size} bytes, not a multiple of {self.dtype.itemsize} "
                     f"({self.dtype}): it is truncated or written with another dtype"
                 )
             if size == 0:  # an empty file cannot be mapped
@@ -196,9 +196,9 @@ class TokenShardReader(RemoteReading):
             with open(path, "rb") as file:
                 return np.frombuffer(mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ), dtype=self.dtype)
         except FileNotFoundError as exc:
-            raise ResumeError(f"token shard {name!r} is missing: {exc}") from exc
+            raise ResumeError(f"token shard {redact(name)!r} is missing: {exc}") from exc
         except ValueError as exc:  # np.load on a .npy whose data is shorter than its header says
-            raise ResumeError(f"token shard {name!r} is unreadable or truncated: {exc}") from exc
+            raise ResumeError(f"token shard {redact(name)!r} is unreadable or truncated: {exc}") from exc
 
     def num_records(self, shard: Any) -> int:
         """Windows in the shard, from its size (and a ``.npy`` file's header): the file is not mapped.
@@ -216,18 +216,18 @@ class TokenShardReader(RemoteReading):
                     header = _npy_header(file, size)
                 return self._count(len(self.tokens(shard)) if header is None else header[1])
         except FileNotFoundError as exc:
-            raise ResumeError(f"token shard {path!r} is missing: {exc}") from exc
+            raise ResumeError(f"token shard {redact(path)!r} is missing: {exc}") from exc
         except ResumeError:
             raise
         except ValueError as exc:  # a header numpy cannot read, as np.load would refuse it
-            raise ResumeError(f"token shard {path!r} is unreadable or truncated: {exc}") from exc
+            raise ResumeError(f"token shard {redact(path)!r} is unreadable or truncated: {exc}") from exc
         self._check_size(path, size)
         return self._count(size // self.dtype.itemsize)
 
     def _check_size(self, name: str, size: int) -> None:
         if size % self.dtype.itemsize:
             raise ResumeError(
-                f"token shard {name!r} holds {size} bytes, not a multiple of {self.dtype.itemsize} "
+                f"token shard {redact(name)!r} holds {size} bytes, not a multiple of {self.dtype.itemsize} "
                 f"({self.dtype}): it is truncated or written with another dtype"
             )
 
@@ -248,12 +248,12 @@ class TokenShardReader(RemoteReading):
             with self._remote.open(url, block_size=_NPY_HEAD) as file:
                 header = _npy_header(file, size)
         except FileNotFoundError as exc:
-            raise ResumeError(f"token shard {url!r} is missing: {exc}") from exc
+            raise ResumeError(f"token shard {redact(url)!r} is missing: {exc}") from exc
         except ValueError as exc:
-            raise ResumeError(f"token shard {url!r} is unreadable or truncated: {exc}") from exc
+            raise ResumeError(f"token shard {redact(url)!r} is unreadable or truncated: {exc}") from exc
         if header is None:
             raise ResumeError(
-                f"token shard {url!r} is a .npy file of a format version other than 1.0 or 2.0, which is read "
+                f"token shard {redact(url)!r} is a .npy file of a format version other than 1.0 or 2.0, which is read "
                 "only from a local path; write it with np.save of a plain integer array"
             )
         return header
@@ -290,7 +290,7 @@ class TokenShardReader(RemoteReading):
             n = self._count(len(tokens))
         if start > n:
             raise ResumeError(
-                f"token shard {str(shard)!r} has {n} windows but the cursor is at offset {start}: "
+                f"token shard {redact(shard)!r} has {n} windows but the cursor is at offset {start}: "
                 "the shard is shorter than when the checkpoint was written (truncated or replaced?)"
             )
         if tokens is None:
@@ -327,7 +327,7 @@ class TokenShardReader(RemoteReading):
         if offsets and (offsets[0] < 0 or offsets[-1] >= n):
             bad = offsets[-1] if offsets[-1] >= n else offsets[0]
             raise ResumeError(
-                f"token shard {str(shard)!r} has {n} windows but the checkpoint needs the one at "
+                f"token shard {redact(shard)!r} has {n} windows but the checkpoint needs the one at "
                 f"offset {bad}: the shard is shorter than when the checkpoint was written (truncated or replaced?)"
             )
 
@@ -449,7 +449,7 @@ class TextLineReader(RemoteReading):
                 line = file.readline()
                 if not line:
                     raise ResumeError(
-                        f"text shard {path!r} has no line at byte {offset} (it ends there): it is shorter "
+                        f"text shard {redact(path)!r} has no line at byte {offset} (it ends there): it is shorter "
                         "than when the checkpoint was written (truncated or replaced?)"
                     )
                 position = offset + len(line)
@@ -465,7 +465,7 @@ class TextLineReader(RemoteReading):
                 return open(cached, "rb")
             return self._remote.open(path, block_size=_TEXT_BLOCK) if is_url(path) else open(path, "rb")
         except FileNotFoundError as exc:
-            raise ResumeError(f"text shard {path!r} is missing (cursor at byte {start}): {exc}") from exc
+            raise ResumeError(f"text shard {redact(path)!r} is missing (cursor at byte {start}): {exc}") from exc
 
     @staticmethod
     def _seek_line(file: BinaryIO, path: str, start: int) -> None:
@@ -474,14 +474,14 @@ class TextLineReader(RemoteReading):
         size = file.seek(0, os.SEEK_END)  # a local file's or a remote object's size
         if start > size:
             raise ResumeError(
-                f"text shard {path!r} has {size} bytes but the cursor is at byte {start}: "
+                f"text shard {redact(path)!r} has {size} bytes but the cursor is at byte {start}: "
                 "it is shorter than when the checkpoint was written (truncated or replaced?)"
             )
         if 0 < start < size:
             file.seek(start - 1)
             if file.read(1) != b"\n":
                 raise ResumeError(
-                    f"text shard {path!r}: byte offset {start} is not at the start of a line, so "
+                    f"text shard {redact(path)!r}: byte offset {start} is not at the start of a line, so "
                     "the file changed since the checkpoint was written"
                 )
         else:

@@ -37,7 +37,7 @@ import numpy as np
 
 from ..core.state import brief
 from ..errors import ResumeError
-from ..storage.files import Remote, is_url
+from ..storage.files import Remote, StorageError, is_url, redact
 
 __all__ = [
     "FORMATS",
@@ -133,6 +133,13 @@ class ShardIndex:
     eos: int | None = None
     location: str = ""
 
+    def __repr__(self) -> str:
+        # the dataclass's repr but for the location's credentials
+        return (
+            f"ShardIndex(shards={self.shards!r}, dtype={self.dtype!r}, format={self.format!r}, "
+            f"eos={self.eos!r}, location={redact(self.location)!r})"
+        )
+
     @property
     def tokens(self) -> int:
         """Tokens in all the shards together."""
@@ -158,7 +165,7 @@ class ShardIndex:
             )
         if self.format == "bin" and np.dtype(reader.dtype) != np.dtype(self.dtype):
             raise ResumeError(
-                f"{_WHAT} {self.location!r} says the .bin shards hold {self.dtype} tokens, but the reader reads "
+                f"{_WHAT} {redact(self.location)!r} says the .bin shards hold {self.dtype} tokens, but the reader reads "
                 f"{np.dtype(reader.dtype)}: build it as TokenShardReader(window, dtype={self.dtype!r})"
             )
         return [count(entry.tokens) for entry in self.shards]
@@ -185,7 +192,7 @@ class ShardIndex:
         Raises:
             ResumeError: a key is missing or wrong (named with what was expected), or another version.
         """
-        where = repr(location)
+        where = repr(redact(location))
         if not isinstance(data, Mapping):
             raise ResumeError(f"{_WHAT} {where} should hold a JSON object, but holds {brief(data)}")
         if data.get(VERSION) != INDEX_VERSION:
@@ -229,28 +236,31 @@ class ShardIndex:
             storage_options: passed to ``fsspec.open`` for a URL (credentials, endpoint).
 
         Raises:
-            ResumeError: the file is missing, not JSON, or not an index (see :meth:`parse`).
+            ResumeError: the file is missing, cannot be read (refused credentials, no answer within the
+                retry budget: the message says which), is not JSON, or is not an index (see :meth:`parse`).
             ImportError: a URL without fsspec installed.
         """
         if isinstance(path, ShardIndex):
             return path
         location = index_location(path)
+        shown = redact(location)  # a URL's credentials are never printed
         try:
             if is_url(location):
-                fs, fs_path = url_fs(location, storage_options)
-                raw = fs.cat_file(fs_path)
+                raw = Remote(storage_options).read(location)
             else:
                 with open(location, "rb") as file:
                     raw = file.read()
         except FileNotFoundError as exc:
             raise ResumeError(
-                f"{_WHAT} {location!r} is missing: write the shards with write_token_shards (it writes the index "
+                f"{_WHAT} {shown!r} is missing: write the shards with write_token_shards (it writes the index "
                 f"last, so a folder whose writing stopped part way has none): {exc}"
             ) from exc
+        except StorageError as exc:  # refused credentials, a server that does not answer...
+            raise ResumeError(f"{_WHAT} {shown!r} cannot be read: {exc}") from exc
         try:
             data = json.loads(raw)
         except ValueError as exc:
-            raise ResumeError(f"{_WHAT} {location!r} is not JSON: {exc}") from exc
+            raise ResumeError(f"{_WHAT} {shown!r} is not JSON: {exc}") from exc
         return cls.parse(data, location)
 
 

@@ -1,6 +1,7 @@
 """A loopback TCP proxy in front of the test S3 server that adds latency, caps bandwidth, counts bytes
 and injects faults per HTTP request: a 503 SlowDown answer, a connection reset before the request
-reaches the server, or a reset in the middle of the response body.
+reaches the server, a reset in the middle of the response body, or a stall (the connection is
+accepted and the request read, but no byte of an answer ever comes: a server that hangs).
 
 It forwards bytes and parses no more of a request than its head (method, path, ``Range``, to count
 them), so the client under test talks to the real server through it. Requests are assumed to arrive in one
@@ -16,11 +17,12 @@ import time
 from collections import Counter, deque
 from collections.abc import Callable
 
-__all__ = ["CUT", "RESET", "SLOWDOWN", "FaultProxy"]
+__all__ = ["CUT", "RESET", "SLOWDOWN", "STALL", "FaultProxy"]
 
 SLOWDOWN = "slowdown"  # answer 503 SlowDown, as S3 does when throttling, and close the connection
 RESET = "reset"  # reset the connection (RST) instead of forwarding the request
 CUT = "cut"  # forward the request, then reset the connection after the first bytes of the response
+STALL = "stall"  # read the request and never answer it (the connection stays open until the client gives up)
 
 _CUT_AFTER = 1024  # response bytes forwarded before a CUT resets the connection
 _METHODS = (b"GET ", b"HEAD ")
@@ -146,6 +148,10 @@ class FaultProxy:
                     )
                     client.shutdown(socket.SHUT_WR)
                     time.sleep(0.05)  # let the client read the answer before the close
+                    break
+                if fault == STALL:
+                    while not self._closed and client.recv(65536):
+                        pass  # the client's later bytes go nowhere either; it ends by closing
                     break
                 if fault == CUT:
                     cut[0] = _CUT_AFTER

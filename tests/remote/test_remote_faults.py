@@ -1,7 +1,9 @@
 """Faults between a reader and the S3 server, injected by the proxy of proxy.py (real client, real
 server): throttling and resets are retried by the client and change no record; a fault that does not
-end is one error naming the URL within a bounded time; a shard rewritten on the server since the
-checkpoint is refused by name; a missing bucket or missing credentials is a clear error at once.
+end (a stalled server included) is one error naming the URL within the retry budget the docs state;
+a shard rewritten on the server since the checkpoint is refused by name; a missing bucket or missing
+or wrong credentials (from_index too) is one clear error at once; no message, cause or traceback of
+any of these failures prints the secret key of ``storage_options``.
 """
 
 from __future__ import annotations
@@ -9,22 +11,35 @@ from __future__ import annotations
 import itertools
 import re
 import time
+import traceback
+import uuid
 from typing import Any
 
 import numpy as np
 import pytest
 
 from harness import json_roundtrip
-from proxy import CUT, RESET, SLOWDOWN
+from proxy import CUT, RESET, SLOWDOWN, STALL
 from resumable_data import ResumeError
 from resumable_data.storage import StorageError
-from resumable_data.streams import ShardedIterable, TokenShardReader
+from resumable_data.streams import ShardedIterable, TokenShardReader, write_token_shards
 from resumable_data.testing import assert_same
 
 SIZES = [8 * 40, 8 * 25 + 3, 8 * 33]
 # Few, fast attempts, so that a permanent fault ends quickly: botocore's attempts per request (each
 # under a 2 s timeout); s3fs adds its own few retries of throttling and interrupted bodies.
 FAST = {"connect_timeout": 2, "read_timeout": 2, "retries": {"mode": "standard", "max_attempts": 3}}
+# The retry budget docs/guides/streams.md states for one operation: attempts x (connect + read timeout),
+# where botocore's max_attempts counts the retries after the first attempt.
+FAST_BUDGET = (3 + 1) * (2 + 2)
+# A stall spends the whole budget, so the stall tests take a smaller one (2 attempts of 1 + 3 s).
+STALLING = {"connect_timeout": 1, "read_timeout": 3, "retries": {"mode": "standard", "max_attempts": 1}}
+STALL_BUDGET = (1 + 1) * (1 + 3)
+
+
+def within(budget: float) -> float:
+    """A correctness bound on the time to the error, not a benchmark: twice the budget, and 5 s of slack."""
+    return budget * 2 + 5
 
 
 @pytest.fixture(scope="module")
@@ -57,10 +72,12 @@ def test_throttling_and_resets_are_retried_and_change_no_record(s3_server: Any, 
     assert proxy.faulted == 5
 
 
-@pytest.mark.parametrize("fault", [SLOWDOWN, RESET])
+@pytest.mark.parametrize("fault", [SLOWDOWN, RESET, pytest.param(STALL, marks=pytest.mark.slow)])
 def test_a_fault_that_does_not_end_is_one_error_naming_the_url_in_bounded_time(
     s3_server: Any, bucket: str, proxy: Any, fault: str
 ) -> None:
+    """A stalled server (accepts, never answers) too: on main s3fs repeated each timed-out request
+    of botocore's attempts 5 times: 60 s to the error where the budget is 16 s."""
     remote = stream(s3_server, bucket, proxy.endpoint)
     reading = iter(remote)
     next(reading)
@@ -68,11 +85,15 @@ def test_a_fault_that_does_not_end_is_one_error_naming_the_url_in_bounded_time(
     started = time.monotonic()
     with pytest.raises(ResumeError, match=rf"s3://{bucket}/tok_\d\.bin") as raised:
         list(reading)
-    assert time.monotonic() - started < 30
+    assert time.monotonic() - started < (within(FAST_BUDGET) if fault == STALL else 30)
     cause = repr(raised.value.__cause__)
     assert isinstance(raised.value.__cause__, StorageError), cause
     # A HEAD answer has no body: botocore names the status, not the code.
-    expected = "SlowDown|Service Unavailable" if fault == SLOWDOWN else "Could not connect|reset|Connection"
+    expected = {
+        SLOWDOWN: "SlowDown|Service Unavailable",
+        RESET: "Could not connect|reset|Connection",
+        STALL: f"no answer within the retry budget of {FAST_BUDGET} s",
+    }[fault]
     assert re.search(rf"failed after [\d.]+ s: .*({expected})", cause), cause
 
 
@@ -123,3 +144,77 @@ def test_wrong_or_missing_credentials_are_a_clear_error_naming_the_url(
     none = {k: v for k, v in s3_server.options(**FAST).items() if k not in ("key", "secret")}
     with pytest.raises(ResumeError, match=rf"'{url}'.*(credentials|Forbidden|Access)"):
         ShardedIterable([url], read_shard=TokenShardReader(8, storage_options=none))
+
+
+def told(raised: pytest.ExceptionInfo[BaseException]) -> str:
+    """All a user is shown of a failure: the printed traceback, with every cause and context."""
+    return "".join(traceback.format_exception(raised.value))
+
+
+def token_index(s3_server: Any, bucket: str) -> str:
+    tokens = np.arange(8 * 64 * 3, dtype=np.uint16)
+    dest = f"s3://{bucket}/idx-{uuid.uuid4().hex[:8]}"
+    return write_token_shards([tokens], dest, shard_tokens=8 * 64, storage_options=s3_server.options())
+
+
+def from_index(index: str, options: dict[str, Any]) -> ShardedIterable:
+    reader = TokenShardReader(8, storage_options=options)
+    return ShardedIterable.from_index(index, read_shard=reader, storage_options=options, seed=0)
+
+
+@pytest.mark.parametrize("wrong", ["secret", "key"])
+def test_wrong_credentials_given_to_from_index_are_one_error_naming_the_url_the_denial_and_the_fix(
+    s3_server: Any, bucket: str, wrong: str
+) -> None:
+    """On main: a bare ``PermissionError: Forbidden`` from s3fs, without the URL or what to do."""
+    index = token_index(s3_server, bucket)
+    secret = "wrong-secret-3f9a1c"
+    options = {**s3_server.options(**FAST), wrong: secret if wrong == "secret" else "nobody-key"}
+    with pytest.raises(ResumeError) as raised:
+        from_index(index, options)
+    message = str(raised.value)
+    assert repr(index) in message and "access was denied" in message, message
+    assert re.search(r"403|InvalidAccessKeyId|SignatureDoesNotMatch|AccessDenied", message), message
+    assert "storage_options" in message and "AWS_ACCESS_KEY_ID" in message, message
+    assert secret not in told(raised)
+
+
+def test_a_stalled_server_fails_from_index_within_the_stated_retry_budget(
+    s3_server: Any, bucket: str, proxy: Any
+) -> None:
+    """On main the index read took 67 s with FAST's budget of 16 s (s3fs repeats each of botocore's
+    4 attempts 5 times: 20 HEADs), 35 s with this test's budget of 8 s."""
+    index = token_index(s3_server, bucket)
+    proxy.always = STALL
+    started = time.monotonic()
+    with pytest.raises(ResumeError, match=re.escape(repr(index))) as raised:
+        from_index(index, s3_server.options(proxy.endpoint, **STALLING))
+    elapsed = time.monotonic() - started
+    assert elapsed < within(STALL_BUDGET), f"{elapsed:.1f} s to the error, the budget is {STALL_BUDGET} s"
+    assert f"no answer within the retry budget of {STALL_BUDGET} s" in str(raised.value), str(raised.value)
+
+
+def test_no_failure_prints_the_secret_key_of_storage_options(s3_server: Any, bucket: str, proxy: Any) -> None:
+    """Not found, denied, stalled and truncated: the message, its causes and the traceback."""
+    secret = s3_server.options()["secret"]
+    index = token_index(s3_server, bucket)
+    options = s3_server.options(**FAST)
+
+    def failure(run: Any) -> str:
+        with pytest.raises(ResumeError) as raised:
+            run()
+        return told(raised)
+
+    seen = {
+        "not found": failure(lambda: from_index(f"s3://{bucket}/nothing/", options)),
+        "denied": failure(lambda: from_index(index, {**options, "key": "nobody-key"})),
+    }
+    s3_server.put(f"s3://{bucket}/cut/tok.bin", np.arange(20, dtype=np.uint16).tobytes())
+    reader = TokenShardReader(8, storage_options=options)
+    cut = ShardedIterable([f"s3://{bucket}/cut/tok.bin"], read_shard=reader, sizes=[5])
+    seen["truncated"] = failure(lambda: list(cut))
+    proxy.always = STALL
+    brief = {"connect_timeout": 0.5, "read_timeout": 0.5, "retries": {"mode": "standard", "max_attempts": 0}}
+    seen["stalled"] = failure(lambda: from_index(index, s3_server.options(proxy.endpoint, **brief)))
+    for path, text in seen.items():
+        assert secret not in text, f"{path}: {text}"

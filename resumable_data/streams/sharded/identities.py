@@ -21,6 +21,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 from ...errors import ResumeError
+from ...storage.files import redact
 from .keys import IDENTITIES
 
 __all__ = ["ShardIdentities"]
@@ -64,7 +65,7 @@ class ShardIdentities:
         try:
             return str(self._read(self._items[index]))
         except OSError as exc:
-            raise ResumeError(f"cannot read shard {index} {self._names[index]!r}: {exc}") from exc
+            raise ResumeError(f"cannot read shard {index} {redact(self._names[index])!r}: {exc}") from exc
 
     def known(self, index: int) -> str | None:
         """The identity of shard ``index`` that the reader holds without a request (a cached copy's,
@@ -125,7 +126,7 @@ class ShardIdentities:
         saved = self.current[index]
         if now is not None and now != saved:
             raise ResumeError(
-                f"shard {index} {self._names[index]!r} ({where}) changed since the checkpoint: it was "
+                f"shard {index} {redact(self._names[index])!r} ({where}) changed since the checkpoint: it was "
                 f"{saved} (size:digest of its edges), it is {now} now; resuming would skip or repeat records. "
                 "Restore the shard the checkpoint read, or pass allow_changed_shards=True to ShardedIterable "
                 "to read it as it is"

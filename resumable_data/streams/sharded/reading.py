@@ -32,7 +32,7 @@ from typing import Any, Protocol, runtime_checkable
 
 from ...core.state import check_int_arg
 from ...errors import ResumeError
-from ...storage.files import is_url
+from ...storage.files import is_url, redact
 from .keys import COUNT, UNKNOWN
 from .shards import Shards
 
@@ -128,11 +128,11 @@ def count_records(reader: Any, shards: Sequence[Any]) -> list[int]:
             count = reader.num_records(shard)
         except (OSError, ResumeError) as exc:
             raise ResumeError(
-                f"cannot count the records of shard {index} {str(shard)!r} (ShardedIterable asks a reader that "
+                f"cannot count the records of shard {index} {redact(shard)!r} (ShardedIterable asks a reader that "
                 f"counts for every shard's count when it is built; with sizes={UNKNOWN!r} it opens a shard only "
                 f"to read it): {exc}"
             ) from exc
-        sizes.append(check_int_arg(f"{type(reader).__name__}.num_records({str(shard)!r})", count, minimum=0))
+        sizes.append(check_int_arg(f"{type(reader).__name__}.num_records({redact(shard)!r})", count, minimum=0))
     return sizes
 
 
@@ -153,12 +153,12 @@ def records_from(shards: Shards, reader: Any, index: int, start: int) -> Generat
                 yield offset, record
             if offset < size:
                 raise ResumeError(
-                    f"shard {index} {name!r} ended after {offset} records, but "
+                    f"shard {index} {redact(name)!r} ended after {offset} records, but "
                     f"{'the reader counted' if shards.counted else 'sizes gives'} it {size}: the shard changed"
                     + ("" if shards.counted else ", or sizes is wrong")
                 )
     except OSError as exc:
-        raise ResumeError(f"cannot read shard {index} {name!r} at offset {start}: {exc}") from exc
+        raise ResumeError(f"cannot read shard {index} {redact(name)!r} at offset {start}: {exc}") from exc
 
 
 def read_at(shards: Shards, reader: Any, index: int, offsets: list[int]) -> list[Any]:
@@ -173,11 +173,11 @@ def read_at(shards: Shards, reader: Any, index: int, offsets: list[int]) -> list
         try:
             records = list(read_records(shards.items[index], offsets))
         except OSError as exc:
-            raise ResumeError(f"cannot read shard {index} {name!r} at offsets {offsets[:3]}...: {exc}") from exc
+            raise ResumeError(f"cannot read shard {index} {redact(name)!r} at offsets {offsets[:3]}...: {exc}") from exc
         if len(records) != len(offsets):
             raise ResumeError(
                 f"{type(reader).__name__}.read_records returned {len(records)} records for "
-                f"{len(offsets)} offsets of shard {index} {name!r}"
+                f"{len(offsets)} offsets of shard {index} {redact(name)!r}"
             )
         return records
     records = []
@@ -190,7 +190,7 @@ def read_at(shards: Shards, reader: Any, index: int, offsets: list[int]) -> list
         else:
             missing = offsets[len(records)]
             raise ResumeError(
-                f"shard {index} {name!r} has no record at offset {missing}: it is shorter "
+                f"shard {index} {redact(name)!r} has no record at offset {missing}: it is shorter "
                 "than when the checkpoint was written (truncated or replaced?)"
             )
         run.close()  # releases the reader's file now, not at garbage collection

@@ -16,6 +16,7 @@ import numpy as np
 from ...core.growth import ERROR
 from ...core.state import brief, require_int
 from ...errors import ResumeError
+from ...storage.files import redact
 from ..base import Slot, check_same
 from .keys import COUNT, IDENTITIES, NUM_SHARDS, POSITION, SHARDS_DIGEST, SIZES_DIGEST, UNKNOWN, WHAT
 from .layout import Dealt, EpochOrder, Layout, dealing, shard_order, slot_layout
@@ -163,9 +164,11 @@ class Shards:
             try:
                 now = str(self.identity(self.items[index]))
             except (OSError, ResumeError) as exc:
-                return f": shard {index} {self.names[index]!r} cannot be read now ({exc})"
+                return f": shard {index} {redact(self.names[index])!r} cannot be read now ({exc})"
             if now != identity:
-                return f": shard {index} {self.names[index]!r} changed, it was {brief(identity)}, it is {now} now"
+                return (
+                    f": shard {index} {redact(self.names[index])!r} changed, it was {brief(identity)}, it is {now} now"
+                )
         return ": a shard that is not being read changed (the fingerprints in the state are unchanged)"
 
     def _prefix_digest(self, count: int) -> str:
