@@ -2,7 +2,8 @@
 the publishing rename, the newest *valid* step selected (a zero-length, missing or changed file
 falls back with a warning), move-aside replacement and pruning, and ``inspect`` of a DCP folder.
 
-DCP runs here in one process (no process group), as it does for a single-rank job.
+DCP runs here in one process (no process group), as it does for a single-rank job, but for one
+test of a full disk under a 2-rank gloo group.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import torch.distributed.checkpoint as dcp
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from dist_harness import finish, init_gloo, results, spawn
 from full_disk import fill, small_disk
 from resumable_data import CheckpointManager, ResumeError
 from resumable_data.__main__ import main as cli
@@ -350,6 +352,44 @@ def test_dcp_errors_around_a_plain_dcp_save_on_a_full_disk_names_errno_28_and_th
         message = str(info.value)
         assert f"[Errno {errno.ENOSPC}] {os.strerror(errno.ENOSPC)}" in message, message
         assert str(path) in message and "enforce fail" not in message, message
+
+
+def _save_on_two_ranks(rank: int, world_size: int, init_file: str, disk: str, out: str) -> None:
+    """Each rank saves through both routes of the guide onto the full disk; the messages it got."""
+    from resumable_data.checkpoint.dcp_writer import ErrnoFileSystemWriter
+
+    warnings.filterwarnings("ignore", category=UserWarning)
+    init_gloo(rank, world_size, init_file)
+    state = {"model": {f"w{rank}": torch.zeros(64, 1024)}}
+    seen = {}
+    for route in ("plain", "writer"):
+        path = Path(disk, route)
+        writer = {"storage_writer": ErrnoFileSystemWriter(path)} if route == "writer" else {"checkpoint_id": path}
+        try:
+            with dcp_errors("save", path):
+                dcp.save(state, **writer)
+            seen[route] = ""
+        except ResumeError as e:
+            seen[route] = str(e)
+    finish(out, "full", rank, seen)
+
+
+@pytest.mark.slow  # 2 spawned ranks: about 30 s on the 2-core CI machine
+def test_dcp_errors_under_a_process_group_name_a_full_disk_on_every_rank(tmp_path: Path) -> None:
+    """With 2 gloo ranks DCP pickles each rank's error to gather it, which drops the OSError a plain
+    save keeps as context: the message then says how much space is left and which writer keeps the
+    errno; the guide's route (``ErrnoFileSystemWriter``) names errno 28 and each rank's file."""
+    with small_disk(tmp_path / "disk") as disk:
+        fill(disk, leave=16 * 1024)
+        spawn(_save_on_two_ranks, 2, str(tmp_path / "init"), str(disk), str(tmp_path), timeout=120)
+        seen = results(tmp_path, "full", 2)
+    assert seen[0] == seen[1]  # every rank raises the same ResumeError
+    plain, writer = seen[0]["plain"], seen[0]["writer"]
+    for rank in (0, 1):
+        assert f"rank {rank}: OSError: [Errno {errno.ENOSPC}] {os.strerror(errno.ENOSPC)}" in writer, writer
+        assert f"__{rank}_0.distcp" in writer, writer
+    assert "bytes free on this host: no space left on device (errno 28) is the likely cause" in plain, plain
+    assert "storage_writer=ErrnoFileSystemWriter(path)" in plain, plain
 
 
 def test_a_publish_that_failed_on_a_full_disk_can_be_retried_once_space_is_freed(tmp_path: Path) -> None:
