@@ -117,3 +117,23 @@ def test_no_failure_of_a_url_with_credentials_prints_them(
     for path, text in seen.items():
         assert PASSWORD not in text, f"{path}: {text}"
         assert f"http://{REDACTED}@127.0.0.1" in text, f"{path}: {text}"
+
+
+@pytest.mark.parametrize(
+    ("url", "shown"),
+    [
+        ("https://reader:pw@host:8080/a/b.bin", "https://<redacted>@host:8080/a/b.bin"),
+        ("https://token-only@host/b.bin", "https://<redacted>@host/b.bin"),
+        (
+            "https://b.s3.amazonaws.com/k.bin?X-Amz-Credential=AKIA%2F1&X-Amz-Signature=9f2a&part=1",
+            "https://b.s3.amazonaws.com/k.bin?X-Amz-Credential=<redacted>&X-Amz-Signature=<redacted>&part=1",
+        ),
+        ("az://c/k.bin?sv=2024&sig=abc%3D", "az://c/k.bin?sv=2024&sig=<redacted>"),
+        ("s3://bucket/user@host.bin", "s3://bucket/user@host.bin"),  # an @ after the host is part of the key
+        ("/local/path/shard.bin", "/local/path/shard.bin"),
+    ],
+)
+def test_redact_hides_user_info_and_signed_query_values_and_keeps_the_rest(url: str, shown: str) -> None:
+    from resumable_data.storage.files import redact
+
+    assert redact(f"cannot read {url!r}: failed") == f"cannot read {shown!r}: failed"
