@@ -374,8 +374,9 @@ def _describe(error: Any, checkpoint_id: Any) -> str:
     exc = error[0] if isinstance(error, tuple) else error
     os_error = _os_error_behind(exc)
     if os_error is not None and os_error.errno is not None:
-        where = os_error.filename if os_error.filename is not None else f"writing into {checkpoint_id}"
-        return f"OSError: [Errno {os_error.errno}] {os_error.strerror}: {where}"
+        if os_error.filename is not None:  # ErrnoFileSystemWriter's: it names the file
+            return f"{type(os_error).__name__}: {os_error}"
+        return f"{type(os_error).__name__}: [Errno {os_error.errno}] {os_error.strerror}: writing into {checkpoint_id}"
     line = _first_line(exc)
     if isinstance(exc, RuntimeError) and "unexpected pos" in line:
         return (
