@@ -180,6 +180,36 @@ def test_a_killed_deepspeed_run_resumes_bitwise_at_every_zero_stage(
     kill_and_resume(SCRIPT, tmp_path, 8, *args, processes=2, timeout=_TIMEOUT_S)
 
 
+# -- checkpoints inside a gradient-accumulation window (issue 45, item 1) --------------------------------------
+
+# 12 micro-batches a rank (2 epochs of 6); with gradient_accumulation_steps=3 the optimizer steps after
+# micro-batches 3, 6, 9 and 12. A save after micro-batch 7 is one micro-batch into the window 7-9.
+_GA = 3
+
+
+def _lrs(run_dir: Path, rank: int) -> dict[int, str]:
+    """The LR each micro-batch trained at (the last one logged, for micro-batches a resume read again)."""
+    lines = (run_dir / f"lr{rank}.jsonl").read_text().splitlines()
+    return {entry["step"]: entry["lr"] for entry in map(json.loads, lines)}
+
+
+def _resumes_inside_a_window(tmp_path: Path, stage: int, save_at: int, grad_accum: int = _GA) -> None:
+    """Saved after micro-batch ``save_at`` only, SIGKILLed after the next one, resumed: every loss, LR and weight."""
+    args = ["--stage", str(stage), "--grad-accum", str(grad_accum), "--save-every", str(save_at)]
+    kill_and_resume(SCRIPT, tmp_path, save_at + 1, *args, processes=2, timeout=_TIMEOUT_S)
+    for rank in range(2):
+        assert _lrs(tmp_path / "run", rank) == _lrs(tmp_path / "reference", rank), f"rank {rank}: LR by micro-batch"
+
+
+def test_a_save_inside_an_accumulation_window_resumes_to_the_same_optimizer_steps(
+    tmp_path: Path, deepspeed: Any
+) -> None:
+    # Item 1 of issue 45: GA 3, saved after micro-batch 7 of the window 7-9, ZeRO 1, 2 gloo ranks. DeepSpeed's
+    # checkpoint holds the window start's weights and optimizer but neither the gradient of micro-batch 7 nor
+    # the engine's micro-step count: resumed at micro-batch 8, its optimizer steps came after 10 and 13.
+    _resumes_inside_a_window(tmp_path, 1, 7)
+
+
 def _run(tmp_path: Path, name: str, processes: int, *args: str, expect: int = 0) -> str:
     port = 29400 + (os.getpid() + processes) % 500
     torchrun = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={processes}"]

@@ -71,6 +71,11 @@ def log_indices(run_dir: Path, step: int, epoch: int, indices: list[int], rank: 
         log.write(json.dumps({"step": step, "epoch": epoch, "indices": indices}) + "\n")
 
 
+def log_lr(run_dir: Path, step: int, lr: float, rank: int) -> None:
+    with open(run_dir / f"lr{rank}.jsonl", "a") as log:
+        log.write(json.dumps({"step": step, "lr": float(lr).hex()}) + "\n")
+
+
 def train(run_dir: Path, args: argparse.Namespace, kill_at: int) -> None:
     run_dir.mkdir(parents=True, exist_ok=True)
     rank = dist.get_rank()
@@ -78,13 +83,16 @@ def train(run_dir: Path, args: argparse.Namespace, kill_at: int) -> None:
     model = Net()
     config = {
         "train_micro_batch_size_per_gpu": 4,
+        "gradient_accumulation_steps": args.grad_accum,
         "zero_optimization": {"stage": args.stage},
         "steps_per_print": 10**6,
     }
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
+    # A warmup, so that an optimizer step moved to another micro-batch shows in the LR too.
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / 4))
     training_data = DATA if args.training_data else None
     engine, _, deepspeed_loader, _ = deepspeed.initialize(
-        model=model, optimizer=optimizer, config=config, training_data=training_data
+        model=model, optimizer=optimizer, lr_scheduler=scheduler, config=config, training_data=training_data
     )
     seed_everything(rank_seed(SEED, rank))  # each rank its own dropout masks and augmentations
     if deepspeed_loader is None:
@@ -114,6 +122,7 @@ def train(run_dir: Path, args: argparse.Namespace, kill_at: int) -> None:
             engine.step()
             step += 1
             log_loss(run_dir, step, loss.item(), rank)
+            log_lr(run_dir, step, engine.get_lr()[0], rank)
             log_indices(run_dir, step, epoch, batch["index"].tolist(), rank)
             if step % args.save_every == 0:
                 if args.naive:
@@ -134,6 +143,7 @@ def main() -> None:
     parser.add_argument("--stream", action="store_true", help="a StreamLoader instead of a ResumableDataLoader")
     parser.add_argument("--kill-at", type=int, default=0)
     parser.add_argument("--save-every", type=int, default=3)
+    parser.add_argument("--grad-accum", type=int, default=1, help="gradient_accumulation_steps")
     parser.add_argument("--naive", action="store_true", help="per-rank states in client_state")
     parser.add_argument("--model-only", action="store_true", help="load_checkpoint(load_optimizer_states=False)")
     parser.add_argument("--training-data", action="store_true", help="deepspeed.initialize(training_data=...)")
