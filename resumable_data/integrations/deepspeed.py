@@ -280,7 +280,7 @@ def _parse(saved: Mapping[str, Any]) -> Mapping[str, Any]:
             "engine.save_checkpoint(folder, client_state={**client_state(loader, step=step, engine=engine), ...})"
         )
     state = require_mapping(saved[CLIENT_STATE_KEY], _WHAT)
-    if state.get(VERSION) == _V1 and is_int(state.get(VERSION)):
+    if is_int(state.get(VERSION)) and state[VERSION] == _V1:
         state = {**state, VERSION: STATE_VERSION, _STEPS: 1, _REWIND: 0}
     check_version(state, STATE_VERSION, _WHAT)
     for key in (_DATALOADER, _RNG_PER_RANK):
@@ -320,7 +320,8 @@ def _window_of(loader: Stateful, window: AccumulationWindow | None, engine: Any,
             )
     if engine is not None:
         steps = engine.gradient_accumulation_steps()
-        managed = getattr(engine, "managed_gradient_accumulation", None)  # DeepSpeed >= 0.19.8
+        # DeepSpeed 0.19.8 has it; an engine without it is taken to count micro-steps, as managed ones do.
+        managed = getattr(engine, "managed_gradient_accumulation", None)
         if managed is not None and not managed():
             if window is None:
                 raise ResumeError(
