@@ -332,7 +332,7 @@ def _resumes_inside_a_window(
         assert _lrs(tmp_path / "run", rank) == _lrs(tmp_path / "reference", rank), f"rank {rank}: LR by micro-batch"
 
 
-# In the default suite, the matrix's one sampled case: two launches of the script, 53-63 s measured on the
+# In the default suite, the matrix's one sampled case: two launches of the script, 22-73 s a case measured on the
 # 2 shared cores here (plus, once on a machine that never ran DeepSpeed, the CPU op's compile).
 def test_a_save_inside_an_accumulation_window_resumes_to_the_same_optimizer_steps(
     tmp_path: Path, deepspeed: Any
