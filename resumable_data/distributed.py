@@ -200,7 +200,9 @@ def require_agreement(state: Any, *, group: dist.ProcessGroup | None = None, wha
     )
 
 
-def global_state(loader: Stateful, *, group: dist.ProcessGroup | None = None) -> dict[str, Any]:
+def global_state(
+    loader: Stateful, *, group: dist.ProcessGroup | None = None, state: Mapping[str, Any] | None = None
+) -> dict[str, Any]:
     """The loader's state for the whole data-parallel group: the same on every rank.
 
     A collective when a process group is initialized: call it on every rank of ``group``.
@@ -210,6 +212,9 @@ def global_state(loader: Stateful, *, group: dist.ProcessGroup | None = None) ->
             ranks' agreement is checked), a :class:`~resumable_data.StreamLoader` (every rank's
             slots are gathered and merged), or any ``Stateful`` whose state must agree across ranks.
         group: the data-parallel process group (the default group when None).
+        state: this rank's state of ``loader`` to make global, taken earlier (an accumulation
+            window's start, :class:`~resumable_data.accumulation.AccumulationWindow`); the
+            loader's present state when None.
 
     Returns:
         A plain dict that any rank, at this or another world size, can ``load_state_dict``.
@@ -223,7 +228,7 @@ def global_state(loader: Stateful, *, group: dist.ProcessGroup | None = None) ->
         if dist.get_rank() == 0:
             torch.save({"dataloader": state, ...}, path)
     """
-    state = loader.state_dict()
+    state = loader.state_dict() if state is None else dict(state)
     _, world = distributed_defaults(group)
     if isinstance(loader, StreamLoader):
         if world == 1:
