@@ -48,7 +48,7 @@ from pathlib import Path
 from typing import Any, cast
 
 from accelerate.data_loader import BatchSamplerShard
-from torch.utils.data import BatchSampler, DataLoader, RandomSampler, SequentialSampler
+from torch.utils.data import BatchSampler, DataLoader, IterableDataset, RandomSampler, SequentialSampler
 from transformers import Trainer, TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 from transformers.trainer import TRAINER_STATE_NAME
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
@@ -101,6 +101,7 @@ class ResumableTrainerMixin:
         # resumed from a checkpoint without our state, through Trainer's own skip).
         self._batches_in_epoch: int | None = 0
         self._resumed_batches: int | None = 0  # what the checkpoint had consumed of its epoch, for its epoch_begin
+        self._epoch_batches = 0  # this process's micro-batches in a whole epoch (set with the loader)
         self.add_callback(_LoaderStateCallback(self))  # type: ignore[attr-defined]
 
     def train(self, resume_from_checkpoint: str | bool | None = None, *args: Any, **kwargs: Any) -> Any:
@@ -129,9 +130,14 @@ class ResumableTrainerMixin:
     def get_train_dataloader(self) -> DataLoader:
         """A ResumableDataLoader over what Trainer would load, prepared by accelerate, at the checkpoint's position."""
         loader = self._build_loader(super().get_train_dataloader())  # type: ignore[misc]
+        prepared = self.accelerator.prepare(loader)
+        # What accelerate hands this process in an epoch: with several processes and drop_last it drops
+        # the last round's batches when they do not reach every process, so the epoch ends before the
+        # global order does.
+        self._epoch_batches = len(prepared)
         self._train_loader = loader
         self._resumed_batches = self._restore(loader, self._resume_dir) if self._resume_dir else 0
-        return self.accelerator.prepare(loader)
+        return prepared
 
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         """``Trainer.training_step``, counting the micro-batch (the position a checkpoint saves)."""
@@ -199,6 +205,17 @@ class ResumableTrainerMixin:
     # -- the loader ------------------------------------------------------------------------------
     def _build_loader(self, plain: DataLoader) -> ResumableDataLoader:
         """The ResumableDataLoader for Trainer's own (prepared) train loader ``plain``."""
+        if isinstance(plain.dataset, IterableDataset):  # accelerate may have wrapped the user's in a shard
+            user = getattr(self, "train_dataset", None)
+            raise ResumeError(
+                f"ResumableTrainer resumes a map-style train_dataset (with __len__ and __getitem__), whose "
+                f"order it rebuilds from a seed and a position; train_dataset is a "
+                f"{type(user if user is not None else plain.dataset).__name__} (an IterableDataset), whose "
+                "position Trainer's loader can neither save nor restore (Trainer replays a stream from its "
+                "start to skip what it trained). Pass a map-style dataset (for Hugging Face datasets: "
+                "load_dataset without streaming=True), or stream through a StreamLoader "
+                "(docs/guides/streams.md) under Lightning, accelerate or a training loop of your own"
+            )
         batches: Any = plain.batch_sampler
         if isinstance(batches, BatchSamplerShard):
             batches = batches.batch_sampler
@@ -263,10 +280,21 @@ class ResumableTrainerMixin:
                 f"batch size changed: checkpoint has {state.get('batch_size')}, this run has "
                 f"{loader.batch_size}; resume with per_device_train_batch_size={state.get('batch_size')}"
             )
-        loader.load_state_dict(state)
+        # Into the batch sampler, not the loader: accelerate's rebuilt loader iterates the batch sampler,
+        # so its first draw consumes the restore, and Trainer's set_epoch of the next epoch is not taken
+        # for a loop that discards it (a loader's restore is consumed only by the loader's own pass).
+        batch_sampler = cast(ResumableBatchSampler, loader.batch_sampler)
+        batch_sampler.load_state_dict(state)
+        cursor = loader.sampler.cursor
+        if batches >= self._epoch_batches and not cursor.done:
+            # This process had consumed its whole epoch (the rest went to the batches accelerate drops),
+            # which an earlier version saved as a position inside it: the epoch is over, as for Trainer.
+            batch_sampler.load_state_dict(
+                batch_sampler.state_for(cursor.epoch, loader.sampler.end_position(cursor.epoch, 0))
+            )
         if loader.sampler.cursor.done:  # saved on an epoch's last step: Trainer starts the next one
             return 0
-        cast(ResumableBatchSampler, loader.batch_sampler).skip_ahead(batches * processes)
+        batch_sampler.skip_ahead(batches * processes)
         return batches
 
     def _save_loader_state(self, output_dir: str) -> None:
@@ -280,7 +308,10 @@ class ResumableTrainerMixin:
             return
         processes = self.accelerator.num_processes
         batch_sampler = cast(ResumableBatchSampler, loader.batch_sampler)
-        position = batch_sampler.position_after(loader.epoch, 0, self._batches_in_epoch * processes)
+        if self._batches_in_epoch >= self._epoch_batches:
+            position = loader.sampler.end_position(loader.epoch, 0)  # the epoch is over even where batches were dropped
+        else:
+            position = batch_sampler.position_after(loader.epoch, 0, self._batches_in_epoch * processes)
         saved = {
             _VERSION: STATE_VERSION,
             _PROCESSES: processes,
