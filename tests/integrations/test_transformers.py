@@ -111,6 +111,31 @@ def test_a_mid_epoch_resume_is_exact_and_warns_nothing(tmp_path: Path, reference
     assert_same(reference.model.state_dict(), resumed.model.state_dict(), "final weights")
 
 
+@pytest.mark.parametrize(
+    ("setting", "expected"),
+    [
+        # Found on main: Trainer skipped 6 micro-batches where the checkpoint had consumed 3, so after 3
+        # stand-ins it discarded 3 real batches, never trained on; silently.
+        (
+            {"gradient_accumulation_steps": 2},
+            r"epoch 0 after 6 micro-batches .*left off in epoch 0 after 3; "
+            "resume with the gradient_accumulation_steps",
+        ),
+        # Found on main: Trainer did not skip, so the stand-ins reached collate_fn and every relaunch
+        # failed with a message about accelerate's padding.
+        ({"ignore_data_skip": True}, r"epoch 0 after 0 micro-batches .*resume without ignore_data_skip=True"),
+    ],
+    ids=["gradient_accumulation_steps", "ignore_data_skip"],
+)
+def test_a_resume_where_trainer_would_skip_otherwise_than_the_checkpoint_is_refused(
+    tmp_path: Path, setting: dict[str, object], expected: str
+) -> None:
+    with pytest.raises(_Preempted):
+        _fit(tmp_path, die_at=4)  # checkpoint-3: 3 micro-batches of epoch 0
+    with pytest.raises(ResumeError, match=f"checkpoint-3: Trainer resumes at global_step 3 in {expected}"):
+        _fit(tmp_path, resume=True, **setting)
+
+
 class _Stream(IterableDataset):
     def __iter__(self) -> Any:
         return iter(Augmented(8)[i] for i in range(8))
