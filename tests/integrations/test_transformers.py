@@ -136,6 +136,25 @@ def test_a_resume_where_trainer_would_skip_otherwise_than_the_checkpoint_is_refu
         _fit(tmp_path, resume=True, **setting)
 
 
+def test_a_checkpoint_that_ended_its_epoch_short_of_the_order_resumes_in_the_next_epoch(
+    tmp_path: Path, reference: _Logging
+) -> None:
+    # What earlier versions wrote on an epoch's last step with 2 processes and dataloader_drop_last
+    # (accelerate drops a last round that does not reach every process): every batch of this
+    # process's epoch consumed, the position short of the epoch's end. Written here by hand on one
+    # process; on main the resume pushed 10 stand-ins into the next epoch ("a batch reached
+    # collate_fn without its global-RNG seeding"), as every 2-process relaunch did.
+    with pytest.raises(_Preempted):
+        _fit(tmp_path, die_at=12, save_steps=5)  # 10 steps an epoch: checkpoint-10 is epoch 0's last
+    path = tmp_path / "checkpoint-10" / STATE_FILE
+    saved = json.loads(path.read_text())
+    assert saved["batches_per_process"] == 10 and saved["loader"]["position"] == 40
+    path.write_text(json.dumps({**saved, "loader": {**saved["loader"], "position": 36}}))
+    resumed = _fit(tmp_path, resume=True, save_steps=5)
+    assert resumed.losses == [(step, loss) for step, loss in reference.losses if step >= 10]
+    assert_same(reference.model.state_dict(), resumed.model.state_dict(), "final weights")
+
+
 class _Stream(IterableDataset):
     def __iter__(self) -> Any:
         return iter(Augmented(8)[i] for i in range(8))
