@@ -156,8 +156,9 @@ _PHASE_SAMPLED = random.Random(45).choice([case for case in _PHASES if case.proc
 def test_a_trainer_run_killed_inside_an_accumulation_window_resumes_bitwise(tmp_path: Path, case: _Phase) -> None:
     kill_and_resume("hf_trainer_train.py", tmp_path, case.step, *case.flags(), processes=case.processes, timeout=300)
     # Where the kill landed and where the resume began: the log is the killed run's, then the resumed
-    # run's, whose micro-batches are numbered step * 100 + i from checkpoint-6 on.
+    # run's, whose micro-batches are numbered step * 100 + i from checkpoint-6 on; the resumed run
+    # begins at the first number that does not exceed the one before it.
     for log in (tmp_path / "run").glob("losses*.jsonl"):
         steps = [json.loads(line)["step"] for line in log.read_text().splitlines()]
-        killed = next(i for i in range(len(steps) - 1) if steps[i + 1] < steps[i])
+        killed = next(i for i in range(len(steps) - 1) if steps[i + 1] <= steps[i])
         assert (steps[killed], steps[killed + 1]) == ((case.step - 1) * 100 + case.phase, 600), log.name
