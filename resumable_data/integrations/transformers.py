@@ -14,7 +14,15 @@ Trainer's own bookkeeping stays as Trainer keeps it: Trainer still resumes the e
 accelerate's ``skip_first_batches``, but the loader hands that skip stand-ins for the batches before
 the restored position (:meth:`ResumableBatchSampler.skip_ahead`), so nothing is fetched, no index is
 computed, and the steps, epochs, gradient-accumulation groups and learning-rate schedule continue
-exactly. Augmentation drawn from the global RNGs is seeded per batch, so it resumes too; the model's
+exactly. The loader's position and Trainer's own (derived from ``global_step``) must agree: a
+checkpoint resumed with another ``gradient_accumulation_steps`` or with ``ignore_data_skip=True``
+would have Trainer skip real batches or start the epoch over, and is refused with a
+:class:`ResumeError` naming both. An epoch ends where accelerate ends it: with several processes and
+``dataloader_drop_last``, a last round of batches that does not reach every process is dropped, and
+a checkpoint on the epoch's last step resumes in the next epoch. A kill inside a gradient-accumulation
+window loses that window (Trainer saves after optimizer steps only): the resume from the checkpoint
+before it trains the window again from its first micro-batch, bitwise as the uninterrupted run.
+Augmentation drawn from the global RNGs is seeded per batch, so it resumes too; the model's
 own randomness (dropout) is Trainer's ``rng_state.pth``, which the loader never touches.
 ``evaluate`` leaves the global RNGs as it found them: a resumed run does not repeat an evaluation
 that came after its checkpoint (an epoch-end one after a save on the epoch's last step), so an
@@ -34,7 +42,9 @@ you resume (a resume then always reaches the skipped step first).
 
 The loader gives each process its batches through accelerate (one global order, every
 ``num_processes``-th batch), as Trainer's default loader does. ``group_by_length`` and the other
-``train_sampling_strategy`` values decide the order themselves and are refused.
+``train_sampling_strategy`` values decide the order themselves and are refused, and so is an
+``IterableDataset`` (a stream's position is not an index into an order: use a map-style dataset, or
+a :class:`~resumable_data.StreamLoader` under another trainer).
 """
 
 from __future__ import annotations
@@ -48,12 +58,13 @@ from pathlib import Path
 from typing import Any, cast
 
 from accelerate.data_loader import BatchSamplerShard
-from torch.utils.data import BatchSampler, DataLoader, RandomSampler, SequentialSampler
+from torch.utils.data import BatchSampler, DataLoader, IterableDataset, RandomSampler, SequentialSampler
 from transformers import Trainer, TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 from transformers.trainer import TRAINER_STATE_NAME
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from ..checkpoint.durable import durable_file, fsync_dir
+from ..core import state as keys
 from ..core.state import require_int, require_mapping
 from ..errors import ResumeError, ResumeWarning
 from ..map.batch_sampler import ResumableBatchSampler
@@ -101,6 +112,7 @@ class ResumableTrainerMixin:
         # resumed from a checkpoint without our state, through Trainer's own skip).
         self._batches_in_epoch: int | None = 0
         self._resumed_batches: int | None = 0  # what the checkpoint had consumed of its epoch, for its epoch_begin
+        self._epoch_batches = 0  # this process's micro-batches in a whole epoch (set with the loader)
         self.add_callback(_LoaderStateCallback(self))  # type: ignore[attr-defined]
 
     def train(self, resume_from_checkpoint: str | bool | None = None, *args: Any, **kwargs: Any) -> Any:
@@ -129,9 +141,14 @@ class ResumableTrainerMixin:
     def get_train_dataloader(self) -> DataLoader:
         """A ResumableDataLoader over what Trainer would load, prepared by accelerate, at the checkpoint's position."""
         loader = self._build_loader(super().get_train_dataloader())  # type: ignore[misc]
+        prepared = self.accelerator.prepare(loader)
+        # What accelerate hands this process in an epoch: with several processes and drop_last it drops
+        # the last round's batches when they do not reach every process, so the epoch ends before the
+        # global order does.
+        self._epoch_batches = len(prepared)
         self._train_loader = loader
         self._resumed_batches = self._restore(loader, self._resume_dir) if self._resume_dir else 0
-        return self.accelerator.prepare(loader)
+        return prepared
 
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         """``Trainer.training_step``, counting the micro-batch (the position a checkpoint saves)."""
@@ -199,6 +216,17 @@ class ResumableTrainerMixin:
     # -- the loader ------------------------------------------------------------------------------
     def _build_loader(self, plain: DataLoader) -> ResumableDataLoader:
         """The ResumableDataLoader for Trainer's own (prepared) train loader ``plain``."""
+        if isinstance(plain.dataset, IterableDataset):  # accelerate may have wrapped the user's in a shard
+            user = getattr(self, "train_dataset", None)
+            raise ResumeError(
+                f"ResumableTrainer resumes a map-style train_dataset (with __len__ and __getitem__), whose "
+                f"order it rebuilds from a seed and a position; train_dataset is a "
+                f"{type(user if user is not None else plain.dataset).__name__} (an IterableDataset), whose "
+                "position Trainer's loader can neither save nor restore (Trainer replays a stream from its "
+                "start to skip what it trained). Pass a map-style dataset (for Hugging Face datasets: "
+                "load_dataset without streaming=True), or stream through a StreamLoader "
+                "(docs/guides/streams.md) under Lightning, accelerate or a training loop of your own"
+            )
         batches: Any = plain.batch_sampler
         if isinstance(batches, BatchSamplerShard):
             batches = batches.batch_sampler
@@ -263,11 +291,50 @@ class ResumableTrainerMixin:
                 f"batch size changed: checkpoint has {state.get('batch_size')}, this run has "
                 f"{loader.batch_size}; resume with per_device_train_batch_size={state.get('batch_size')}"
             )
-        loader.load_state_dict(state)
-        if loader.sampler.cursor.done:  # saved on an epoch's last step: Trainer starts the next one
+        epoch = require_int(state, keys.EPOCH, _WHAT, minimum=0)
+        # Ended also where this process had consumed its whole epoch and the rest went to the batches
+        # accelerate drops, which an earlier version saved as a position inside the epoch.
+        ended = batches >= self._epoch_batches or loader.sampler.is_end(epoch, require_int(state, keys.POSITION, _WHAT))
+        self._check_trainers_resume(resume_dir, (epoch + 1, 0) if ended else (epoch, batches))
+        # Into the batch sampler, not the loader: accelerate's rebuilt loader iterates the batch sampler,
+        # so its first draw consumes the restore, and Trainer's set_epoch of the next epoch is not taken
+        # for a loop that discards it (a loader's restore is consumed only by the loader's own pass).
+        batch_sampler = cast(ResumableBatchSampler, loader.batch_sampler)
+        batch_sampler.load_state_dict(state)
+        if ended:  # Trainer starts the next epoch
+            if not loader.sampler.cursor.done:
+                batch_sampler.load_state_dict(batch_sampler.state_for(epoch, loader.sampler.end_position(epoch, 0)))
             return 0
-        cast(ResumableBatchSampler, loader.batch_sampler).skip_ahead(batches * processes)
+        batch_sampler.skip_ahead(batches * processes)
         return batches
+
+    def _check_trainers_resume(self, resume_dir: str, loaders: tuple[int, int]) -> None:
+        """Refuse a checkpoint whose loader position is not where Trainer's own resume continues.
+
+        ``loaders`` is ``(epoch, micro-batches of it consumed)`` by the saved state. Trainer derives
+        its own from ``global_step`` alone, as ``Trainer._init_training_state`` does (tests pin the
+        arithmetic): ``global_step // steps_per_epoch`` epochs, then ``global_step % steps_per_epoch``
+        steps of ``gradient_accumulation_steps`` micro-batches, skipped with ``skip_first_batches``.
+        Where they differ, Trainer would skip real batches or start the epoch over: never silently.
+        """
+        global_step = TrainerState.load_from_json(os.path.join(resume_dir, TRAINER_STATE_NAME)).global_step
+        accumulation = self.args.gradient_accumulation_steps
+        steps_per_epoch = max(-(-self._epoch_batches // accumulation), 1)
+        skip = 0 if self.args.ignore_data_skip else global_step % steps_per_epoch * accumulation
+        trainers = (global_step // steps_per_epoch, skip)
+        if trainers == loaders:
+            return
+        fix = (
+            "resume without ignore_data_skip=True (the loader's skip reads nothing)"
+            if self.args.ignore_data_skip
+            else "resume with the gradient_accumulation_steps, dataset length and batch size that wrote it"
+        )
+        raise ResumeError(
+            f"{resume_dir}: Trainer resumes at global_step {global_step} in epoch {trainers[0]} after "
+            f"{trainers[1]} micro-batches ({steps_per_epoch} steps an epoch of gradient_accumulation_steps="
+            f"{accumulation}, ignore_data_skip={self.args.ignore_data_skip}), but the loader's state "
+            f"({STATE_FILE}) left off in epoch {loaders[0]} after {loaders[1]}; {fix}"
+        )
 
     def _save_loader_state(self, output_dir: str) -> None:
         """Write ``resumable_data.json`` into the checkpoint Trainer has just written.
@@ -280,7 +347,10 @@ class ResumableTrainerMixin:
             return
         processes = self.accelerator.num_processes
         batch_sampler = cast(ResumableBatchSampler, loader.batch_sampler)
-        position = batch_sampler.position_after(loader.epoch, 0, self._batches_in_epoch * processes)
+        if self._batches_in_epoch >= self._epoch_batches:
+            position = loader.sampler.end_position(loader.epoch, 0)  # the epoch is over even where batches were dropped
+        else:
+            position = batch_sampler.position_after(loader.epoch, 0, self._batches_in_epoch * processes)
         saved = {
             _VERSION: STATE_VERSION,
             _PROCESSES: processes,

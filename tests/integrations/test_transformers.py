@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -25,7 +26,7 @@ from integrations_harness import kill_and_resume  # first: makes torchvision imp
 
 # isort: split
 from accelerate import skip_first_batches
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, IterableDataset
 from transformers import Trainer, TrainerCallback, TrainingArguments
 
 from resumable_data import ResumableDataLoader, ResumeError, ResumeWarning, wrap
@@ -94,6 +95,81 @@ def test_a_trainer_run_stopped_mid_epoch_resumes_to_the_same_weights(tmp_path: P
     resumed = _fit(tmp_path / "run", resume=True, gradient_accumulation_steps=2)
     assert resumed.losses == [(step, loss) for step, loss in reference.losses if step >= 6]
     assert_same(reference.model.state_dict(), resumed.model.state_dict(), "final weights")
+
+
+def test_a_mid_epoch_resume_is_exact_and_warns_nothing(tmp_path: Path, reference: _Logging) -> None:
+    # Found on main: every exact mid-epoch resume warned at the next epoch "ResumeWarning:
+    # sampler.set_epoch(1) discards the restored position" (Trainer's set_epoch(1) on a restore no pass
+    # had consumed: the loader was restored, and accelerate's rebuilt loader iterates its batch sampler).
+    with pytest.raises(_Preempted):
+        _fit(tmp_path, die_at=4)  # 10 steps an epoch: checkpoint-3 is in epoch 0, the resume crosses into 1
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        resumed = _fit(tmp_path, resume=True)
+    assert [str(w.message) for w in caught if issubclass(w.category, ResumeWarning)] == []
+    assert resumed.losses == [(step, loss) for step, loss in reference.losses if step >= 3]
+    assert_same(reference.model.state_dict(), resumed.model.state_dict(), "final weights")
+
+
+@pytest.mark.parametrize(
+    ("setting", "expected"),
+    [
+        # Found on main: Trainer skipped 6 micro-batches where the checkpoint had consumed 3, so after 3
+        # stand-ins it discarded 3 real batches, never trained on; silently.
+        (
+            {"gradient_accumulation_steps": 2},
+            r"epoch 0 after 6 micro-batches .*left off in epoch 0 after 3; "
+            "resume with the gradient_accumulation_steps",
+        ),
+        # Found on main: Trainer did not skip, so the stand-ins reached collate_fn and every relaunch
+        # failed with a message about accelerate's padding.
+        ({"ignore_data_skip": True}, r"epoch 0 after 0 micro-batches .*resume without ignore_data_skip=True"),
+    ],
+    ids=["gradient_accumulation_steps", "ignore_data_skip"],
+)
+def test_a_resume_where_trainer_would_skip_otherwise_than_the_checkpoint_is_refused(
+    tmp_path: Path, setting: dict[str, object], expected: str
+) -> None:
+    with pytest.raises(_Preempted):
+        _fit(tmp_path, die_at=4)  # checkpoint-3: 3 micro-batches of epoch 0
+    with pytest.raises(ResumeError, match=f"checkpoint-3: Trainer resumes at global_step 3 in {expected}"):
+        _fit(tmp_path, resume=True, **setting)
+
+
+def test_a_checkpoint_that_ended_its_epoch_short_of_the_order_resumes_in_the_next_epoch(
+    tmp_path: Path, reference: _Logging
+) -> None:
+    # What earlier versions wrote on an epoch's last step with 2 processes and dataloader_drop_last
+    # (accelerate drops a last round that does not reach every process): every batch of this
+    # process's epoch consumed, the position short of the epoch's end. Written here by hand on one
+    # process; on main the resume pushed 10 stand-ins into the next epoch ("a batch reached
+    # collate_fn without its global-RNG seeding"), as every 2-process relaunch did.
+    with pytest.raises(_Preempted):
+        _fit(tmp_path, die_at=12, save_steps=5)  # 10 steps an epoch: checkpoint-10 is epoch 0's last
+    path = tmp_path / "checkpoint-10" / STATE_FILE
+    saved = json.loads(path.read_text())
+    assert saved["batches_per_process"] == 10 and saved["loader"]["position"] == 40
+    path.write_text(json.dumps({**saved, "loader": {**saved["loader"], "position": 36}}))
+    resumed = _fit(tmp_path, resume=True, save_steps=5)
+    assert resumed.losses == [(step, loss) for step, loss in reference.losses if step >= 10]
+    assert_same(reference.model.state_dict(), resumed.model.state_dict(), "final weights")
+
+
+class _Stream(IterableDataset):
+    def __iter__(self) -> Any:
+        return iter(Augmented(8)[i] for i in range(8))
+
+
+def test_an_iterable_dataset_is_refused_naming_it_and_what_resumes_instead(tmp_path: Path) -> None:
+    # Found on main: the refusal said "train_sampling_strategy='random' builds _InfiniteConstantSampler ...
+    # Use train_sampling_strategy='random'", the setting already in use.
+    trainer = ResumableTrainer(model=Net(), args=_args(tmp_path, max_steps=4), train_dataset=_Stream())
+    with pytest.raises(ResumeError) as refused:
+        trainer.train()
+    message = str(refused.value)
+    assert "train_dataset is a _Stream (an IterableDataset)" in message
+    assert "map-style" in message and "StreamLoader" in message
+    assert "train_sampling_strategy" not in message
 
 
 def _cut_short(name: str) -> Callable[[Path], None]:
@@ -219,6 +295,16 @@ def test_wrap_takes_trainers_own_train_loader(tmp_path: Path) -> None:
     loader = trainer.get_train_dataloader()
     assert isinstance(loader, ResumableDataLoader) and loader.batch_size == 4
     assert sum(len(batch["x"]) for batch in loader) == 40
+
+
+@pytest.mark.slow  # two processes under torchrun, like the other multi-process cases: about 35 s
+def test_a_two_process_drop_last_run_resumes_from_a_checkpoint_on_an_epochs_last_step(tmp_path: Path) -> None:
+    # 30 samples in batches of 4: 7 batches an epoch, of which accelerate gives each of 2 processes 3 and
+    # drops the 7th; a save every 3 steps falls on each epoch's last step, the kill comes in the next one.
+    # Found on main: the checkpoint put the epoch at sample 24, not at its end, so every relaunch failed
+    # on both ranks ("a batch reached collate_fn without its global-RNG seeding").
+    flags = ("--length", "30", "--drop-last", "--save-steps", "3")
+    kill_and_resume("hf_trainer_train.py", tmp_path, 5, *flags, processes=2, timeout=240)
 
 
 @pytest.mark.slow

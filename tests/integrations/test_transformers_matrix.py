@@ -14,6 +14,7 @@ suite, the rest with ``--runslow``.
 from __future__ import annotations
 
 import itertools
+import json
 import random
 from dataclasses import dataclass
 from pathlib import Path
@@ -113,3 +114,51 @@ _SAMPLED = _FOUND + random.Random(36).sample(
 )
 def test_a_killed_trainer_run_resumes_bitwise_in_every_configuration(tmp_path: Path, case: _Case) -> None:
     kill_and_resume("hf_trainer_train.py", tmp_path, case.kill_at(), *case.flags())
+
+
+# -- the accumulation phase of the kill -----------------------------------------------------------
+# With gradient accumulation 3 and 11 micro-batches a process and epoch, every epoch has 4 steps of
+# 3, 3, 3 and 2 micro-batches; a save every 3 steps puts checkpoint-6 in the second epoch. The kill
+# lands inside the window of step 7 (after its micro-batch 0, 1 or 2: the last one after its backward,
+# before the optimizer step) or of step 8, the epoch's short last window (after micro-batch 0 or 1).
+# Trainer saves only after optimizer steps, so the resume starts from checkpoint-6 and computes the
+# killed window's gradient again from its first micro-batch. Two processes get 88 samples: the same
+# 11 micro-batches each.
+@dataclass(frozen=True)
+class _Phase:
+    step: int  # the optimizer step whose window the kill lands in
+    phase: int  # the micro-batch of that window after which the run is killed
+    workers: int
+    processes: int
+
+    def flags(self) -> list[str]:
+        return [
+            *("--accumulation", "3", "--save-steps", "3", "--workers", str(self.workers)),
+            *("--length", str(44 * self.processes), "--kill-when", "micro", "--kill-phase", str(self.phase)),
+        ]
+
+    def __str__(self) -> str:
+        return f"step{self.step}-micro{self.phase}-w{self.workers}-p{self.processes}"
+
+
+_PHASES = [
+    _Phase(step, phase, workers, processes)
+    for (step, phase), workers, processes in itertools.product(((7, 0), (7, 1), (7, 2), (8, 0), (8, 1)), (0, 2), (1, 2))
+]
+_PHASE_SAMPLED = random.Random(45).choice([case for case in _PHASES if case.processes == 1 and case.workers == 0])
+
+
+@pytest.mark.parametrize(
+    "case",
+    [case if case == _PHASE_SAMPLED else pytest.param(case, marks=pytest.mark.slow) for case in _PHASES],
+    ids=str,
+)
+def test_a_trainer_run_killed_inside_an_accumulation_window_resumes_bitwise(tmp_path: Path, case: _Phase) -> None:
+    kill_and_resume("hf_trainer_train.py", tmp_path, case.step, *case.flags(), processes=case.processes, timeout=300)
+    # Where the kill landed and where the resume began: the log is the killed run's, then the resumed
+    # run's, whose micro-batches are numbered step * 100 + i from checkpoint-6 on; the resumed run
+    # begins at the first number that does not exceed the one before it.
+    for log in (tmp_path / "run").glob("losses*.jsonl"):
+        steps = [json.loads(line)["step"] for line in log.read_text().splitlines()]
+        killed = next(i for i in range(len(steps) - 1) if steps[i + 1] <= steps[i])
+        assert (steps[killed], steps[killed + 1]) == ((case.step - 1) * 100 + case.phase, 600), log.name

@@ -2,8 +2,10 @@
 
 The one change from a plain Trainer script is the class name. Every training micro-batch's loss and
 every evaluation's loss is logged; ``--kill-at K`` SIGKILLs the run at step K (``--kill-when``: at the
-end of step K before anything is saved, in the middle of writing ``checkpoint-K``, or right after
-step K with all it saved and evaluated); run again, it resumes from its last complete
+end of step K before anything is saved, in the middle of writing ``checkpoint-K``, right after
+step K with all it saved and evaluated, or ``micro`` with ``--kill-phase P``: inside the
+gradient-accumulation window of step K, after micro-batch P's backward, before the optimizer step
+when P is the window's last); run again, it resumes from its last complete
 ``checkpoint-N`` and the losses and final weights equal an uninterrupted run bitwise.
 ``--reference DIR`` then also trains uninterrupted in DIR, in the same process.
 """
@@ -29,13 +31,14 @@ from transformers import TrainerCallback, TrainingArguments
 from resumable_data.integrations.transformers import ResumableTrainer
 
 EVAL_LOG = 10**6  # evaluation losses are logged under EVAL_LOG + step, beside the micro-batches' step * 100 + i
-KILL_WHEN = ("step-end", "in-save", "after-save")
+KILL_WHEN = ("step-end", "in-save", "after-save", "micro")
 
 
 class LoggingTrainer(ResumableTrainer):
     """Logs every training micro-batch's loss under (optimizer step, micro-batch in the step)."""
 
     kill_in_save = 0  # SIGKILL in the middle of writing checkpoint-N for this N (0: never)
+    kill_in_window: tuple[int, int] | None = None  # (step K, micro-batch P): SIGKILL after P's backward in K's window
 
     def compute_loss(self, model: Any, inputs: Any, *args: Any, **kwargs: Any) -> Any:
         loss = super().compute_loss(model, inputs, *args, **kwargs)
@@ -46,6 +49,15 @@ class LoggingTrainer(ResumableTrainer):
         self._step = step
         value = loss[0] if isinstance(loss, tuple) else loss
         log_loss(Path(self.args.output_dir), step * 100 + self._micro, value.item(), self.args.process_index)
+        return loss
+
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        loss = super().training_step(*args, **kwargs)
+        # compute_loss above has logged this micro-batch and set _micro, its index in the window. Trainer
+        # saves only after an optimizer step, so a kill here loses the window's accumulated gradient.
+        if self.kill_in_window is not None:
+            step, phase = self.kill_in_window
+            maybe_die(self.state.global_step + 1, step if self._micro == phase else 0)
         return loss
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
@@ -99,6 +111,7 @@ def train(run_dir: Path, options: argparse.Namespace, kill_at: int) -> None:
         use_cpu=True,
         seed=0,
         dataloader_num_workers=options.workers,
+        dataloader_drop_last=options.drop_last,
         disable_tqdm=True,
     )
     trainer = LoggingTrainer(
@@ -109,6 +122,7 @@ def train(run_dir: Path, options: argparse.Namespace, kill_at: int) -> None:
         callbacks=[DieAt(kill_at, options.kill_when), LogEvaluations()],
     )
     trainer.kill_in_save = kill_at if options.kill_when == "in-save" else 0
+    trainer.kill_in_window = (kill_at, options.kill_phase) if options.kill_when == "micro" and kill_at else None
     resume = any(run_dir.glob("checkpoint-*"))
     trainer.train(resume_from_checkpoint=True if resume else None)
     if args.process_index == 0:
@@ -122,6 +136,7 @@ def main() -> None:
     parser.add_argument("--accumulation", type=int, default=1)
     parser.add_argument("--kill-at", type=int, default=0)
     parser.add_argument("--kill-when", choices=KILL_WHEN, default="step-end")
+    parser.add_argument("--kill-phase", type=int, default=0, help="with --kill-when micro: the micro-batch")
     parser.add_argument("--save-strategy", choices=("steps", "epoch"), default="steps")
     parser.add_argument("--save-steps", type=int, default=4)
     parser.add_argument("--save-total-limit", type=int, default=None)
@@ -130,6 +145,7 @@ def main() -> None:
     parser.add_argument("--epochs", type=int, default=3)
     parser.add_argument("--max-steps", type=int, default=-1)
     parser.add_argument("--length", type=int, default=44)
+    parser.add_argument("--drop-last", action="store_true")
     parser.add_argument("--reference", type=Path, default=None)
     options = parser.parse_args()
     train(options.run_dir, options, options.kill_at)
