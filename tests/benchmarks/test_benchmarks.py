@@ -129,6 +129,7 @@ def test_bench_overhead_quick(tmp_path: Path) -> None:
     assert (tmp_path / "replot" / "overhead_throughput.png").stat().st_size > 0
 
 
+@pytest.mark.slow  # 20 s on CI's 2 cores; the default suite keeps bench_elastic's and bench_checkpoint's
 def test_bench_streams_quick(tmp_path: Path) -> None:
     # The benchmark exits non-zero if an epoch misses a record; a restore that differs is "not exact".
     _run_quick("bench_streams.py", tmp_path)

@@ -83,6 +83,9 @@ def resumed_on_two(saved: Any) -> list[Any]:
     return results(tmp, "resume2-shards", 2)
 
 
+# The 2- and 3-rank runs (about 30 s of CI's 2 cores; the default suite holds 5 minutes): --runslow. The
+# default suite keeps the 1-rank resume from the same checkpoint and the state's own checks.
+@pytest.mark.slow
 def test_resumed_on_the_same_ranks_every_batch_and_rng_draw_is_the_uninterrupted_runs(
     saved: Any, resumed_on_two: list[Any]
 ) -> None:
@@ -93,6 +96,7 @@ def test_resumed_on_the_same_ranks_every_batch_and_rng_draw_is_the_uninterrupted
         assert resumed[rank]["steps"] == reference[rank]["after"], f"rank {rank} resumed differently"
 
 
+@pytest.mark.slow
 def test_dcp_keeps_one_ranks_value_of_a_key_the_ranks_wrote_different_values_under(resumed_on_two: list[Any]) -> None:
     # Why TitanLoader's keys and values are the same on every rank: DCP writes each key once, silently.
     resumed = resumed_on_two
@@ -107,6 +111,7 @@ def test_resumed_on_one_rank_the_epoch_is_read_exactly_once_with_rank_zeros_rngs
     assert resumed["steps"][0]["rng"] == reference[0]["after"][0]["rng"]  # rank 0's RNGs, restored
 
 
+@pytest.mark.slow
 def test_resumed_on_three_ranks_each_record_once_and_the_new_rank_seeded_by_rank_seed(saved: Any) -> None:
     tmp, reference = saved
     spawn(_resume_main, 3, tmp, "shards", timeout=120)

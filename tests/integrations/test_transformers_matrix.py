@@ -98,15 +98,13 @@ _CASES = [
     )
 ]
 # In the default suite: the two that failed on main (an evaluation after a checkpoint on an epoch's
-# last step; a kill in the middle of Trainer's checkpoint write) and one drawn with a fixed seed among
-# those with accumulation 3 (12 steps a run instead of 33, and the epoch's short last group).
+# last step; a kill in the middle of Trainer's checkpoint write); the rest with --runslow (a third,
+# drawn, ran here until the accumulation-window case below took its place in CI's 5 minutes).
 _FOUND = [
     _Case("epoch-end", "epoch", 3, "mid-epoch", 0, None),
     _Case("steps", "off-save", 3, "in-save", 2, 1),
 ]
-_SAMPLED = _FOUND + random.Random(36).sample(
-    [case for case in _CASES if case not in _FOUND and case.accumulation == 3], 1
-)
+_SAMPLED = _FOUND
 
 
 @pytest.mark.parametrize(

@@ -106,7 +106,7 @@ def shard_reads(proxy: FaultProxy, local: str) -> tuple[Counter[str], int]:
     return whole, ranged
 
 
-@pytest.mark.parametrize("workers", [0, 2])
+@pytest.mark.parametrize("workers", [pytest.param(0, marks=pytest.mark.slow), 2])  # CI's 5 minutes keep 2
 def test_two_ranks_download_each_shard_once_and_read_each_record_once_per_epoch(
     shards: tuple[str, str], proxy: FaultProxy, tmp_path: Path, workers: int
 ) -> None:
@@ -125,6 +125,7 @@ def test_two_ranks_download_each_shard_once_and_read_each_record_once_per_epoch(
         assert_same(list(expected.values()), logged(tmp_path / "job", rank), f"rank {rank}")
 
 
+@pytest.mark.slow  # 10 s of CI's 2 cores; test_trainer_s3.py SIGKILLs a run over S3 in the default suite
 def test_a_sigkilled_torchrun_job_resumes_exactly_from_its_last_checkpoint(
     shards: tuple[str, str], proxy: FaultProxy, tmp_path: Path
 ) -> None:

@@ -35,6 +35,7 @@ def run_session(kills: int, run_dir: Path, seed: int) -> ChaosReport:
     return result[0]
 
 
+@pytest.mark.slow  # 20 s of CI's 2 cores; the default suite keeps the SIGKILLs of test_trainer*.py
 def test_three_kills_mid_write_mid_prune_and_with_workers_change_nothing(tmp_path: Path) -> None:
     report = run_session(3, tmp_path / "chaos", seed=0)
     assert report.ok, "\n".join(report.failures) + "\n" + report.table()

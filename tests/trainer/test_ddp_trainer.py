@@ -227,6 +227,7 @@ def _teardown_main(rank: int, world_size: int, tmp: str, config: TrainConfig) ->
     Path(tmp, f"teardown.rank{rank}.json").write_text(json.dumps(outcome))
 
 
+@pytest.mark.slow  # 12 s of CI's 2 cores (a spawned 2-rank group); CI's default suite holds 5 minutes
 @pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="lists threads through /proc (Linux)")
 def test_a_finished_or_failed_ddp_run_leaves_no_model_and_no_gloo_thread_for_interpreter_exit(tmp_path: Path) -> None:
     """After ``train()`` returns (or raises) under a process group, the DDP model is freed and the

@@ -97,12 +97,13 @@ def steps_per_epoch(tmp_path: Path, corpus: Path) -> int:
 # -- exact resume ------------------------------------------------------------------------------
 
 
-@pytest.mark.slow  # the default suite keeps the epoch-boundary, workers and SIGKILL resumes
+@pytest.mark.slow  # the default suite keeps the workers and SIGKILL resumes
 def test_resume_mid_epoch(tmp_path: Path, corpus: Path) -> None:
     assert steps_per_epoch(tmp_path, corpus) > 5
     assert_resumes_identically(tmp_path, corpus, [5])
 
 
+@pytest.mark.slow  # the default suite keeps the workers and SIGKILL resumes (and the loaders' epoch-boundary tests)
 def test_resume_at_epoch_boundary(tmp_path: Path, corpus: Path) -> None:
     epoch_end = steps_per_epoch(tmp_path, corpus)
     assert epoch_end < TINY["max_steps"]  # the next epoch is compared too
@@ -111,18 +112,18 @@ def test_resume_at_epoch_boundary(tmp_path: Path, corpus: Path) -> None:
     assert (epochs[epoch_end], epochs[epoch_end + 1]) == (0, 1)  # stopped on the last batch of epoch 0
 
 
-@pytest.mark.slow  # the default suite keeps the epoch-boundary, workers and SIGKILL resumes
+@pytest.mark.slow  # the default suite keeps the workers and SIGKILL resumes
 def test_resume_right_after_an_evaluation(tmp_path: Path, corpus: Path) -> None:
     legs = assert_resumes_identically(tmp_path, corpus, [TINY["eval_every"]])
     assert TINY["eval_every"] in legs[0].val_losses
 
 
-@pytest.mark.slow  # the default suite keeps the epoch-boundary, workers and SIGKILL resumes
+@pytest.mark.slow  # the default suite keeps the workers and SIGKILL resumes
 def test_resume_with_gradient_accumulation(tmp_path: Path, corpus: Path) -> None:
     assert_resumes_identically(tmp_path, corpus, [5], grad_accum=3, max_steps=12)
 
 
-@pytest.mark.slow  # the default suite keeps the epoch-boundary, workers and SIGKILL resumes
+@pytest.mark.slow  # the default suite keeps the workers and SIGKILL resumes
 def test_resume_several_times_in_a_row(tmp_path: Path, corpus: Path) -> None:
     assert_resumes_identically(tmp_path, corpus, [3, 4, 11, 17])
 
