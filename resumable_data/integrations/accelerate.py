@@ -33,7 +33,8 @@ Gradient accumulation. A state saved inside an accumulation window resumes exact
 restores ``accelerator.step`` and drops the accumulated gradient.
 
 Batch settings. ``split_batches=True`` is exact: each process's part of a batch is a batch of its own
-for the global-RNG seeding (see ``map.fetch``). ``even_batches=False`` is exact. ``dispatch_batches=True``
+for the global-RNG seeding (see ``map.fetch``). ``even_batches=False`` pads nothing and is seeded;
+``even_batches=True`` padding a short last batch is refused at that batch. ``dispatch_batches=True``
 is refused by :func:`check_prepared` (process 0 reads ahead for every process; the resumed processes
 got each other's batches).
 """
@@ -45,7 +46,7 @@ from typing import Any
 
 from accelerate import Accelerator
 from accelerate import skip_first_batches as accelerate_skip_first_batches
-from accelerate.data_loader import BatchSamplerShard, DataLoaderDispatcher
+from accelerate.data_loader import BatchSamplerShard, DataLoaderDispatcher, DataLoaderShard
 from accelerate.utils import gather_object
 from torch.utils.data import DataLoader
 
@@ -142,7 +143,8 @@ class AcceleratorWindow(AccumulationWindow):
             iterated unprepared (then register the window, not the loader).
 
     Raises:
-        ResumeError: the loader dispatches batches (:func:`check_prepared`).
+        ResumeError: the loader dispatches batches (:func:`check_prepared`), or is prepared without
+            ``use_stateful_dataloader=True`` (it has no state to rewind to).
 
     Example:
         >>> # model, optimizer, loader, scheduler = accelerator.prepare(model, optimizer, loader, scheduler)
@@ -155,6 +157,13 @@ class AcceleratorWindow(AccumulationWindow):
     def __init__(self, accelerator: Accelerator, loader: StatefulIterable) -> None:
         if isinstance(loader, DataLoader):
             check_prepared(loader)
+        if isinstance(loader, DataLoaderShard) and not loader.use_stateful_dataloader:
+            raise ResumeError(
+                "AcceleratorWindow needs the loader's state at the window's start, and a prepared loader has one "
+                "only with DataLoaderConfiguration(use_stateful_dataloader=True); prepare it so, or iterate the "
+                "ResumableDataLoader unprepared in the window (the skip routes save no loader state: save on "
+                "optimizer steps only there)"
+            )
         # accelerate steps the optimizer at the end of each pass (sync_with_dataloader, the default).
         restart = bool(accelerator.gradient_state.plugin_kwargs.get("sync_with_dataloader", True))
         super().__init__(loader, accelerator.gradient_accumulation_steps, restart_each_pass=restart)
