@@ -146,12 +146,19 @@ class AcceleratorWindow(AccumulationWindow):
         ResumeError: the loader dispatches batches (:func:`check_prepared`), or is prepared without
             ``use_stateful_dataloader=True`` (it has no state to rewind to).
 
-    Example:
-        >>> # model, optimizer, loader, scheduler = accelerator.prepare(model, optimizer, loader, scheduler)
-        >>> # window = AcceleratorWindow(accelerator, loader)    # registered for checkpointing
-        >>> # accelerator.load_state(folder); step = saved_step - window.rewound
-        >>> # for batch in window:
-        >>> #     with accelerator.accumulate(model): ...
+    Example::
+
+        model, optimizer, loader, scheduler = accelerator.prepare(model, optimizer, loader, scheduler)
+        window = AcceleratorWindow(accelerator, loader)  # registered for checkpointing
+        if resuming:
+            accelerator.load_state(folder)
+            step = saved_step - window.rewound  # the window's drawn micro-batches are read again
+        for batch in window:
+            with accelerator.accumulate(model):
+                ...
+            step += 1
+            if time_to_save:  # any micro-batch, inside a window too
+                accelerator.save_state(folder)
     """
 
     def __init__(self, accelerator: Accelerator, loader: StatefulIterable) -> None:

@@ -384,6 +384,14 @@ def test_a_save_inside_an_accumulation_window_resumes_bitwise_at_every_phase(
     _kill_inside_a_window(tmp_path, route, accumulate, phase, workers)
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("route", _WINDOW_ROUTES)
+def test_a_save_inside_the_first_window_resumes_bitwise(tmp_path: Path, route: str) -> None:
+    # The window's start is before the loader's first pass: its state is the loader's initial one.
+    args = ["--mode", route, "--accumulate", "3", "--window", "--save-anywhere", "--save-every", "1000"]
+    kill_and_resume("accelerate_train.py", tmp_path, 3, *args, "--save-at", "2")
+
+
 # Two processes: the stateful route with accelerate's batch settings. split_batches was refused at the
 # first batch on main (issue 45, item 5). even_batches=False changes nothing where the batches divide
 # evenly, and where they do not, DDP training itself hangs on the step one process lacks (accelerate's
