@@ -35,7 +35,7 @@ restores ``accelerator.step`` and drops the accumulated gradient.
 Batch settings. ``split_batches=True`` is exact: each process's part of a batch is a batch of its own
 for the global-RNG seeding (see ``map.fetch``). ``even_batches=False`` pads nothing and is seeded;
 ``even_batches=True`` padding a short last batch is refused at that batch. ``dispatch_batches=True``
-is refused by :func:`check_prepared` (process 0 reads ahead for every process; the resumed processes
+is refused by :func:`check_prepared` (process 0 reads for every process; the resumed processes
 got each other's batches).
 """
 
@@ -58,8 +58,8 @@ __all__ = ["AcceleratorWindow", "batch_sampler_of", "check_prepared", "skip_firs
 
 _DISPATCH_REFUSED = (
     "accelerate's dispatch_batches=True is not supported over a ResumableDataLoader: process 0 reads "
-    "every process's batches one step ahead and slices them, and neither its stateful-loader state nor a "
-    "skip puts the resumed processes on their own batches (process 0 was handed process 1's). Prepare "
+    "every process's batches and slices them out, and what its loader saves does not put the resumed "
+    "processes back on their own batches (after a resume process 0 was handed process 1's). Prepare "
     "the loader with DataLoaderConfiguration(dispatch_batches=False) (accelerate's default for a "
     "map-style dataset): each process then reads its share of the one global order itself, exactly"
 )
