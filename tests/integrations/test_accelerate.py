@@ -353,7 +353,7 @@ def _window_cases() -> list[tuple[str, int, int, int]]:
     ]
 
 
-_WINDOW_SAMPLED = [("stateful", 3, 2, 0), ("register", 2, 1, 0)]
+_WINDOW_SAMPLED = [("stateful", 3, 2, 0)]  # each case costs two interpreter starts
 
 
 def _kill_inside_a_window(
