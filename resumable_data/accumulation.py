@@ -59,9 +59,12 @@ class AccumulationWindow:
         loader: the training loader (a :class:`~resumable_data.ResumableDataLoader`, a
             :class:`~resumable_data.StreamLoader`, or any iterable with ``state_dict``/``load_state_dict``).
         steps: micro-batches per optimizer step (the gradient-accumulation steps).
+        restart_each_pass: each pass of the loader starts a window (the trainer steps at a pass's end).
 
     Windows run on across epochs, as a trainer's micro-step counter does: iterate the window where
-    you would iterate the loader (``set_epoch`` still goes to the loader).
+    you would iterate the loader (``set_epoch`` still goes to the loader). With
+    ``restart_each_pass=True`` every pass of the loader starts a window instead, for a trainer that
+    steps the optimizer at the end of each pass (accelerate's ``sync_with_dataloader``).
 
     Example:
         >>> import torch
@@ -80,9 +83,10 @@ class AccumulationWindow:
         True
     """
 
-    def __init__(self, loader: StatefulIterable, steps: int) -> None:
+    def __init__(self, loader: StatefulIterable, steps: int, *, restart_each_pass: bool = False) -> None:
         self.loader = loader
         self.steps = check_int_arg("steps", steps, minimum=1)
+        self.restart_each_pass = restart_each_pass
         self._taken = 0  # micro-batches of the open window drawn
         self._start: tuple[dict[str, Any], dict[str, Any]] | None = None  # (loader state, RNG states)
 
@@ -92,6 +96,8 @@ class AccumulationWindow:
         return self._taken
 
     def __iter__(self) -> Iterator[Any]:
+        if self.restart_each_pass:
+            self._taken = 0
         batches = iter(self.loader)
         while True:
             if self._taken == 0:  # before the window's first micro-batch is drawn

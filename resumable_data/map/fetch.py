@@ -149,6 +149,15 @@ class BatchIndices(list[Any]):  # a plain list to everyone who reads it
     def __reduce__(self) -> tuple[Callable[..., BatchIndices], tuple[Any, ...]]:
         return _arrive, (list(self), self.key, self.seeding, self.prefix, self.main_fetch)
 
+    def __getitem__(self, item: Any) -> Any:
+        """An index as a list gives it; a slice is a batch of its own, keyed by the batch's key and
+        the slice's start: accelerate's ``split_batches`` hands each process such a part."""
+        if not isinstance(item, slice):
+            return list.__getitem__(self, item)
+        start = item.indices(len(self))[0]
+        part = list.__getitem__(self, item)
+        return BatchIndices(part, hash_ints(self.key, start), self.seeding, self.prefix, self.main_fetch)
+
     def __iter__(self) -> Iterator[Any]:
         if self.seeding in GLOBAL_RNG_MODES and self.main_fetch and get_worker_info() is None:
             _fork(self.key)
@@ -201,8 +210,8 @@ class SeededCollate:
                 raise ResumeError(
                     "a batch reached collate_fn without its global-RNG seeding: the indices it was "
                     "fetched from are not the ResumableDataLoader's own. Either a loader rebuilt around "
-                    "its batch_sampler cut or padded them (accelerate with split_batches=True, or "
-                    "even_batches padding a short last batch: use drop_last=True or a dataset length "
+                    "its batch_sampler padded them (accelerate's even_batches pads a short last batch "
+                    "with a list of its own: use drop_last=True, even_batches=False, or a dataset length "
                     "that divides into full batches on every process), or a stand-in for a batch "
                     "consumed before the checkpoint was fetched (the wrapper that skips a resumed "
                     "epoch's first batches skipped fewer than the checkpoint consumed: resume with the "
