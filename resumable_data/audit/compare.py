@@ -263,7 +263,8 @@ def compare(
         if not attempts:
             if not complete:
                 continue
-            return Finding(
+            stale = _written_before(key, expected, launch_units, reference.has_batches)
+            return stale or Finding(
                 describe_key(key), ["the reference ran it; the interrupted series has no record of it"], MISSING
             )
         for number, unit in attempts:
@@ -274,6 +275,27 @@ def compare(
     extra = sorted(set(got) - set(expected))
     if extra and complete:
         return Finding(describe_key(extra[0]), ["the reference has no such step"], EXTRA)
+    return None
+
+
+def _written_before(
+    key: UnitKey, expected: dict[UnitKey, Unit], launch_units: list[dict[UnitKey, Unit]], has_batches: bool
+) -> Finding | None:
+    """A step no launch logged, because the checkpoint that counts it as done was written before its
+    optimizer step (and the kill landed before its log): the launch that resumed right after it
+    shows that on its first step. None when no launch does."""
+    step, rank, loader, kind = key
+    after = (step + 1, rank, loader, kind)
+    for number, units in enumerate(launch_units):
+        if kind != "step" or after not in units or after not in expected or units[after] == expected[after]:
+            continue
+        context = _Context(expected, units, has_batches, early=False)
+        if context.resumed(rank) != step + 1:
+            continue
+        finding = _diagnose(after, expected[after], units[after], number, context)
+        if finding.cause == saved_before_optimizer_step(step):
+            missing = f"step {step} has no record: the checkpoint counting it as done was written before its log"
+            return Finding(finding.where, [missing, *finding.what], finding.cause)
     return None
 
 

@@ -6,7 +6,8 @@ audit records reach a step drawn in advance, relaunched with the same command (t
 itself), ``kills`` times, then run to its end. Every launch records what each step consumed through
 ``RESUMABLE_DATA_AUDIT`` (no user code; :mod:`resumable_data.audit.records`) and whatever the script
 logs with :func:`resumable_data.audit.log`; :mod:`resumable_data.audit.compare` compares them step by
-step, bitwise, and names the first difference and its likely cause.
+step, bitwise, and names the first difference and its likely cause. A launch that fails after a
+resume is reported with its exit code and with the first difference its records already show.
 """
 
 from __future__ import annotations
@@ -84,7 +85,8 @@ def verify(
         echo: where progress lines and the report go (None: nowhere).
 
     Returns:
-        A :class:`VerifyResult`; ``passed`` is False on a difference or a failed launch.
+        A :class:`VerifyResult`; ``passed`` is False on a difference or a failed launch (``finding``:
+        the first difference, also the one a launch that failed after a resume had recorded).
 
     Raises:
         ValueError: an empty command, ``kills`` < 0, or a ``work_dir`` that is not empty.

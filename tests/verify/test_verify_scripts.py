@@ -100,11 +100,12 @@ def first_resumed_step(result: audit.VerifyResult, tmp_path: Path, rank: int = 0
         ),
         # The same without lr in the records: the losses alone cannot tell the optimizer from the
         # schedule (the optimizer holds the learning rate); the report says so and how to tell.
-        (
+        pytest.param(
             "broken_scheduler_not_restored.py",
             ["--no-lr"],
             "the optimizer's state or the learning-rate schedule was not restored",
             2,
+            marks=pytest.mark.slow,
         ),
     ],
 )
@@ -139,6 +140,7 @@ def test_a_step_counter_that_starts_again_is_named_not_the_loader(tmp_path: Path
     assert any("the reference ran exactly this as step" in line for line in result.finding.what), result.report
 
 
+@pytest.mark.slow
 def test_a_checkpoint_written_before_the_optimizer_step_is_named_with_its_step(tmp_path: Path) -> None:
     result = run_verify("broken_saved_before_optimizer_step.py", tmp_path)
     assert not result.passed and result.finding is not None, result.report
@@ -270,6 +272,11 @@ def test_the_cause_is_read_off_the_first_resumed_steps_records() -> None:
     # The first resumed step's lr that of step 3, and its loss another: written before step 3's update.
     stale = {**resumed, (4, 0, -1, "step"): step(4, 0, 16, loss=0.3, lr=0.1 * 0.9**3)[1]}
     assert diagnose(stale).cause == compare.saved_before_optimizer_step(3)
+    # The same when the kill landed after that checkpoint and before step 3's log: step 3 has no record.
+    unlogged = compare.Launch(units={k: u for k, u in killed.units.items() if k[0] <= 2})
+    finding = compare.compare(reference, [unlogged, compare.Launch(units=stale)])
+    assert finding is not None and finding.cause == compare.saved_before_optimizer_step(3)
+    assert finding.where.startswith("step 4 (rank 0), launch 2") and "step 3 has no record" in finding.what[0]
     # The first resumed step's lr that of step 1, its loss right: the schedule started again.
     restarted = {**resumed, (4, 0, -1, "step"): step(4, 0, 16, loss=0.25, lr=0.1 * 0.9)[1]}
     finding = diagnose(restarted)
