@@ -22,6 +22,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from ..errors import ResumeError
 from . import compare as _compare  # the package's `compare` stays the module
 from .compare import Finding, read_launch
 from .records import AUDIT_ENV, log_values
@@ -57,6 +58,25 @@ def compare_launches(reference: str | os.PathLike[str], launches: Sequence[str |
     Returns:
         None when every step of the reference was run by the series with the same batches (their
         fingerprints) and logged values, bitwise; else where it first differs, what and the likely
-        cause (``Finding.lines()``).
+        cause (``Finding.lines()``). A launch folder without records (a launch killed before its
+        first step) is a launch that ran nothing: the steps no launch ran are a finding.
+
+    Raises:
+        ResumeError: a folder that does not exist, or a reference without records: a comparison
+            with nothing proves nothing, so it is refused rather than passed.
     """
-    return _compare.compare(read_launch(Path(reference)), [read_launch(Path(folder)) for folder in launches])
+    folders = [Path(reference), *map(Path, launches)]
+    missing = [str(folder) for folder in folders if not folder.is_dir()]
+    if missing:
+        raise ResumeError(
+            f"compare_launches: no such audit folder: {', '.join(missing)}; pass the folders the runs wrote "
+            f"with {AUDIT_ENV}=<folder> in their environment"
+        )
+    expected = read_launch(folders[0])
+    if not expected.units and not expected.streams:
+        raise ResumeError(
+            f"compare_launches: the reference folder {folders[0]} holds no audit records: nothing to compare "
+            f"with; run the uninterrupted run with {AUDIT_ENV}={folders[0]} in its environment (it must read "
+            "through ResumableDataLoader or StreamLoader, or call resumable_data.audit.log)"
+        )
+    return _compare.compare(expected, [read_launch(folder) for folder in folders[1:]])

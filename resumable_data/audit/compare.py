@@ -6,6 +6,15 @@ that logs nothing is lined up by its loaders' own positions: each loader's first
 is found in the reference run's batches of that loader, and the batches after it follow one by one.
 The interrupted series' launches are read in order; a step read again after a relaunch must equal
 the reference each time.
+
+The cause of the first difference is read off the first resumed step of the launch that differs
+(its first logged step), as one would by hand: the loss of a step is computed before the optimizer
+acts, from the restored weights and RNGs, so an equal first resumed loss (with the same batch)
+rules the weights and the RNGs out and leaves the optimizer's state; a learning rate that differs
+at the first resumed step is the schedule's (or, when it is the reference's rate of the step before,
+a checkpoint written before that step's optimizer step); a step that equals, batches, loss and lr,
+what the reference ran under another number is the step counter's; and of the ranks at one step,
+the one that read other batches than the reference while the others did not is named.
 """
 
 from __future__ import annotations
@@ -35,6 +44,26 @@ RNG_NOT_RESTORED = (
     "RNG state not restored (dropout/augmentation): save capture_rng_state() with the checkpoint "
     "and restore_rng_state() it on resume"
 )
+RNG_OR_WEIGHTS = (
+    "the RNG state (dropout) or the model's weights were not restored: the first resumed step read the "
+    "reference's batch with its learning rate, yet its loss differs (save capture_rng_state() and the "
+    "model's state_dict with the checkpoint, and restore both on resume)"
+)
+OPTIMIZER_NOT_RESTORED = (
+    "the optimizer's state was not restored (AdamW's moments, its learning rate): the first resumed step's "
+    "loss equals the reference's bitwise, which rules out the model's weights and the RNG, and the losses "
+    "differ once the optimizer has acted (save and load optimizer.state_dict())"
+)
+OPTIMIZER_OR_SCHEDULER = (
+    "the optimizer's state or the learning-rate schedule was not restored: the first resumed step's loss "
+    "equals the reference's bitwise, which rules out the model's weights and the RNG, and the losses differ "
+    "once the optimizer has acted; both hold the learning rate, so log it (audit.log(step, loss=loss, "
+    "lr=scheduler.get_last_lr()[0])) to tell them apart (save and load both state_dicts)"
+)
+STEP_COUNTER_NOT_RESTORED = (
+    "the step counter was not restored: the resumed run trains what the reference trained, under other step "
+    "numbers (save the step number with the checkpoint and count on from it)"
+)
 PLAIN_LOADER = (
     "the data after the resume differs: the script reads no batch through resumable_data's loaders "
     "(a plain DataLoader; skipping batches over a RandomSampler does not give back the same order), "
@@ -45,6 +74,27 @@ NOT_DETERMINISTIC = (
     "the run is not deterministic: the interrupted series differs before its first kill (seed the "
     "model and loaders; see torch.use_deterministic_algorithms)"
 )
+
+
+def saved_before_optimizer_step(step: int) -> str:
+    """The cause named when the first resumed step runs with what the reference had at ``step``."""
+    return (
+        f"the checkpoint was written before the optimizer step of step {step}: it counts step {step} as done "
+        "but holds the model, optimizer and schedule from before that step's update (write it after "
+        "optimizer.step() and scheduler.step())"
+    )
+
+
+def rank_loader_not_restored(rank: int, right: list[int]) -> str:
+    """The cause named when one rank read other batches than the reference while others did not."""
+    ranks = ", ".join(map(str, right))
+    return (
+        f"rank {rank}'s loader state was not restored: it read other batches than the reference at this step "
+        f"while rank{'s' if len(right) > 1 else ''} {ranks} read the reference's (load the loader's state on "
+        "every rank, not on rank 0 alone)"
+    )
+
+
 MISSING = "the interrupted series never ran this step (it stopped early, or skipped it on resume)"
 EXTRA = "the interrupted series ran a step the uninterrupted run did not (the run went on past its end)"
 
@@ -185,7 +235,9 @@ def describe_key(key: UnitKey) -> str:
     return f"step {number} (rank {rank})" if kind == "step" else f"batch {number} of loader {loader} (rank {rank})"
 
 
-def compare(reference: Launch, launches: list[Launch], *, first_kill_launch: int = 1) -> Finding | None:
+def compare(
+    reference: Launch, launches: list[Launch], *, first_kill_launch: int = 1, complete: bool = True
+) -> Finding | None:
     """The first step (in the reference's order) where a launch of the series differs, or None.
 
     Args:
@@ -193,41 +245,93 @@ def compare(reference: Launch, launches: list[Launch], *, first_kill_launch: int
         launches: the interrupted series' launches, in order.
         first_kill_launch: launches before this one ran before any kill (a difference there is not
             a resume's fault).
+        complete: the series ran to its end; False (a launch that failed) compares only the steps
+            the series ran: a step it never reached is no finding.
     """
     expected = reference_units(reference)
     got: dict[UnitKey, list[tuple[int, Unit]]] = {}
+    launch_units: list[dict[UnitKey, Unit]] = []
     for number, launch in enumerate(launches):
         units, findings = aligned_units(launch, reference)
         if findings:
             return findings[0]
+        launch_units.append(units)
         for key, unit in units.items():
             got.setdefault(key, []).append((number, unit))
     for key in sorted(expected):
         attempts = got.get(key)
         if not attempts:
-            return Finding(
+            if not complete:
+                continue
+            stale = _written_before(key, expected, launch_units, reference.has_batches)
+            return stale or Finding(
                 describe_key(key), ["the reference ran it; the interrupted series has no record of it"], MISSING
             )
         for number, unit in attempts:
             if unit != expected[key]:
                 early = number < first_kill_launch
-                return _diagnose(key, expected[key], unit, number, expected, reference.has_batches, early)
+                context = _Context(expected, launch_units[number], reference.has_batches, early)
+                return _diagnose(key, expected[key], unit, number, context)
     extra = sorted(set(got) - set(expected))
-    if extra:
+    if extra and complete:
         return Finding(describe_key(extra[0]), ["the reference has no such step"], EXTRA)
     return None
 
 
-def _diagnose(
-    key: UnitKey,
-    want: Unit,
-    have: Unit,
-    launch: int,
-    expected: dict[UnitKey, Unit],
-    has_batches: bool,
-    early: bool,
-) -> Finding:
+def _written_before(
+    key: UnitKey, expected: dict[UnitKey, Unit], launch_units: list[dict[UnitKey, Unit]], has_batches: bool
+) -> Finding | None:
+    """A step no launch logged, because the checkpoint that counts it as done was written before its
+    optimizer step (and the kill landed before its log): the launch that resumed right after it
+    shows that on its first step. None when no launch does."""
+    step, rank, loader, kind = key
+    after = (step + 1, rank, loader, kind)
+    for number, units in enumerate(launch_units):
+        if kind != "step" or after not in units or after not in expected or units[after] == expected[after]:
+            continue
+        context = _Context(expected, units, has_batches, early=False)
+        if context.resumed(rank) != step + 1:
+            continue
+        finding = _diagnose(after, expected[after], units[after], number, context)
+        if finding.cause == saved_before_optimizer_step(step):
+            missing = f"step {step} has no record: the checkpoint counting it as done was written before its log"
+            return Finding(finding.where, [missing, *finding.what], finding.cause)
+    return None
+
+
+@dataclass(frozen=True)
+class _Context:
+    """What a diagnosis reads besides the two units: the reference's units and the differing launch's."""
+
+    expected: dict[UnitKey, Unit]
+    launch: dict[UnitKey, Unit]
+    has_batches: bool
+    early: bool
+
+    def first_step(self, rank: int) -> int | None:
+        """The differing launch's first logged step on ``rank`` (its first resumed step), if it logs."""
+        return min((k[0] for k in self.launch if k[1] == rank and k[3] == "step"), default=None)
+
+    def resumed(self, rank: int) -> int | None:
+        """The first resumed step on ``rank``, or None when the launch started from the beginning."""
+        first = self.first_step(rank)
+        start = min((k[0] for k in self.expected if k[1] == rank and k[3] == "step"), default=None)
+        return first if first is not None and start is not None and first > start else None
+
+
+def _diagnose(key: UnitKey, want: Unit, have: Unit, launch: int, context: _Context) -> Finding:
     where = f"{describe_key(key)}, launch {launch + 1} of the interrupted series"
+    step, rank, _, kind = key
+    if not context.early and kind == "step" and (have.batches or have.values):
+        # The whole step (batches, loss, lr) is one the reference ran under another number.
+        same = [k for k, unit in sorted(context.expected.items()) if k != key and k[1:] == key[1:] and unit == have]
+        if same:
+            other = same[0][0]
+            what = [f"the reference ran exactly this as step {other}: the same batches, {_names(have)}"]
+            if other == step - 1 and step == context.resumed(rank):
+                what.append(f"the resumed run repeats step {other}, the step its checkpoint counts as done")
+                return Finding(where, what, saved_before_optimizer_step(other))
+            return Finding(where, what, STEP_COUNTER_NOT_RESTORED)
     for want_batch, have_batch in zip_longest(want.batches, have.batches):
         if want_batch == have_batch:
             continue
@@ -235,18 +339,26 @@ def _diagnose(
             f"reference read:   {want_batch.describe() if want_batch else 'no batch'}",
             f"interrupted read: {have_batch.describe() if have_batch else 'no batch'}",
         ]
-        if early:
+        if context.early:
             return Finding(where, what, NOT_DETERMINISTIC)
         if want_batch is None or have_batch is None:
             return Finding(where, what, OTHER_POSITION)
-        if have_batch.epoch < want_batch.epoch:
-            return Finding(where, what, EPOCH_RESTARTED)
         if have_batch.key == want_batch.key and have_batch.indices == want_batch.indices:
             return Finding(where, [*what, "same samples, different bytes (augmentation)"], RNG_NOT_RESTORED)
-        earlier = _read_before(have_batch, key, expected)
+        right = _ranks_reading_right(key, context)
+        earlier = _read_elsewhere(have_batch, key, context.expected, before=True)
         if earlier is not None:
             what.append(f"the reference read these samples at {describe_key(earlier)}, before this step")
+        if right:
+            return Finding(where, what, rank_loader_not_restored(rank, right))
+        if have_batch.epoch < want_batch.epoch:
+            return Finding(where, what, EPOCH_RESTARTED)
+        if earlier is not None:
             return Finding(where, what, LOADER_NOT_RESTORED)
+        later = _read_elsewhere(have_batch, key, context.expected, before=False)
+        if later is not None and kind == "step":
+            what.append(f"the reference read these samples at {describe_key(later)}, after this step")
+            return Finding(where, what, STEP_COUNTER_NOT_RESTORED)
         return Finding(where, what, OTHER_POSITION)
     names = sorted(set(want.values or {}) | set(have.values or {}))
     differ = [n for n in names if (want.values or {}).get(n) != (have.values or {}).get(n)]
@@ -256,21 +368,74 @@ def _diagnose(
             0,
             f"same batches ({len(want.batches)}: {want.batches[0].describe()}{', ...' if len(want.batches) > 1 else ''})",
         )
-    if early:
-        cause = NOT_DETERMINISTIC
-    elif not has_batches:
+    if context.early:
+        return Finding(where, what, NOT_DETERMINISTIC)
+    if not context.has_batches:
         what.insert(0, "no batch records: the script reads through none of resumable_data's loaders")
-        cause = PLAIN_LOADER
-    elif differ == ["lr"]:
-        cause = SCHEDULER_NOT_RESTORED
-    else:
-        cause = RNG_NOT_RESTORED
-    return Finding(where, what, cause)
+        return Finding(where, what, PLAIN_LOADER)
+    return Finding(where, what, _values_cause(key, have, differ, what, context))
 
 
-def _read_before(batch: Batch, key: UnitKey, expected: dict[UnitKey, Unit]) -> UnitKey | None:
-    """The earlier reference step that read ``batch``'s samples (same position, or same bytes)."""
-    for other in sorted(k for k in expected if k < key):
+def _values_cause(key: UnitKey, have: Unit, differ: list[str], what: list[str], context: _Context) -> str:
+    """The cause of logged values that differ over the reference's batches (``what`` gains the evidence)."""
+    step, rank, _, _ = key
+    first = context.resumed(rank)
+    logs_lr = "lr" in (context.expected[key].values or {})
+    if first is not None and step == first:
+        if "lr" in differ:
+            lr = (have.values or {}).get("lr")
+            at = [
+                k[0]
+                for k, unit in sorted(context.expected.items())
+                if k[1:] == key[1:] and (unit.values or {}).get("lr") == lr
+            ]
+            # The loss decides: it is computed before the step's update, so with the schedule alone
+            # wrong it is the reference's; with the lr of the step before and another loss, the
+            # model and optimizer are those before that step's update too.
+            if "loss" in differ and step - 1 in at:
+                what.append(f"the lr is the reference's of step {step - 1}, the step before the first resumed one")
+                return saved_before_optimizer_step(step - 1)
+            if at:
+                what.append(f"the lr is the reference's of step {at[0]}")
+            return SCHEDULER_NOT_RESTORED
+        return RNG_OR_WEIGHTS
+    if first is not None and step > first:
+        steps = f"steps {first} to {step - 1} equal" if step - 1 > first else f"step {first} equals"
+        names = _names(context.expected.get((first, rank, key[2], key[3])))
+        what.append(f"the first resumed {steps} the reference bitwise (batches, {names})")
+        if "lr" in differ or not logs_lr:
+            return OPTIMIZER_OR_SCHEDULER
+        return OPTIMIZER_NOT_RESTORED
+    if differ == ["lr"]:
+        return SCHEDULER_NOT_RESTORED
+    return RNG_OR_WEIGHTS
+
+
+def _names(unit: Unit | None) -> str:
+    """The logged values' names, for a line of evidence ("loss and lr")."""
+    names = sorted(unit.values or {}) if unit is not None else []
+    return " and ".join([", ".join(names[:-1]), names[-1]] if len(names) > 1 else names) or "no logged values"
+
+
+def _ranks_reading_right(key: UnitKey, context: _Context) -> list[int]:
+    """The other ranks whose batches at this step of the differing launch are the reference's."""
+    step, rank, loader, kind = key
+    return sorted(
+        k[1]
+        for k, unit in context.launch.items()
+        if k[0] == step
+        and k[2:] == (loader, kind)
+        and k[1] != rank
+        and k in context.expected
+        and unit.batches == context.expected[k].batches
+    )
+
+
+def _read_elsewhere(batch: Batch, key: UnitKey, expected: dict[UnitKey, Unit], *, before: bool) -> UnitKey | None:
+    """The reference step of this rank, before (or after) ``key``, that read ``batch``'s samples (same
+    position, or same bytes)."""
+    others = sorted(k for k in expected if k[1] == key[1] and (k < key if before else k > key))
+    for other in others:
         if any(b.key == batch.key or b.digest == batch.digest for b in expected[other].batches):
             return other
     return None

@@ -6,7 +6,8 @@ audit records reach a step drawn in advance, relaunched with the same command (t
 itself), ``kills`` times, then run to its end. Every launch records what each step consumed through
 ``RESUMABLE_DATA_AUDIT`` (no user code; :mod:`resumable_data.audit.records`) and whatever the script
 logs with :func:`resumable_data.audit.log`; :mod:`resumable_data.audit.compare` compares them step by
-step, bitwise, and names the first difference and its likely cause.
+step, bitwise, and names the first difference and its likely cause. A launch that fails after a
+resume is reported with its exit code and with the first difference its records already show.
 """
 
 from __future__ import annotations
@@ -48,7 +49,12 @@ class VerifyResult:
 
 
 class _Failed(Exception):
-    """A launch that did not do what the check needs (a crash, a timeout): the check fails with it."""
+    """A launch that did not do what the check needs (a crash, a timeout): the check fails with it,
+    and with the first difference its records already show (``finding``), if any."""
+
+    def __init__(self, message: str, finding: Finding | None = None) -> None:
+        super().__init__(message)
+        self.finding = finding
 
 
 def verify(
@@ -79,7 +85,8 @@ def verify(
         echo: where progress lines and the report go (None: nowhere).
 
     Returns:
-        A :class:`VerifyResult`; ``passed`` is False on a difference or a failed launch.
+        A :class:`VerifyResult`; ``passed`` is False on a difference or a failed launch (``finding``:
+        the first difference, also the one a launch that failed after a resume had recorded).
 
     Raises:
         ValueError: an empty command, ``kills`` < 0, or a ``work_dir`` that is not empty.
@@ -103,7 +110,9 @@ def verify(
         for label, extra in series:
             reference, points = _reference([*argv, *extra], base, label, timeout, say, result)
             steps = sorted(rng.sample(range(1, len(points)), min(kills, len(points) - 1)))
-            launches = _series(f"interrupted{label}", [*argv, *extra], base, points, steps, timeout, say, result)
+            launches = _series(
+                f"interrupted{label}", [*argv, *extra], base, reference, points, steps, timeout, say, result
+            )
             finding = compare(reference, launches)
             if finding is not None:
                 result.finding = finding
@@ -112,6 +121,11 @@ def verify(
                 return result
     except _Failed as e:
         say(f"FAIL: {e}")
+        if e.finding is not None:
+            result.finding = e.finding
+            say("the records written before it already differ from the uninterrupted run:")
+            for line in e.finding.lines():
+                say(line)
         return result
     result.passed = True
     what = "batches (sample indices and bytes)" if reference.has_batches else "no batches"
@@ -182,6 +196,7 @@ def _series(
     label: str,
     argv: list[str],
     base: Path,
+    reference: Launch,
     points: list[Point],
     steps: list[int],
     timeout: float,
@@ -203,7 +218,12 @@ def _series(
             done.append(f"killed after {watch.reached}")
             continue
         if code != 0:
-            raise _Failed(f"{label}: launch {number} exited with code {code}; see {base / f'{name}-{number}.log'}")
+            # A launch that fails after a resume (DDP's ranks out of step) may show why in its records:
+            # the steps the series ran are compared, and the first difference is named with the exit code.
+            finding = compare(reference, launches, complete=False) if number > 1 else None
+            raise _Failed(
+                f"{label}: launch {number} exited with code {code}; see {base / f'{name}-{number}.log'}", finding
+            )
         if step is not None:
             done.append(f"launch {number} ended before its kill point")
         break
