@@ -43,6 +43,32 @@ on it, so its resumed epoch has epoch 0's order; the callback warns
 (:class:`~resumable_data.ResumeWarning`) and names the checkpoint cadence that resumes it exactly
 (inside epochs, ``ModelCheckpoint(every_n_train_steps=...)``, or ``Trainer(max_steps=...)``).
 
+With ``accumulate_grad_batches > 1`` a checkpoint can be written inside an accumulation window
+(``trainer.save_checkpoint`` from a callback, a hook or a preemption signal handler;
+``ModelCheckpoint`` after a validation that ``val_check_interval`` puts inside a window).
+``ModelCheckpoint(every_n_train_steps=...)`` cannot land there: it counts optimizer steps and saves
+right after one. Lightning saves the window's position but not its accumulated gradient, and resumes
+with an empty window: the optimizer step would lose the gradient of the micro-batches before the save.
+After every optimizer step (and at the fit's start) the callback keeps ``Trainer.fit_loop.state_dict()``,
+the fit loop's state exactly as Lightning writes it in ``checkpoint["loops"]["fit_loop"]`` (its train
+loader states corrected as above), and, at the next window's first training step, the RNG states. A
+checkpoint written inside the window gets those instead of the present ones: it is the checkpoint
+Lightning would have written at the window's start (the weights, optimizer and scheduler are those of
+the window's start anyway, nothing stepped them since). The resumed fit reads the window's
+micro-batches again, with their RNG states, and recomputes the same gradient, bitwise on CPU; the
+loop's own counters (``epoch_loop.batch_progress``, which drives Lightning's accumulation boundary and
+``batch_idx``, the optimizer-step and zero-grad progress, ``_batches_that_stepped``) line up with the
+uninterrupted fit's again. An epoch's first window starts at the previous epoch's last step, so its
+checkpoint resumes as Lightning resumes one written there. Writing that entry, and reading its optimizer-step and batch counters
+(``epoch_loop.automatic_optimization.optim_progress.optimizer.step.total``,
+``epoch_loop.batch_progress.current``) to know whether a window is open, is writing Lightning 2.x's
+checkpoint layout, not its private attributes: ``tests/integrations/test_lightning.py`` fails if it
+changes. Between the last micro-batch's backward and the end of its optimizer step (an
+``on_before_optimizer_step`` hook, a signal landing in the step) the weights may or may not have
+stepped: a checkpoint there is refused with a :class:`~resumable_data.ResumeError` naming the window.
+Under ``strategy.handles_gradient_accumulation`` (DeepSpeed) the strategy accumulates by itself and
+the callback does none of this: such a checkpoint inside a window is not covered (nor tested).
+
 Under ``strategy="ddp"`` pass ``Trainer(use_distributed_sampler=False)``: the ResumableDataLoader
 shards itself by rank (a DistributedSampler injected by Lightning is refused with a ResumeError).
 """
@@ -216,7 +242,7 @@ class ResumeCallback(Callback):
         self._loader_state_found = bool(self._loader_states)
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        if trainer.accumulate_grad_batches > 1:
+        if trainer.accumulate_grad_batches > 1 and not trainer.strategy.handles_gradient_accumulation:
             # The first window starts here: at the resumed checkpoint (saved at a window's start), or
             # at the fit's start.
             fit_loop = self._loaded_fit_loop

@@ -97,6 +97,17 @@ def test_a_checkpoint_saved_inside_an_accumulation_window_resumes_to_the_same_lo
     _assert_stopped_fit_resumes_identically(tmp_path, 0, save_at=4)
 
 
+def test_model_checkpoint_after_a_validation_inside_an_accumulation_window_resumes_identically(
+    tmp_path: Path,
+) -> None:
+    # Found here, silent on main: ModelCheckpoint(save_last=True) saves after every validation, and
+    # val_check_interval=3 with accumulate_grad_batches=2 validates after micro-batch 2, inside the window
+    # 2-3: the resumed fit lost micro-batch 2's gradient (first different loss at step 2, micro-batch 4).
+    _assert_stopped_fit_resumes_identically(
+        tmp_path, 3, checkpoint="last", validation="plain", val_check_interval=3, max_epochs=1
+    )
+
+
 class _SaveBeforeOptimizerStep(lightning.Callback):
     def __init__(self, run_dir: Path) -> None:
         self.run_dir = run_dir
