@@ -59,8 +59,8 @@ micro-batches again, with their RNG states, and recomputes the same gradient, bi
 loop's own counters (``epoch_loop.batch_progress``, which drives Lightning's accumulation boundary and
 ``batch_idx``, the optimizer-step and zero-grad progress, ``_batches_that_stepped``) line up with the
 uninterrupted fit's again. An epoch's first window starts at the previous epoch's last step, so its
-checkpoint resumes as Lightning resumes one written there. Writing that entry, and reading its optimizer-step and batch counters
-(``epoch_loop.automatic_optimization.optim_progress.optimizer.step.total``,
+checkpoint resumes as Lightning resumes one written there. Writing that entry, and reading its
+optimizer-step and batch counters (``epoch_loop.automatic_optimization.optim_progress.optimizer.step.total``,
 ``epoch_loop.batch_progress.current``) to know whether a window is open, is writing Lightning 2.x's
 checkpoint layout, not its private attributes: ``tests/integrations/test_lightning.py`` fails if it
 changes. Between the last micro-batch's backward and the end of its optimizer step (an
