@@ -108,6 +108,20 @@ def test_model_checkpoint_after_a_validation_inside_an_accumulation_window_resum
     )
 
 
+def test_two_checkpoints_inside_windows_resume_in_a_row_to_the_same_losses_and_weights(tmp_path: Path) -> None:
+    # accumulate_grad_batches=3: the first fit is saved after micro-batch 4 (window 3-5), the second resumes
+    # at micro-batch 3 and is saved after micro-batch 7 (window 6-8), a window start it recorded itself.
+    run, reference = tmp_path / "run", tmp_path / "reference"
+    _fit(reference, accumulation=3)
+    for save_at in (4, 7):
+        with pytest.raises(_Preempted):
+            _fit(run, _SaveAndStop(run, save_at), accumulation=3)
+    _fit(run, accumulation=3)
+    assert read_losses(run) == read_losses(reference)
+    expected = torch.load(reference / "weights.pt", weights_only=True)
+    assert_same(expected, torch.load(run / "weights.pt", weights_only=True), "final weights")
+
+
 class _SaveBeforeOptimizerStep(lightning.Callback):
     def __init__(self, run_dir: Path) -> None:
         self.run_dir = run_dir
