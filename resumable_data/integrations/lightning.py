@@ -43,12 +43,40 @@ on it, so its resumed epoch has epoch 0's order; the callback warns
 (:class:`~resumable_data.ResumeWarning`) and names the checkpoint cadence that resumes it exactly
 (inside epochs, ``ModelCheckpoint(every_n_train_steps=...)``, or ``Trainer(max_steps=...)``).
 
+With ``accumulate_grad_batches > 1`` a checkpoint can be written inside an accumulation window
+(``trainer.save_checkpoint`` from a callback, a hook or a preemption signal handler;
+``ModelCheckpoint`` after a validation that ``val_check_interval`` puts inside a window).
+``ModelCheckpoint(every_n_train_steps=...)`` cannot land there: it counts optimizer steps and saves
+right after one. Lightning saves the window's position but not its accumulated gradient, and resumes
+with an empty window: the optimizer step would lose the gradient of the micro-batches before the save.
+After every optimizer step (and at the fit's start) the callback keeps ``Trainer.fit_loop.state_dict()``,
+the fit loop's state exactly as Lightning writes it in ``checkpoint["loops"]["fit_loop"]`` (its train
+loader states corrected as above), and, at the next window's first training step, the RNG states. A
+checkpoint written inside the window gets those instead of the present ones: it is the checkpoint
+Lightning would have written at the window's start (the weights, optimizer and scheduler are those of
+the window's start anyway, nothing stepped them since). The resumed fit reads the window's
+micro-batches again, with their RNG states, and recomputes the same gradient, bitwise on CPU; the
+loop's own counters (``epoch_loop.batch_progress``, which drives Lightning's accumulation boundary and
+``batch_idx``, the optimizer-step and zero-grad progress, ``_batches_that_stepped``) line up with the
+uninterrupted fit's again. An epoch's first window starts at the previous epoch's last step, so its
+checkpoint resumes as Lightning resumes one written there. Writing that entry, and reading its
+optimizer-step and batch counters (``epoch_loop.automatic_optimization.optim_progress.optimizer.step.total``,
+``epoch_loop.batch_progress.current``) to know whether a window is open, is writing Lightning 2.x's
+checkpoint layout, not its private attributes: ``tests/integrations/test_lightning.py`` fails if it
+changes. Between the last micro-batch's backward and the end of its optimizer step (an
+``on_before_optimizer_step`` hook, a signal landing in the step) the weights may or may not have
+stepped: a checkpoint there is refused with a :class:`~resumable_data.ResumeError` naming the window.
+Under ``strategy.handles_gradient_accumulation`` (DeepSpeed) the strategy accumulates by itself and
+the callback does none of this: such a checkpoint inside a window is not covered (nor tested).
+
 Under ``strategy="ddp"`` pass ``Trainer(use_distributed_sampler=False)``: the ResumableDataLoader
 shards itself by rank (a DistributedSampler injected by Lightning is refused with a ResumeError).
 """
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import warnings
 from collections.abc import Iterator
 from typing import Any
@@ -69,6 +97,21 @@ _KEY = "resumable_data.ResumeCallback"  # the checkpoint's top-level key
 _VERSION = "version"
 _RANKS = "rng_per_rank"  # one capture_rng_state() per rank, in rank order
 STATE_VERSION = 1
+# Lightning 2.x's checkpoint layout, read and written as the module docstring says (pinned by tests).
+_LOOPS, _FIT_LOOP = "loops", "fit_loop"  # checkpoint["loops"]["fit_loop"] is Trainer.fit_loop.state_dict()
+_OPTIMIZER_STEP = ("epoch_loop.automatic_optimization.optim_progress", "optimizer", "step", "total")
+_BATCH_PROGRESS = ("epoch_loop.batch_progress", "current")
+
+
+@dataclasses.dataclass
+class _WindowStart:
+    """The open accumulation window's start: the fit loop's state as a checkpoint then would hold it."""
+
+    fit_loop: dict[str, Any]  # Trainer.fit_loop.state_dict(), its train loader states corrected
+    global_step: int  # optimizer steps taken before the window
+    rng: dict[str, Any] | None = None  # capture_rng_state() before the window's first training step
+    drawn: bool = False  # whether a micro-batch of the window has reached on_train_batch_start
+    stepping: bool = False  # the window's optimizer step has begun updating the weights
 
 
 class ResumeCallback(Callback):
@@ -91,24 +134,61 @@ class ResumeCallback(Callback):
         self._loader_state_found: bool | None = None  # None: not a resumed fit
         self._loader_states: list[Any] = []  # the train loaders' states in the resumed checkpoint
         self._trained = 0  # batches of the current epoch the fit has trained on (batch_idx + 1)
+        self._loaded_fit_loop: dict[str, Any] | None = None  # the resumed checkpoint's fit-loop state
+        self._window: _WindowStart | None = None  # with accumulate_grad_batches > 1 only
 
     def on_save_checkpoint(self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]) -> None:
+        fitting = trainer.state.fn == TrainerFn.FITTING and trainer.state.status == TrainerStatus.RUNNING
+        window = self._open_window(trainer, checkpoint) if fitting else None
         # Every rank builds the checkpoint; rank 0 writes it, so the states are gathered there.
-        state = capture_rng_state()
+        state = window.rng if window is not None and window.rng is not None else capture_rng_state()
         states = [state]
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             states = [{} for _ in range(dist.get_world_size())]
             dist.all_gather_object(states, state)
         checkpoint[_KEY] = {_VERSION: STATE_VERSION, _RANKS: states}
-        if trainer.state.fn == TrainerFn.FITTING and trainer.state.status == TrainerStatus.RUNNING:
+        if window is not None:  # the checkpoint Lightning would have written at the window's start
+            checkpoint[_LOOPS][_FIT_LOOP] = copy.deepcopy(window.fit_loop)
+            return
+        if fitting:
             self._pending = state  # not after the fit (trainer.save_checkpoint): a later fit starts afresh
-        self._take_back_fetched_ahead(trainer, checkpoint)
-        self._end_limited_epoch(trainer, checkpoint)
+        self._correct_loader_states(trainer, _fit_loop_of(checkpoint))
 
-    def _take_back_fetched_ahead(self, trainer: Trainer, checkpoint: dict[str, Any]) -> None:
+    def _open_window(self, trainer: Trainer, checkpoint: dict[str, Any]) -> _WindowStart | None:
+        """The open accumulation window's start, or None on a window's boundary.
+
+        Raises:
+            ResumeError: the checkpoint is written inside the optimizer step, where the weights may or
+                may not have stepped yet.
+        """
+        if self._window is None or trainer.global_step != self._window.global_step:
+            return None  # no accumulation, or the window's optimizer step was just taken
+        fit_loop = _fit_loop_of(checkpoint)
+        step = _at(fit_loop, _OPTIMIZER_STEP)
+        batches = _at(fit_loop, _BATCH_PROGRESS)
+        if step["ready"] != step["completed"] and self._window.stepping:
+            steps = trainer.accumulate_grad_batches
+            drawn = batches["ready"] - (batches["ready"] - 1) // steps * steps  # of the window, this one included
+            raise ResumeError(
+                f"a checkpoint is being written inside optimizer step {step['ready']} (micro-batch {drawn} of "
+                f"accumulate_grad_batches={trainer.accumulate_grad_batches} since the last optimizer step), "
+                "where the weights may or may not have stepped, so no resume from it is exact; save between "
+                "batches (a callback's on_train_batch_end, or ModelCheckpoint(every_n_train_steps=...), which "
+                "saves right after optimizer steps)"
+            )
+        if not self._window.drawn and batches["ready"] == batches["started"]:
+            return None  # no micro-batch of the window drawn yet: the present is the window's start
+        return self._window
+
+    def _correct_loader_states(self, trainer: Trainer, fit_loop: dict[str, Any]) -> None:
+        """Correct the train loader states of ``fit_loop`` (Lightning's) to where the fit goes on."""
+        self._take_back_fetched_ahead(trainer, fit_loop)
+        self._end_limited_epoch(trainer, fit_loop)
+
+    def _take_back_fetched_ahead(self, trainer: Trainer, fit_loop: dict[str, Any]) -> None:
         """Save a StreamLoader's state before the batch Lightning fetched ahead and has not trained on."""
         loader = trainer.train_dataloader
-        saved = _saved_loader_states(checkpoint)
+        saved = _saved_loader_states(fit_loop)
         if not isinstance(loader, StreamLoader) or not saved:
             return
         ahead = loader.batches_yielded - self._trained
@@ -123,9 +203,9 @@ class ResumeCallback(Callback):
                 stacklevel=2,
             )
 
-    def _end_limited_epoch(self, trainer: Trainer, checkpoint: dict[str, Any]) -> None:
+    def _end_limited_epoch(self, trainer: Trainer, fit_loop: dict[str, Any]) -> None:
         """Save the end of the epoch when Lightning ends it here, before the loader is exhausted."""
-        saved = _saved_loader_states(checkpoint)
+        saved = _saved_loader_states(fit_loop)
         loader = trainer.train_dataloader
         if not saved or self._trained < trainer.num_training_batches:
             return
@@ -157,10 +237,20 @@ class ResumeCallback(Callback):
                     f"{trainer.world_size}; resume on {len(states)} ranks to resume exactly"
                 )
             self._pending = states[rank]
-        self._loader_states = list(_saved_loader_states(checkpoint) or [])
+        self._loaded_fit_loop = checkpoint.get(_LOOPS, {}).get(_FIT_LOOP)
+        self._loader_states = list(_saved_loader_states(_fit_loop_of(checkpoint)) or [])
         self._loader_state_found = bool(self._loader_states)
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if trainer.accumulate_grad_batches > 1 and not trainer.strategy.handles_gradient_accumulation:
+            # The first window starts here: at the resumed checkpoint (saved at a window's start), or
+            # at the fit's start.
+            fit_loop = self._loaded_fit_loop
+            if fit_loop is None:
+                fit_loop = trainer.fit_loop.state_dict()
+                self._correct_loader_states(trainer, fit_loop)
+            self._window = _WindowStart(copy.deepcopy(fit_loop), trainer.global_step, self._pending)
+        self._loaded_fit_loop = None
         loaders = trainer.train_dataloader
         if not isinstance(loaders, StreamLoader) and any(
             isinstance(loader, StreamLoader) for loader in _resumable_loaders(loaders)
@@ -206,24 +296,61 @@ class ResumeCallback(Callback):
         if self._pending is not None:
             restore_rng_state(self._pending)
             self._pending = None
+        if self._window is not None:
+            if self._window.rng is None:  # the window's first micro-batch: its training step starts here
+                self._window.rng = capture_rng_state()
+            self._window.drawn = True
+
+    def on_before_optimizer_step(self, trainer: Trainer, pl_module: LightningModule, optimizer: Any) -> None:
+        # Called after the last micro-batch's backward, right before the optimizer updates the weights:
+        # until the step is counted, a checkpoint cannot say whether the weights have stepped.
+        if self._window is not None:
+            self._window.stepping = True
 
     def on_train_batch_end(
         self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         self._trained = batch_idx + 1
+        if self._window is not None and trainer.global_step != self._window.global_step:
+            # The window's optimizer step is taken: the next window starts with the next batch.
+            fit_loop = trainer.fit_loop.state_dict()
+            self._correct_loader_states(trainer, fit_loop)
+            self._window = _WindowStart(fit_loop, trainer.global_step)
 
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._pending = None  # a later fit with this callback starts from its own RNG states
+        self._window = None
 
     def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
         self._pending = None  # as at the end of training: the fit is over
+        self._window = None
 
 
-def _saved_loader_states(checkpoint: dict[str, Any]) -> list[Any] | None:
-    """The train loaders' states in a Lightning 2.x checkpoint (see the module docstring), if any."""
-    fit_loop = checkpoint.get("loops", {}).get("fit_loop", {})
+def _fit_loop_of(checkpoint: dict[str, Any]) -> dict[str, Any]:
+    """Lightning's fit-loop state in ``checkpoint`` (empty if it has none)."""
+    fit_loop: dict[str, Any] = checkpoint.get(_LOOPS, {}).get(_FIT_LOOP, {})
+    return fit_loop
+
+
+def _saved_loader_states(fit_loop: dict[str, Any]) -> list[Any] | None:
+    """The train loaders' states in a Lightning 2.x fit-loop state (see the module docstring), if any."""
     states: list[Any] | None = fit_loop.get("state_dict", {}).get("combined_loader")
     return states
+
+
+def _at(state: dict[str, Any], path: tuple[str, ...]) -> Any:
+    """``state[path[0]][path[1]]...``, or a ResumeError naming the Lightning layout that changed."""
+    value: Any = state
+    for key in path:
+        if not isinstance(value, dict) or key not in value:
+            raise ResumeError(
+                f"Lightning's checkpoint has no loops.fit_loop{''.join(f'[{k!r}]' for k in path)}, the layout "
+                "ResumeCallback rewrites for a checkpoint inside an accumulation window; use the Lightning 2.x "
+                "version resumable_data supports, or save only on optimizer steps "
+                "(ModelCheckpoint(every_n_train_steps=...))"
+            )
+        value = value[key]
+    return value
 
 
 def _resumable_loaders(loaders: Any) -> Iterator[Any]:

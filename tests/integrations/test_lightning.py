@@ -4,7 +4,8 @@ logs every loss and ends with the weights of an uninterrupted fit, bitwise.
 The user script (tests/user_scripts/lightning_train.py) fits a model with dropout on data whose
 augmentation draws from the global RNGs, from a ResumableDataLoader or a StreamLoader. One fit runs
 in the default suite; workers, gradient accumulation, a StreamLoader and ddp on two CPU processes
-are slow.
+are slow. A checkpoint written inside a gradient-accumulation window resumes from the window's start
+(tests/integrations/test_lightning_matrix.py has every micro-batch of a window).
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import lightning
 import torch
 from lightning_train import Settings, fit  # the user script's fit, here stopped by an exception instead of a kill
 
-from resumable_data import ResumeWarning
+from resumable_data import ResumeError, ResumeWarning
 from resumable_data.testing import assert_same
 from toy import read_losses
 
@@ -51,13 +52,27 @@ def _fit(run_dir: Path, *callbacks: lightning.Callback, **settings: Any) -> None
     fit(run_dir, Settings(**{"accumulation": 2, "max_epochs": 2, **settings}), callbacks)
 
 
-def _assert_stopped_fit_resumes_identically(tmp_path: Path, stop_at: int, **settings: Any) -> None:
-    """A fit stopped after step ``stop_at`` and resumed from its last checkpoint logs the losses and ends with
-    the weights of an uninterrupted fit, bitwise."""
+class _SaveAndStop(lightning.Callback):
+    """A preemption handler: ``trainer.save_checkpoint`` after micro-batch ``batch`` of the fit, then stop."""
+
+    def __init__(self, run_dir: Path, batch: int) -> None:
+        self.run_dir, self.batch = run_dir, batch
+
+    def on_train_batch_end(self, trainer: lightning.Trainer, *args: object) -> None:
+        if trainer.fit_loop.total_batch_idx == self.batch:
+            trainer.save_checkpoint(self.run_dir / "last.ckpt")
+            raise _Preempted
+
+
+def _assert_stopped_fit_resumes_identically(
+    tmp_path: Path, stop_at: int, save_at: int | None = None, **settings: Any
+) -> None:
+    """A fit stopped after step ``stop_at`` (or saved and stopped after micro-batch ``save_at``) and resumed
+    from its last checkpoint logs the losses and ends with the weights of an uninterrupted fit, bitwise."""
     run, reference = tmp_path / "run", tmp_path / "reference"
     _fit(reference, **settings)
     with pytest.raises(_Preempted):
-        _fit(run, _StopAt(stop_at), **settings)
+        _fit(run, _StopAt(stop_at) if save_at is None else _SaveAndStop(run, save_at), **settings)
     _fit(run, **settings)
     assert read_losses(run) == read_losses(reference)
     expected = torch.load(reference / "weights.pt", weights_only=True)
@@ -70,6 +85,77 @@ def test_a_fit_stopped_mid_epoch_resumes_to_the_same_losses_and_weights(tmp_path
     # state it saved was one batch past the steps taken and the resumed fit skipped a batch.
     # The last checkpoint is step 4's, in the first epoch's last third.
     _assert_stopped_fit_resumes_identically(tmp_path, 7, stream=stream)
+
+
+def test_a_checkpoint_saved_inside_an_accumulation_window_resumes_to_the_same_losses_and_weights(
+    tmp_path: Path,
+) -> None:
+    # Issue 45 item 2, silent on main: accumulate_grad_batches=2 and trainer.save_checkpoint after micro-batch 4,
+    # the first half of the window 4-5. Lightning resumed at micro-batch 5 with an empty window, so the
+    # optimizer step lost micro-batch 4's gradient: every loss from micro-batch 6 on differed, and the
+    # weights. ResumeCallback saves the window's start instead, and the resumed fit reads 4 again.
+    _assert_stopped_fit_resumes_identically(tmp_path, 0, save_at=4)
+
+
+def test_model_checkpoint_after_a_validation_inside_an_accumulation_window_resumes_identically(
+    tmp_path: Path,
+) -> None:
+    # Found here, silent on main: ModelCheckpoint(save_last=True) saves after every validation, and
+    # val_check_interval=3 with accumulate_grad_batches=2 validates after micro-batch 2, inside the window
+    # 2-3: the resumed fit lost micro-batch 2's gradient (first different loss at step 2, micro-batch 4).
+    _assert_stopped_fit_resumes_identically(
+        tmp_path, 3, checkpoint="last", validation="plain", val_check_interval=3, max_epochs=1
+    )
+
+
+def test_two_checkpoints_inside_windows_resume_in_a_row_to_the_same_losses_and_weights(tmp_path: Path) -> None:
+    # accumulate_grad_batches=3: the first fit is saved after micro-batch 4 (window 3-5), the second resumes
+    # at micro-batch 3 and is saved after micro-batch 7 (window 6-8), a window start it recorded itself.
+    run, reference = tmp_path / "run", tmp_path / "reference"
+    _fit(reference, accumulation=3)
+    for save_at in (4, 7):
+        with pytest.raises(_Preempted):
+            _fit(run, _SaveAndStop(run, save_at), accumulation=3)
+    _fit(run, accumulation=3)
+    assert read_losses(run) == read_losses(reference)
+    expected = torch.load(reference / "weights.pt", weights_only=True)
+    assert_same(expected, torch.load(run / "weights.pt", weights_only=True), "final weights")
+
+
+class _SaveBeforeOptimizerStep(lightning.Callback):
+    def __init__(self, run_dir: Path) -> None:
+        self.run_dir = run_dir
+
+    def on_before_optimizer_step(self, trainer: lightning.Trainer, *args: object) -> None:
+        if trainer.global_step == 1:
+            trainer.save_checkpoint(self.run_dir / "last.ckpt")
+
+
+def test_a_checkpoint_inside_the_optimizer_step_is_refused_naming_the_window(tmp_path: Path) -> None:
+    # Between the last micro-batch's backward and the end of the optimizer step the weights may or may not
+    # have stepped yet: neither the window's start nor the present is the state of the weights.
+    match = r"inside optimizer step 2 \(micro-batch 2 of accumulate_grad_batches=2 .*every_n_train_steps"
+    with pytest.raises(ResumeError, match=match):
+        _fit(tmp_path, _SaveBeforeOptimizerStep(tmp_path))
+    assert not (tmp_path / "last.ckpt").exists()
+
+
+class _SavedAt(lightning.Callback):
+    """Records the micro-batch of the fit after which each checkpoint is written."""
+
+    def __init__(self) -> None:
+        self.batches: list[int] = []
+
+    def on_save_checkpoint(self, trainer: lightning.Trainer, *args: object) -> None:
+        self.batches.append(trainer.fit_loop.total_batch_idx)
+
+
+def test_model_checkpoint_every_n_train_steps_saves_on_optimizer_steps_under_accumulation(tmp_path: Path) -> None:
+    # ModelCheckpoint counts optimizer steps (trainer.global_step), so with accumulation it saves right after
+    # a window's optimizer step, never inside a window: the cadence the refusal above recommends.
+    saved = _SavedAt()
+    _fit(tmp_path, saved, accumulation=3, save_every=1, max_epochs=1)
+    assert set(saved.batches) == {2, 5, 8, 11}  # 12 micro-batches, windows of 3
 
 
 def test_validation_right_after_a_checkpoint_does_not_change_the_resumed_losses(tmp_path: Path) -> None:
@@ -166,12 +252,46 @@ def test_lightning_still_saves_the_train_loaders_state_where_resume_callback_cor
     assert sum(states[0]["batches"].values()) == 8
 
 
+class _FitLoopStates(lightning.Callback):
+    """``Trainer.fit_loop.state_dict()`` after each micro-batch (after ResumeCallback's hook) and one save."""
+
+    def __init__(self, run_dir: Path, save_at: int) -> None:
+        self.run_dir, self.save_at, self.states = run_dir, save_at, {}
+
+    def on_train_batch_end(self, trainer: lightning.Trainer, *args: object) -> None:
+        batch = trainer.fit_loop.total_batch_idx
+        self.states[batch] = trainer.fit_loop.state_dict()
+        if batch == self.save_at:
+            trainer.save_checkpoint(self.run_dir / f"{batch}.ckpt")
+        if batch == self.save_at + 1:
+            trainer.save_checkpoint(self.run_dir / f"{batch}.ckpt")
+            raise _Preempted
+
+
+def test_lightning_still_writes_and_reads_the_fit_loop_state_resume_callback_rewinds(tmp_path: Path) -> None:
+    # Inside a window ResumeCallback writes checkpoint["loops"]["fit_loop"] as Trainer.fit_loop.state_dict()
+    # was at the window's start, and reads the optimizer-step and batch counters in it (no public hook
+    # exposes them): this fails if Lightning changes that layout. Micro-batch 3 ends the window 2-3.
+    states = _FitLoopStates(tmp_path, save_at=3)
+    with pytest.raises(_Preempted):
+        _fit(tmp_path, states)
+    on_step = torch.load(tmp_path / "3.ckpt", weights_only=False)["loops"]["fit_loop"]  # Lightning's own file
+    assert on_step == states.states[3]  # on an optimizer step, Lightning's checkpoint is the fit loop's state
+    assert on_step["epoch_loop.automatic_optimization.optim_progress"]["optimizer"]["step"]["total"] == {
+        "ready": 2,
+        "completed": 2,
+    }
+    assert on_step["epoch_loop.batch_progress"]["current"] == {"ready": 4, "started": 4, "processed": 4, "completed": 3}
+    inside = torch.load(tmp_path / "4.ckpt", weights_only=False)["loops"]["fit_loop"]
+    assert inside == states.states[3] != states.states[4]  # inside the window 4-5: the window's start
+
+
 def test_a_stream_loader_among_several_train_loaders_warns() -> None:
     from resumable_data.integrations.lightning import ResumeCallback
     from resumable_data.streams import ShardedIterable, StreamLoader
 
     stream = StreamLoader(ShardedIterable(["x"], read_shard=lambda s, i: iter(())))
-    # What on_train_start reads: Trainer.train_dataloader, the fit's train loaders as given.
-    trainer = types.SimpleNamespace(train_dataloader={"a": stream, "b": [1, 2]})
+    # What on_train_start reads: Trainer.train_dataloader, the fit's train loaders as given, and its accumulation.
+    trainer = types.SimpleNamespace(train_dataloader={"a": stream, "b": [1, 2]}, accumulate_grad_batches=1)
     with pytest.warns(ResumeWarning, match="among several train loaders"):
         ResumeCallback().on_train_start(trainer, None)  # type: ignore[arg-type]

@@ -10,6 +10,12 @@ loader (none, a shuffled ``DataLoader`` that draws from the global RNGs, a ``Res
 of several seconds each; the cases are an all-pairs cover of it (every value of every setting meets
 every value of every other in some case), built greedily and deterministically. The first three run
 in the default suite, the rest with ``--runslow``.
+
+The accumulation phase of the save point has its own matrix: ``trainer.save_checkpoint`` at every
+micro-batch of a gradient-accumulation window (from ``on_train_batch_end``, or from a signal handler
+that lands in the micro-batch's training step, as a preemption notice does), in the middle of an epoch
+and in an epoch's first window, SIGKILL right after the save, resume from it. One case runs in the
+default suite, the rest and two on two ddp processes with ``--runslow``.
 """
 
 from __future__ import annotations
@@ -27,7 +33,7 @@ from integrations_harness import kill_and_resume  # first: makes torchvision imp
 pytest.importorskip("lightning", reason="the [lightning] extra is not installed")
 
 # isort: split
-from lightning_train import CHECKPOINTS, read_validation
+from lightning_train import CHECKPOINTS, SAVES, read_validation
 
 # The values of each setting, the most telling first (the cover's first cases take them).
 AXES: dict[str, tuple[Any, ...]] = {
@@ -120,3 +126,46 @@ def test_a_killed_fit_resumes_to_the_uninterrupted_losses_validations_and_weight
     kill_at, flags = _arguments(case)
     kill_and_resume("lightning_train.py", tmp_path, kill_at, *flags)
     _assert_same_validations(tmp_path / "run", tmp_path / "reference")
+
+
+def _phase_cases() -> Iterator[dict[str, Any]]:
+    """Every micro-batch of a window for each accumulation, save route, window and workers.
+
+    ``phase``: micro-batches of the window trained when a save from ``on_train_batch_end`` is written
+    (0: the previous window's last, right after its optimizer step), or the micro-batch in whose training
+    step the signal lands (1 to ``accumulation``; the last is inside the optimizer step's closure).
+    """
+    for accumulation in (2, 3):
+        for save in SAVES:
+            phases = range(accumulation) if save == "batch-end" else range(1, accumulation + 1)
+            for phase, window, workers in itertools.product(phases, ("mid-epoch", "epoch-start"), (0, 2)):
+                yield {"accumulation": accumulation, "save": save, "phase": phase, "window": window, "workers": workers}
+
+
+_DEFAULT_PHASE_CASE = {"accumulation": 3, "save": "signal", "phase": 2, "window": "mid-epoch", "workers": 0}
+_DDP_PHASE_CASES = [
+    {"accumulation": 2, "save": "batch-end", "phase": 1, "window": "mid-epoch", "workers": 0},
+    {"accumulation": 3, "save": "signal", "phase": 3, "window": "epoch-start", "workers": 0},
+]
+
+
+def _phase_params() -> Iterator[Any]:
+    for case in _phase_cases():
+        marks = [] if case == _DEFAULT_PHASE_CASE else [pytest.mark.slow]
+        yield pytest.param(case, 1, marks=marks, id=_id(case))
+    for case in _DDP_PHASE_CASES:
+        yield pytest.param(case, 2, marks=[pytest.mark.slow], id=f"ddp-{_id(case)}")
+
+
+@pytest.mark.parametrize(("case", "devices"), list(_phase_params()))
+def test_a_fit_killed_after_a_save_inside_an_accumulation_window_resumes_bitwise(
+    tmp_path: Path, case: dict[str, Any], devices: int
+) -> None:
+    accumulation = case["accumulation"]
+    batches = _BATCHES // devices  # per rank: the ResumableDataLoader shards by rank
+    # Windows start at multiples of the accumulation in each epoch; the second epoch's windows here.
+    start = batches + (accumulation if case["window"] == "mid-epoch" else 0)
+    save_at = start + case["phase"] - 1  # the fit's micro-batch (counted over epochs, from 0)
+    flags = ["--max-epochs", "2", "--accumulation", str(accumulation), "--workers", str(case["workers"])]
+    flags += ["--save-at", str(save_at), "--save-in", case["save"], "--devices", str(devices)]
+    kill_and_resume("lightning_train.py", tmp_path, 0, *flags, ranks=devices)

@@ -1,7 +1,10 @@
 """A user's Lightning fit over a ResumableDataLoader with ResumeCallback, used by tests/integrations/test_lightning*.py.
 
 ``ModelCheckpoint`` saves every few steps (or every epoch, or only ``last.ckpt``); ``--kill-at`` SIGKILLs
-the fit after that step (``--kill-in validation``: in that step's validation); run again with
+the fit after that step (``--kill-in validation``: in that step's validation); ``--save-at`` instead saves
+``last.ckpt`` with ``trainer.save_checkpoint`` at that micro-batch of the fit (inside a gradient-accumulation
+window, as a preemption handler does: ``--save-in signal`` from a SIGUSR1 handler that lands in the
+micro-batch's training step) and SIGKILLs the fit right after; run again with
 ``ckpt_path="last"``, it resumes and the losses and final weights equal an uninterrupted fit bitwise.
 ``--reference DIR`` then also fits uninterrupted in DIR, in the same process. The other flags are the
 Trainer settings users combine: validation cadence and loader, ``limit_train_batches``,
@@ -41,6 +44,7 @@ VALIDATION = Augmented(16)  # 4 batches of 4; its augmentation draws from the gl
 SHARD = 12  # --stream: the 48 samples as 4 shards of 12 indices, fetched (and augmented) by a map
 VALIDATION_LOADERS = ("none", "plain", "resumable")  # none, a shuffled DataLoader, a ResumableDataLoader
 CHECKPOINTS = ("steps", "epochs", "last")  # every_n_train_steps, every_n_epochs=1, save_last only
+SAVES = ("batch-end", "signal")  # --save-at: from on_train_batch_end, or from a signal handler in training_step
 VALIDATION_LOG = "validation.jsonl"
 
 
@@ -61,6 +65,8 @@ class Settings:
     limit_train_batches: int | float | None = None
     val_check_interval: int | float | None = None
     validation: str = "none"
+    save_at: int = -1  # in a fit that starts afresh: save last.ckpt at this micro-batch and SIGKILL (-1: never)
+    save_in: str = "batch-end"  # where that save happens: SAVES
 
 
 def log_validation(run_dir: Path, step: int, batch_idx: int, loss: float) -> None:
@@ -85,11 +91,18 @@ class Regressor(lightning.LightningModule):
         self.net, self.run_dir, self.settings = Net(), run_dir, settings
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        if self.settings.save_in == "signal" and self._at_save_point():
+            os.kill(os.getpid(), signal.SIGUSR1)  # a preemption notice, handled in this step (see fit)
         loss = self.net(**batch)["loss"]
         log_loss(self.run_dir, self.global_step * 100 + batch_idx, loss.item(), self.global_rank)
         return loss
 
+    def _at_save_point(self) -> bool:
+        return self.trainer.fit_loop.total_batch_idx == self.settings.save_at
+
     def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        if self.settings.save_in == "batch-end" and self._at_save_point():
+            save_and_die(self.trainer, self.run_dir)
         if self.settings.kill_in == "train":
             maybe_die(self.global_step, self.settings.kill_at)
 
@@ -132,8 +145,17 @@ def _checkpoints(run_dir: Path, settings: Settings) -> ModelCheckpoint:
     return ModelCheckpoint(dirpath=run_dir, save_last=True)  # after each validation, or at each epoch's end
 
 
+def save_and_die(trainer: lightning.Trainer, run_dir: Path) -> None:
+    """What a preemption handler does: save the fit where it is (every rank calls it), then the process dies."""
+    trainer.save_checkpoint(run_dir / "last.ckpt")
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
 def fit(run_dir: Path, settings: Settings, callbacks: tuple[lightning.Callback, ...] = ()) -> None:
     seed_everything(0)
+    resume = (run_dir / "last.ckpt").exists()
+    if resume:  # --save-at is the first fit's preemption
+        settings = dataclasses.replace(settings, save_at=-1)
     model = Regressor(run_dir, settings)
     trainer = lightning.Trainer(
         max_epochs=settings.max_epochs,
@@ -150,7 +172,8 @@ def fit(run_dir: Path, settings: Settings, callbacks: tuple[lightning.Callback, 
         enable_progress_bar=False,
         enable_model_summary=False,
     )
-    resume = (run_dir / "last.ckpt").exists()
+    if settings.save_in == "signal" and settings.save_at >= 0:
+        signal.signal(signal.SIGUSR1, lambda *_: save_and_die(trainer, run_dir))
     trainer.fit(model, val_dataloaders=_validation_loader(settings), ckpt_path="last" if resume else None)
     if trainer.global_rank == 0:
         save_weights(run_dir, model)
@@ -179,6 +202,8 @@ def main() -> None:
     parser.add_argument("--limit-train-batches", type=_number, default=None)
     parser.add_argument("--val-check-interval", type=_number, default=None)
     parser.add_argument("--validation", choices=VALIDATION_LOADERS, default="none")
+    parser.add_argument("--save-at", type=int, default=-1)
+    parser.add_argument("--save-in", choices=SAVES, default="batch-end")
     parser.add_argument("--reference", type=Path, default=None)
     args = parser.parse_args()
     settings = Settings(**{field.name: getattr(args, field.name) for field in dataclasses.fields(Settings)})
@@ -186,7 +211,7 @@ def main() -> None:
     fit(args.run_dir, settings)
     if args.reference is not None:
         args.reference.mkdir(parents=True, exist_ok=True)
-        fit(args.reference, dataclasses.replace(settings, kill_at=0))
+        fit(args.reference, dataclasses.replace(settings, kill_at=0, save_at=-1))
 
 
 if __name__ == "__main__":
