@@ -159,6 +159,7 @@ def test_bench_elastic_quick(tmp_path: Path) -> None:
     assert all(row["exact"] == "ok" for row in rows), rows
 
 
+@pytest.mark.slow  # 6 s; CI's 5 minutes keep bench_elastic's and bench_accumulation's smoke tests
 def test_bench_checkpoint_quick(tmp_path: Path) -> None:
     _run_quick("bench_checkpoint.py", tmp_path)
     rows = [row for row in _rows(tmp_path, "bench_checkpoint", "mode") if "restored" in row]

@@ -313,6 +313,7 @@ def _kill_and_resume(tmp_path: Path, route: str, set_epoch: bool, workers: int, 
     kill_and_resume("accelerate_train.py", tmp_path, save + 2, *args)
 
 
+@pytest.mark.slow  # the stateful route's kill and resume runs by default in the accumulation-window case
 @pytest.mark.parametrize(("route", "set_epoch", "workers", "point", "accumulate"), _SAMPLED)
 def test_a_killed_accelerate_run_resumes_bitwise(
     tmp_path: Path, route: str, set_epoch: bool, workers: int, point: str, accumulate: int

@@ -47,7 +47,7 @@ AXES: dict[str, tuple[Any, ...]] = {
     "kill": ("epoch-end", "validation", "mid-epoch"),
 }
 _BATCHES = 12  # lightning_train.py: 48 samples in batches of 4
-_DEFAULT_CASES = 2  # subprocess fits take seconds each: the default suite runs this many (and the window case)
+_DEFAULT_CASES = 1  # subprocess fits take seconds each: the default suite runs this many (and the window case)
 
 
 def _valid(case: dict[str, Any]) -> bool:

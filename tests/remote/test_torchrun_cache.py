@@ -106,7 +106,8 @@ def shard_reads(proxy: FaultProxy, local: str) -> tuple[Counter[str], int]:
     return whole, ranged
 
 
-@pytest.mark.parametrize("workers", [pytest.param(0, marks=pytest.mark.slow), 2])  # CI's 5 minutes keep 2
+@pytest.mark.slow  # 11 s of 2 ranks x 2 workers; tests/storage/test_cache.py shares a cache between processes by default
+@pytest.mark.parametrize("workers", [0, 2])
 def test_two_ranks_download_each_shard_once_and_read_each_record_once_per_epoch(
     shards: tuple[str, str], proxy: FaultProxy, tmp_path: Path, workers: int
 ) -> None:

@@ -72,7 +72,7 @@ for step, batch in zip(range(5), loader):
 """
 
 
-@pytest.mark.parametrize(("seed", "differs"), [(0, False), (1, True)])
+@pytest.mark.parametrize(("seed", "differs"), [pytest.param(0, False, marks=pytest.mark.slow), (1, True)])
 def test_the_audit_check_names_a_run_whose_steps_consumed_other_batches(
     tmp_path: Path, seed: int, differs: bool
 ) -> None:

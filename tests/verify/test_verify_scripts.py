@@ -35,6 +35,7 @@ def run_verify(script: str, tmp_path: Path, *, kills: int = 1, workers_flag: str
     )
 
 
+@pytest.mark.slow  # the default suite's PASS case is verify over the trainer (test_verify_trainer_and_examples.py)
 def test_a_script_that_restores_everything_passes(tmp_path: Path) -> None:
     result = run_verify("tiny_train.py", tmp_path, kills=2)
     assert result.passed, result.report
@@ -144,6 +145,7 @@ def test_a_resume_fault_after_the_data_is_told_apart_by_the_first_resumed_steps_
         )
 
 
+@pytest.mark.slow  # its rule is covered by test_the_cause_is_read_off_the_first_resumed_steps_records
 def test_a_step_counter_that_starts_again_is_named_not_the_loader(tmp_path: Path) -> None:
     result = run_verify("broken_step_counter_not_restored.py", tmp_path)
     assert not result.passed and result.finding is not None, result.report
