@@ -97,22 +97,14 @@ _CASES = [
         _CADENCES, (1, 3), ("mid-epoch", "epoch-end", "after-save", "in-save"), ((0, None), (2, 1))
     )
 ]
-# In the default suite: the two that failed on main (an evaluation after a checkpoint on an epoch's
-# last step; a kill in the middle of Trainer's checkpoint write); the rest with --runslow (a third,
-# drawn, ran here until the accumulation-window case below took its place in CI's 5 minutes, and the
-# first of the two found runs with --runslow since, for the same reason).
-_FOUND = [
-    _Case("epoch-end", "epoch", 3, "mid-epoch", 0, None),
-    _Case("steps", "off-save", 3, "in-save", 2, 1),
-]
-_SAMPLED: list[
-    _Case
-] = []  # both with --runslow: the accumulation-window case below is the default one (CI's 5 minutes)
 
 
-@pytest.mark.parametrize(
-    "case", [case if case in _SAMPLED else pytest.param(case, marks=pytest.mark.slow) for case in _CASES], ids=str
-)
+# All with --runslow: the accumulation-window case below is the default suite's (CI's 5 minutes). Two of
+# these failed on main when they were found: an evaluation after a checkpoint on an epoch's last step
+# (save-epoch-end-eval-epoch-acc3-kill-mid-epoch-w0) and a kill in the middle of Trainer's checkpoint
+# write (save-steps-eval-off-save-acc3-kill-in-save-w2-limit1).
+@pytest.mark.slow
+@pytest.mark.parametrize("case", _CASES, ids=str)
 def test_a_killed_trainer_run_resumes_bitwise_in_every_configuration(tmp_path: Path, case: _Case) -> None:
     kill_and_resume("hf_trainer_train.py", tmp_path, case.kill_at(), *case.flags())
 
