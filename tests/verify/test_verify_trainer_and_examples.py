@@ -17,9 +17,9 @@ ROOT = Path(__file__).resolve().parents[2]
 LAUNCH_TIMEOUT_S = 240
 # Tiny, with dropout on (so the RNG restore matters) and checkpoints every 5 steps (so steps replay).
 TRAINER = [
-    *("-m", "trainer", "train", "--run-dir", "{run_dir}", "--max-steps", "30", "--block-size", "32"),
+    *("-m", "trainer", "train", "--run-dir", "{run_dir}", "--max-steps", "20", "--block-size", "32"),
     *("--n-layer", "1", "--n-head", "2", "--n-embd", "32", "--batch-size", "8", "--dropout", "0.1"),
-    *("--eval-every", "15", "--eval-batches", "2", "--checkpoint-every", "5", "--no-progress"),
+    *("--eval-every", "10", "--eval-batches", "2", "--checkpoint-every", "5", "--no-progress"),
 ]
 
 
