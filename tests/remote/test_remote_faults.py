@@ -32,9 +32,9 @@ FAST = {"connect_timeout": 2, "read_timeout": 2, "retries": {"mode": "standard",
 # The retry budget docs/guides/streams.md states for one operation: attempts x (connect + read timeout),
 # where botocore's max_attempts counts the retries after the first attempt.
 FAST_BUDGET = (3 + 1) * (2 + 2)
-# A stall spends the whole budget, so the stall tests take a smaller one (2 attempts of 1 + 3 s).
-STALLING = {"connect_timeout": 1, "read_timeout": 3, "retries": {"mode": "standard", "max_attempts": 1}}
-STALL_BUDGET = (1 + 1) * (1 + 3)
+# A stall spends the whole budget, so the stall tests take a smaller one (2 attempts of 1 + 1 s).
+STALLING = {"connect_timeout": 1, "read_timeout": 1, "retries": {"mode": "standard", "max_attempts": 1}}
+STALL_BUDGET = (1 + 1) * (1 + 1)
 
 
 def within(budget: float) -> float:
@@ -183,7 +183,7 @@ def test_a_stalled_server_fails_from_index_within_the_stated_retry_budget(
     s3_server: Any, bucket: str, proxy: Any
 ) -> None:
     """On main the index read took 67 s with FAST's budget of 16 s (s3fs repeats each of botocore's
-    4 attempts 5 times: 20 HEADs), 35 s with this test's budget of 8 s."""
+    4 attempts 5 times: 20 HEADs), 35 s with a budget of 8 s."""
     index = token_index(s3_server, bucket)
     proxy.always = STALL
     started = time.monotonic()
