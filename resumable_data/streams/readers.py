@@ -31,8 +31,10 @@ _EDGE = 4096  # bytes read at each end of a shard for its identity
 _MAPPED_SHARDS = 64  # token shards a reader keeps mapped
 _CHUNK = 32  # windows a reader makes at a time (see TokenShardReader._windows)
 # Remote token shards: windows closer than _GAP bytes are fetched in one ranged read, of at most
-# _RANGE bytes (a request costs a round trip; reading a small gap costs less than a second request).
-_GAP = 64 << 10
+# _RANGE bytes. The ranges of one read go out at once, so a second request costs no round trip, only
+# its headers (about 1 KiB): a gap is read through only where it costs less than they do. (A gap of
+# 64 KiB, before, made a window's every read by key fetch most of a shard again: issue 48.)
+_GAP = 1 << 10
 _RANGE = 8 << 20
 _NPY_HEAD = 64 << 10  # bytes fetched to read a remote .npy header (numpy's are far smaller)
 _TEXT_BLOCK = 2 << 20  # read-ahead of a remote text file: a restore fetches one block, not the file

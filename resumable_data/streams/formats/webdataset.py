@@ -44,7 +44,7 @@ _INDEXED_MEMBERS = 1 << 21  # members of the shard indexes a reader keeps in mem
 _SAMPLES = 64  # samples assembled at a time when reading in order
 # Remote shards without a cache: samples closer than _GAP bytes are fetched by one ranged read of at
 # most _RANGE bytes (as TokenShardReader's windows); a scan reads ahead _SCAN_BLOCK bytes at a time.
-_GAP = 64 << 10
+_GAP = 1 << 10  # read through only a gap that costs less than a request's headers (see readers.py)
 _RANGE = 8 << 20
 _SCAN_BLOCK = 8 << 20
 _INDEX_FOLDER = "tar-index"  # in cache_dir, next to the ShardCache's folders
