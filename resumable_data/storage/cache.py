@@ -58,7 +58,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO, Literal
@@ -305,9 +305,11 @@ class ShardCache:
             self._top_up()
         return handle
 
-    def cached(self, shard: RemoteShard) -> CachedShard | None:
+    def cached(self, shard: RemoteShard, *, join: bool = False) -> CachedShard | None:
         """The local copy of ``shard`` if some process on the machine has it now (held, as from
-        :meth:`use`), else None, and the schedule does not move.
+        :meth:`use`), else None, and the schedule does not move. With ``join``, a download of it
+        that this process runs in the background is waited for first (its bytes are on their way:
+        a read that would fetch much of them by ranged requests takes them twice).
 
         What a read that should not wait calls (a restore's first records, a shuffle's records read
         by key, by ranged requests meanwhile). A planned shard found missing downloads in the
@@ -317,6 +319,9 @@ class ShardCache:
         self._this_process()
         if not isinstance(shard, RemoteShard):
             raise ValueError(f"cached() takes a RemoteShard, but got {shard!r}")
+        future = self._futures.get(shard)
+        if join and future is not None and not future.done():
+            wait([future])  # an error stays for use() to raise
         handle = self._open_cached(shard)
         if handle is not None:
             self._count(hits=1)

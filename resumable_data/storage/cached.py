@@ -169,12 +169,13 @@ class CachedRemote:
         self.cache.plan([self._known[url] for url in known], reading=min(self._reading, len(known)))
         self._partial = len(known) < len(self._schedule)
 
-    def local(self, url: str, load: Callable[[str], Any], *, wait: bool) -> Any | None:
+    def local(self, url: str, load: Callable[[str], Any], *, wait: bool, join: bool = False) -> Any | None:
         """``load(local path)`` of the shard's cached copy, the shard held against eviction until the
         slot reads another one; with ``wait``, downloaded first if no process has it, else None when
         it is not cached yet (or its size and identity are not known yet: the read goes on by ranged
         requests rather than wait for them). The shard held before is released first (see the
-        module docstring)."""
+        module docstring). With ``join``, a background download of the shard in this process is
+        waited for (see :meth:`ShardCache.cached`)."""
         if not wait and url not in self._known:
             return None
         shard = self._shard(url)
@@ -189,7 +190,7 @@ class CachedRemote:
             if self._partial and not self._looking_up():
                 self._send_plan()
         # Not under the guard: a download may take long, and the lookups' re-plan must not wait for it.
-        handle = self.cache.use(shard) if wait else self.cache.cached(shard)
+        handle = self.cache.use(shard) if wait else self.cache.cached(shard, join=join)
         if handle is None:
             return None
         try:
@@ -284,9 +285,9 @@ class RemoteReading:
             return None
         return self._shard_cache.cached_identity(str(shard))
 
-    def _local_copy(self, shard: Any, load: Callable[[str], Any], *, wait: bool) -> Any | None:
+    def _local_copy(self, shard: Any, load: Callable[[str], Any], *, wait: bool, join: bool = False) -> Any | None:
         """``load(path)`` of a remote shard's cached copy (downloaded first with ``wait``), held while
         the slot reads it; None without a cache, for a local path, or when not cached yet."""
         if self._shard_cache is None or not is_url(shard):
             return None
-        return self._shard_cache.local(str(shard), load, wait=wait)
+        return self._shard_cache.local(str(shard), load, wait=wait, join=join)

@@ -35,6 +35,7 @@ _CHUNK = 32  # windows a reader makes at a time (see TokenShardReader._windows)
 # its headers (about 1 KiB): a gap is read through only where it costs less than they do. (A gap of
 # 64 KiB, before, made a window's every read by key fetch most of a shard again: issue 48.)
 _GAP = 1 << 10
+_REQUEST = 1 << 10  # those headers, about: what a read by key costs a request beyond its bytes
 _RANGE = 8 << 20
 _NPY_HEAD = 64 << 10  # bytes fetched to read a remote .npy header (numpy's are far smaller)
 _TEXT_BLOCK = 2 << 20  # read-ahead of a remote text file: a restore fetches one block, not the file
@@ -268,9 +269,14 @@ class TokenShardReader(RemoteReading):
             self._sizes[str(shard)] = int(identity.split(":", 1)[0])
         return identity
 
-    def _cached(self, shard: Any, *, wait: bool) -> np.ndarray | None:
-        """The remote shard's tokens memmapped from the cache (downloaded first with ``wait``), or None."""
-        return self._local_copy(shard, lambda path: self._map(path, os.stat(path).st_size, str(shard)), wait=wait)
+    def _cached(self, shard: Any, *, wait: bool, join: bool = False) -> np.ndarray | None:
+        """The remote shard's tokens memmapped from the cache (downloaded first with ``wait``; with
+        ``join``, once this process's download of it in flight is in), or None."""
+
+        def load(path: str) -> np.ndarray:
+            return self._map(path, os.stat(path).st_size, str(shard))
+
+        return self._local_copy(shard, load, wait=wait, join=join)
 
     def count_windows(self, n_tokens: int) -> int:
         """Records in a shard of ``n_tokens`` tokens: how an index file's token counts give the sizes
@@ -306,7 +312,7 @@ class TokenShardReader(RemoteReading):
         open and one slice each, not one open each. Each window gets its own tensor storage, as
         from :meth:`__call__`. A remote shard not in the cache (if any) is read by ranged requests.
         """
-        tokens = self._cached(shard, wait=False)
+        tokens = self._cached(shard, wait=False, join=self._reads_much(shard, offsets))
         if tokens is None and is_url(shard):
             url = str(shard)
             if url.endswith(".npy") or url in self._sizes:
@@ -323,6 +329,18 @@ class TokenShardReader(RemoteReading):
         tokens = self.tokens(shard) if tokens is None else tokens
         self._check_offsets(shard, self._count(len(tokens)), offsets)
         return list(self._windows(tokens.view(np.ndarray), offsets))
+
+    def _reads_much(self, shard: Any, offsets: Sequence[int]) -> bool:
+        """Whether ranged reads of ``offsets`` would fetch, headers counted, a quarter of a remote
+        shard of known size or more: then a download of it in flight is waited for instead (a
+        window's reads of small records by key, not a restore's first records of a large shard)."""
+        size = self._sizes.get(str(shard)) if is_url(shard) else None
+        if self._shard_cache is None or not size:
+            return False
+        itemsize = self.dtype.itemsize
+        step, span = self.stride * itemsize, self.window * itemsize
+        fetched = sum((run[-1] - run[0]) * step + span + _REQUEST for run in self._runs(offsets, itemsize))
+        return 4 * fetched >= size
 
     @staticmethod
     def _check_offsets(shard: Any, n: int, offsets: Sequence[int]) -> None:

@@ -401,3 +401,28 @@ def test_a_shard_in_use_when_a_child_is_forked_is_released_by_the_parent_alone(t
     finally:
         child.kill()
         child.join(TIMEOUT)
+
+
+def test_a_read_that_joins_a_download_in_flight_gets_the_copy_and_no_second_download(tmp_path: Path) -> None:
+    # A window's read by key of a shard whose background download is running: without join it is read
+    # by ranged requests meanwhile (None here); with join it waits for the bytes already on their way
+    # (issue 48: small records read by key while their shard downloaded fetched most of it twice).
+    [name] = make_remote(tmp_path / "remote", 1, 4096)
+    remote = FolderRemote(tmp_path / "remote", tmp_path / "downloads.log")
+    started, gate = threading.Event(), threading.Event()
+
+    def held_download(url: str, dest: str) -> str:
+        started.set()
+        gate.wait(TIMEOUT)
+        return remote(url, dest)
+
+    shard = remote.shard(name)
+    with ShardCache(tmp_path / "cache", None, download=held_download, prefetch=1) as cache:
+        cache.plan([shard], reading=1)  # the shard read now: it downloads in the background
+        assert started.wait(TIMEOUT)
+        assert cache.cached(shard) is None  # in flight: not there yet
+        threading.Timer(0.2, gate.set).start()
+        handle = cache.cached(shard, join=True)
+        assert handle is not None, "join returned before the download in flight was in"
+        handle.close()
+    assert remote.downloads() == [shard.url]
