@@ -180,3 +180,14 @@ def test_bench_hf_trainer_quick(tmp_path: Path) -> None:
     }
     assert all(not row["median"].startswith("error") for row in rows), rows
     assert all(row["exact"] == "yes" for row in rows if row["method"] == "ResumableTrainer"), rows
+
+
+@pytest.mark.slow  # 17 s on 2 cores (an S3 server, spawned workers): CI's 5 minutes
+def test_bench_remote_shapes_quick(tmp_path: Path) -> None:
+    # The benchmark exits non-zero if an epoch misses a record.
+    pytest.importorskip("s3fs")
+    _run_quick("bench_remote_shapes.py", tmp_path)
+    rows = _rows(tmp_path, "remote_shapes", "shards")
+    assert [row["cache"] for row in rows] == ["0.5 D", "none"]
+    assert all(row["bytes down"].endswith(" D") for row in rows)
+    assert rows[1]["whole-shard downloads"] == "0.00 D (0)"  # no cache: ranged reads only
