@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 from _common import REPO_ROOT, machine_header, markdown_table, parse_args, write_report
 
+from resumable_data.storage.files import _DOWNLOAD_BLOCK as DOWNLOAD_BLOCK  # the Range a download asks for
 from resumable_data.streams import ShardedIterable, StreamLoader, TokenShardReader
 
 sys.path.insert(0, str(REPO_ROOT / "tests" / "remote"))
@@ -30,7 +31,6 @@ from s3_server import binary, serve
 
 from proxy import FaultProxy
 
-DOWNLOAD_BLOCK = 16 << 20  # the Range a whole-shard download asks for (storage.files._DOWNLOAD_BLOCK)
 # (shards, records, tokens a record, window in records, cache as a share of D or None, epochs)
 SHAPES = [
     (16, 100_000, 8, 10_000, 0.5, 3),  # 16-byte records, a window of 1.6 shards: about 3 shards a worker

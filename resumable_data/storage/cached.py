@@ -286,8 +286,9 @@ class RemoteReading:
         return self._shard_cache.cached_identity(str(shard))
 
     def _local_copy(self, shard: Any, load: Callable[[str], Any], *, wait: bool, join: bool = False) -> Any | None:
-        """``load(path)`` of a remote shard's cached copy (downloaded first with ``wait``), held while
-        the slot reads it; None without a cache, for a local path, or when not cached yet."""
+        """``load(path)`` of a remote shard's cached copy (downloaded first with ``wait``; with ``join``,
+        once this process's download of it in flight is in), held while the slot reads it; None
+        without a cache, for a local path, or when not cached yet."""
         if self._shard_cache is None or not is_url(shard):
             return None
         return self._shard_cache.local(str(shard), load, wait=wait, join=join)

@@ -32,10 +32,10 @@ _MAPPED_SHARDS = 64  # token shards a reader keeps mapped
 _CHUNK = 32  # windows a reader makes at a time (see TokenShardReader._windows)
 # Remote token shards: windows closer than _GAP bytes are fetched in one ranged read, of at most
 # _RANGE bytes. The ranges of one read go out at once, so a second request costs no round trip, only
-# its headers (about 1 KiB): a gap is read through only where it costs less than they do. (A gap of
-# 64 KiB, before, made a window's every read by key fetch most of a shard again: issue 48.)
-_GAP = 1 << 10
-_REQUEST = 1 << 10  # those headers, about: what a read by key costs a request beyond its bytes
+# its headers (_REQUEST bytes, about): a gap is read through only where it costs less than they do.
+# (A gap of 64 KiB, before, made a window's every read by key fetch most of a shard again: issue 48.)
+_REQUEST = 1 << 10  # what a request costs beyond the bytes it reads (also in TokenShardReader._reads_much)
+_GAP = _REQUEST
 _RANGE = 8 << 20
 _NPY_HEAD = 64 << 10  # bytes fetched to read a remote .npy header (numpy's are far smaller)
 _TEXT_BLOCK = 2 << 20  # read-ahead of a remote text file: a restore fetches one block, not the file
