@@ -203,6 +203,11 @@ class CachedRemote:
             self._held = (handle, loaded, os.getpid())
         return loaded
 
+    def known_size(self, url: str) -> int | None:
+        """The shard's size if this process has it (looked up for the plan, or read), else None: no request."""
+        shard = self._known.get(url)
+        return None if shard is None else shard.size
+
     def has(self, url: str) -> bool:
         """Whether the shard's copy is in the cache now, so that :meth:`local` would find it (a hint,
         see :meth:`ShardCache.has`); False while its size and identity are not known."""

@@ -88,6 +88,7 @@ from .base import EPOCH, Stream, require_count
 from .batch import Batch
 from .ledger import SlotLedger, batch_counts, slot_states
 from .loader_state import BATCHES, EPOCH_DONE, NEXT_WORKER, NUM_WORKERS, SLOTS, merge_loader_states
+from .plan_scope import withdrawn_after
 from .skipped import PLAIN_LOADER_VERSION, SKIPPED, SKIPPED_LOADER_VERSION, check_loader_version, rank_skipped
 from .slots import Seeding, SlotDataset, slot_batches, slot_loader
 
@@ -274,10 +275,13 @@ class StreamLoader:
             # The pipeline holds the next slot's state after a restore or an epoch start (they make
             # it last): the warm batch then needs no second check of that state.
             load = holds != local
-            first = next(
-                slot_batches(self._stream, local, ledger.states[local], ledger.yielded[local], seeding, load=load),
-                None,
-            )
+            # The pipeline here reads nothing after this batch: what it told a cache it reads next
+            # is withdrawn (the worker tells it again), or it keeps shards the workers need out.
+            with withdrawn_after():
+                first = next(
+                    slot_batches(self._stream, local, ledger.states[local], ledger.yielded[local], seeding, load=load),
+                    None,
+                )
             if first is not None:
                 yield first
                 # The state after the warm batch (just recorded by the caller), the next slot next.

@@ -37,6 +37,9 @@ _CHUNK = 32  # windows a reader makes at a time (see TokenShardReader._windows)
 _REQUEST = 1 << 10  # what a request costs beyond the bytes it reads (also in TokenShardReader._reads_much)
 _GAP = _REQUEST
 _RANGE = 8 << 20
+# A shard downloading in this process is read by ranges only until those reads have fetched, headers
+# counted, this share of it; later reads wait for the download (see TokenShardReader._reads_much).
+_RANGED_SHARE = 8
 _NPY_HEAD = 64 << 10  # bytes fetched to read a remote .npy header (numpy's are far smaller)
 _TEXT_BLOCK = 2 << 20  # read-ahead of a remote text file: a restore fetches one block, not the file
 
@@ -152,10 +155,13 @@ class TokenShardReader(RemoteReading):
         # from its cursor; a shuffle re-reads records of a shard a few at a time). A ranged read
         # past the end of a shard that shrank since is an error of its own (StorageError).
         self._sizes: dict[str, int] = {}
+        # Bytes fetched by ranged reads of each remote shard since this process last read it from
+        # the cache (see _reads_much); calls for one shard come from one thread at a time.
+        self._ranged: dict[str, int] = {}
 
     def __getstate__(self) -> dict[str, Any]:
-        # A worker maps the files (and checks the shards) itself; mappings and sizes are not sent along.
-        return {**self.__dict__, "_mapped": OrderedDict(), "_sizes": {}}
+        # A worker maps the files (and checks the shards) itself; mappings, sizes and counts stay here.
+        return {**self.__dict__, "_mapped": OrderedDict(), "_sizes": {}, "_ranged": {}}
 
     def tokens(self, shard: Any) -> np.ndarray:
         """The shard's tokens as a read-only array over a memory mapping (empty for an empty file).
@@ -312,9 +318,12 @@ class TokenShardReader(RemoteReading):
         open and one slice each, not one open each. Each window gets its own tensor storage, as
         from :meth:`__call__`. A remote shard not in the cache (if any) is read by ranged requests.
         """
-        tokens = self._cached(shard, wait=False, join=self._reads_much(shard, offsets))
+        fetched = self._ranged_bytes(offsets)
+        tokens = self._cached(shard, wait=False, join=self._reads_much(shard, fetched))
         if tokens is None and is_url(shard):
             url = str(shard)
+            if self._shard_cache is not None:
+                self._ranged[url] = self._ranged.get(url, 0) + fetched
             if url.endswith(".npy") or url in self._sizes:
                 base, n_tokens, dtype = self._remote_layout(url)
                 self._check_offsets(url, self._count(n_tokens), offsets)
@@ -326,21 +335,30 @@ class TokenShardReader(RemoteReading):
             except StorageError:
                 self._check_offsets(url, self._count(self._remote_layout(url)[1]), offsets)
                 raise
+        self._ranged.pop(str(shard), None)
         tokens = self.tokens(shard) if tokens is None else tokens
         self._check_offsets(shard, self._count(len(tokens)), offsets)
         return list(self._windows(tokens.view(np.ndarray), offsets))
 
-    def _reads_much(self, shard: Any, offsets: Sequence[int]) -> bool:
-        """Whether ranged reads of ``offsets`` would fetch, headers counted, a quarter of a remote
-        shard of known size or more: then a download of it in flight is waited for instead (a
-        window's reads of small records by key, not a restore's first records of a large shard)."""
-        size = self._sizes.get(str(shard)) if is_url(shard) else None
-        if self._shard_cache is None or not size:
-            return False
+    def _ranged_bytes(self, offsets: Sequence[int]) -> int:
+        """What ranged reads of ``offsets`` would fetch, each request's headers counted."""
         itemsize = self.dtype.itemsize
         step, span = self.stride * itemsize, self.window * itemsize
-        fetched = sum((run[-1] - run[0]) * step + span + _REQUEST for run in self._runs(offsets, itemsize))
-        return 4 * fetched >= size
+        return sum((run[-1] - run[0]) * step + span + _REQUEST for run in self._runs(offsets, itemsize))
+
+    def _reads_much(self, shard: Any, fetched: int) -> bool:
+        """Whether ``fetched`` more bytes by ranged reads would bring what this process took of a
+        remote shard of known size by ranges, since it last read it from the cache, to 1/_RANGED_SHARE
+        of the shard or more: then a download of it in flight is waited for instead. So a window's
+        reads of small records by key, each a request, take at most about that share of a shard on
+        top of its download (they took 1.8 D over three epochs before: issue 48), and a restore's
+        first records of a large shard still come by ranges at once."""
+        if self._shard_cache is None or not is_url(shard):
+            return False
+        size = self._sizes.get(str(shard)) or self._shard_cache.known_size(str(shard))
+        if not size:
+            return False
+        return _RANGED_SHARE * (self._ranged.get(str(shard), 0) + fetched) >= size
 
     @staticmethod
     def _check_offsets(shard: Any, n: int, offsets: Sequence[int]) -> None:

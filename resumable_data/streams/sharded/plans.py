@@ -11,6 +11,7 @@ shards it spans, and what comes next is the shards after them.
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Callable, Collection, Sequence
 from typing import Any
@@ -18,6 +19,7 @@ from typing import Any
 import numpy as np
 
 from ..base import Slot
+from ..plan_scope import note_sent
 from .layout import Dealt, EpochOrder
 from .shards import Shards
 
@@ -86,3 +88,10 @@ class Plans:
         indices = np.concatenate([this[:PLAN_AHEAD], upcoming[:PLAN_AHEAD]])[:PLAN_AHEAD]
         plan([shards.items[i] for i in indices.tolist()], reading=now)
         self._sent, self._asked = marker, asked
+        note_sent(self, functools.partial(self.withdraw, plan))
+
+    def withdraw(self, plan: Callable[..., None]) -> None:
+        """Tell ``plan`` (what :meth:`send` sent to) that this slot reads nothing more: an empty
+        schedule. The next :meth:`send` sends the schedule again."""
+        plan([])
+        self._sent = self._asked = None
