@@ -68,13 +68,13 @@ from proxy import FaultProxy
 
 T = TypeVar("T")
 BATCH = 32
-WINDOW = 10_000  # records, for 15,625-record shards; a quick run's shorter shards get the same share
+WINDOW_SHARDS = 0.64  # the window by default: 10,000 records of 15,625-record shards (--window-shards)
 WORKERS = 2
 PREFETCH = 2
 # Records of 16 bytes make batches of 512: each worker sends 16 to a message, as the StreamLoader
 # docs advise for small batches (the throughput table also runs the default, one to a message).
 PER_MESSAGE = 16
-SHARDS = 64
+SHARDS = 64  # by default (--shards)
 BANDWIDTH = 64 << 20  # bytes per second per connection
 FRACTIONS = (0.1, 0.5, 0.9)
 RESTORE_LATENCIES = (0.020, 0.050)
@@ -135,8 +135,9 @@ def ours(data: dict[str, Any], method: str, cache: Path, cache_limit: int | None
 
 
 def window(data: dict[str, Any]) -> int:
-    """The shuffle window: 10,000 records, spanning at most two shards, at every dataset size."""
-    return WINDOW * data["records"] // 1_000_000
+    """The shuffle window in records: ``--window-shards`` shards' worth (0.64 by default: 10,000 of
+    10^6 records in 64 shards; a window of 0.64 spans at most two shards)."""
+    return max(1, round(data["window_shards"] * data["records"] / data["shard_count"]))
 
 
 def build(method: str, data: dict[str, Any], cache: Path, cache_fraction: float | None) -> Any:
@@ -224,8 +225,8 @@ def restore_cell(method: str, data: dict[str, Any], cache: str, state: bytes, ex
     start = time.perf_counter()
     loader.load_state_dict(pickle.loads(state))
     first = record_ids(next(iter(loader)))
-    seconds = time.perf_counter() - start
-    return {"seconds": seconds, "exact": first == expected}
+    seconds, first_at = time.perf_counter() - start, time.time()
+    return {"seconds": seconds, "exact": first == expected, "first_at": first_at}
 
 
 def probe_cell(method: str, data: dict[str, Any], cache: str) -> dict[str, Any]:
@@ -245,8 +246,9 @@ def probe_cell(method: str, data: dict[str, Any], cache: str) -> dict[str, Any]:
 class Bench:
     """The server, the proxy in front of it, the datasets, and fresh cache folders for the cells."""
 
-    def __init__(self, root: Path, server: Any, records: int) -> None:
+    def __init__(self, root: Path, server: Any, records: int, shards: int, window_shards: float) -> None:
         self.root, self.server, self.records = root, server, records
+        self.shards, self.window_shards = shards, window_shards
         self.proxy = FaultProxy(("127.0.0.1", int(server.endpoint.rsplit(":", 1)[1])))
         self.proxy.bandwidth = BANDWIDTH
         self._caches = itertools.count()
@@ -258,7 +260,7 @@ class Bench:
 
     def write(self, work: Path) -> dict[str, Any]:
         """Every library's dataset in the bucket, written directly to the server (not through the proxy)."""
-        per_shard = self.records // SHARDS
+        per_shard = self.records // self.shards
         fs = self.server.fs(f"s3://{BUCKET}")
         fs.mkdir(BUCKET)
         tokens = np.repeat(np.arange(self.records, dtype=np.int64), 2)
@@ -281,6 +283,8 @@ class Bench:
         }
         return {
             "records": self.records,
+            "shard_count": self.shards,
+            "window_shards": self.window_shards,
             "ours": index,
             "local_index": str(self.server.root / BUCKET / "ours" / "index.json"),
             "options": options,
@@ -319,6 +323,8 @@ class Bench:
             Path(cache).mkdir()
         result = run_isolated(fn, {**kwargs, "cache": cache}, timeout_s=timeout_s)
         result["bytes_down"], result["requests"] = self.proxy.bytes_down, dict(self.proxy.methods)
+        if "first_at" in result:  # what came down before the cell had its first batch
+            result["bytes_first"] = self.proxy.bytes_until(result["first_at"])
         if "error" in result and progress_path(cache).exists():
             result["progress"] = json.loads(progress_path(cache).read_text())
         result["cache_dir"] = cache
@@ -341,6 +347,14 @@ SECTIONS = ("throughput", "restore", "bytes")
 
 def _add_rounds(parser: Any) -> None:
     parser.add_argument("--rounds", type=int, default=3, help="rounds of the throughput and restore cells (default 3)")
+    parser.add_argument("--records", type=int, default=None, help="records (default 10^6; 64,000 with --quick)")
+    parser.add_argument("--shards", type=int, default=SHARDS, help=f"shards each library writes (default {SHARDS})")
+    parser.add_argument(
+        "--window-shards",
+        type=float,
+        default=WINDOW_SHARDS,
+        help=f"our shuffle window in shards' worth of records (default {WINDOW_SHARDS})",
+    )
     parser.add_argument(
         "--sections",
         default=",".join(SECTIONS),
@@ -356,7 +370,9 @@ def main() -> None:
     sections = [name.strip() for name in args.sections.split(",") if name.strip()]
     if not sections or not set(sections) <= set(SECTIONS):
         raise SystemExit(f"--sections takes a comma-separated subset of {SECTIONS}, but got {args.sections!r}")
-    records = 64_000 if args.quick else 1_000_000
+    records = args.records or (64_000 if args.quick else 1_000_000)
+    if records % args.shards or args.window_shards <= 0:
+        raise SystemExit(f"--records ({records}) should be a multiple of --shards ({args.shards}), --window-shards > 0")
     rounds = 1 if args.quick else args.rounds
     restore_rounds = rounds
     rclone = binary()
@@ -370,7 +386,7 @@ def main() -> None:
         root = Path(tmp)
         (root / "s3").mkdir()
         with serve(root / "s3", rclone) as server:
-            bench = Bench(root, server, records)
+            bench = Bench(root, server, records, args.shards, args.window_shards)
             data = bench.write(root)
             front = litdata_over_tls(bench, data, root)
             print(f"written in {time.perf_counter() - started:.0f} s: {data['shards']} shards, {data['bytes']} bytes")
@@ -387,9 +403,14 @@ def main() -> None:
         f"plain-HTTP endpoint); the others read the proxy in plain HTTP\n"
         f"- wall time of the whole run: {time.perf_counter() - started:.0f} s\n"
     )
+    shape = f"{args.shards} shards of {records // args.shards:,} records of 16 bytes, our window {args.window_shards:g} shards"
+    header += f"- dataset shape: {shape}\n"
+    name = "remote" if sections == list(SECTIONS) else "remote_" + "_".join(sections)
+    if (records, args.shards, args.window_shards) != (1_000_000, SHARDS, WINDOW_SHARDS) and not args.quick:
+        name += f"_{args.shards}x{records // args.shards}_w{args.window_shards:g}"  # a shape of its own
     if sections != list(SECTIONS):
         header += f"- tables measured in this run: {', '.join(sections)} (`--sections`)\n"
-    write_report(args.out, "remote" if sections == list(SECTIONS) else "remote_" + "_".join(sections), header + text)
+    write_report(args.out, name, header + text)
 
 
 def litdata_over_tls(bench: Bench, data: dict[str, Any], root: Path) -> TlsFront | None:
@@ -510,6 +531,7 @@ def restore(
     cells = [(m, lat, f) for lat in RESTORE_LATENCIES for f in range(len(FRACTIONS)) for m in restorable]
     times: dict[tuple[str, float, int], list[float]] = {cell: [] for cell in cells}
     exact: dict[tuple[str, float, int], bool] = dict.fromkeys(cells, True)
+    first_bytes: dict[tuple[str, float, int], list[float]] = {cell: [] for cell in cells}
     for r in range(restore_rounds):
         for method, latency, f in rotated(cells, r):
             state, expected = taken[method][f]
@@ -519,6 +541,7 @@ def restore(
             if failed(result, f"restore, round {r}, {method}, {latency * 1000:.0f} ms, {FRACTIONS[f]:.0%}", failures):
                 continue
             times[method, latency, f].append(result["seconds"])
+            first_bytes[method, latency, f].append(result["bytes_first"])
             exact[method, latency, f] &= result["exact"]
     rows = []
     for latency in RESTORE_LATENCIES:
@@ -531,6 +554,13 @@ def restore(
             worst = max(statistics.median(times[method, latency, f] or [float("inf")]) for f in range(len(FRACTIONS)))
             row.append(f"{format_seconds(target)}: {'met' if worst <= target else 'missed'}" if method == OURS else "")
             rows.append(row)
+    batch_bytes = BATCH * 16
+    byte_rows = [
+        [f"{latency * 1000:.0f} ms", litdata_name if method == LITDATA else method]
+        + [spread(first_bytes[method, latency, f], lambda v: f"{v / batch_bytes:.1f}x") for f in range(len(FRACTIONS))]
+        for latency in RESTORE_LATENCIES
+        for method in restorable
+    ]
     return [
         "## 2. Restore → first batch in hand, cold cache",
         "",
@@ -540,6 +570,13 @@ def restore(
         "uninterrupted run's. Target for ours: 3 round trips + 20 ms, at every position.",
         "",
         markdown_table(["added RTT", "method", *(f"{f:.0%}" for f in FRACTIONS), "target"], rows),
+        "",
+        f"Bytes that came down (counted at the proxy, headers included) from the restore to its first batch in "
+        f"hand, as a multiple of that batch's own records ({BATCH} x 16 bytes = {batch_bytes} bytes); target "
+        "for ours: 2x. Each request brings about 1 KiB of headers, and a restore asks each shard it reads from "
+        "for its identity, so with 16-byte records this counts requests more than records.",
+        "",
+        markdown_table(["added RTT", "method", *(f"{f:.0%}" for f in FRACTIONS)], byte_rows),
         "",
     ]
 

@@ -63,6 +63,7 @@ class FaultProxy:
         self.requests = 0
         self.methods: Counter[str] = Counter()
         self.log: list[tuple[str, str, str | None]] = []
+        self.arrivals: list[tuple[float, int]] = []  # (time.time(), bytes) of each response chunk forwarded
         self.faulted = 0
         # Requests (method, path) for which ``hold`` is true wait (at most 60 s) until ``release()``.
         self.hold: Callable[[str, str], bool] | None = None
@@ -87,7 +88,12 @@ class FaultProxy:
         with self._lock:
             self.bytes_down = self.requests = self.faulted = 0
             self.methods = Counter()
-            self.log = []
+            self.log, self.arrivals = [], []
+
+    def bytes_until(self, moment: float) -> int:
+        """Bytes forwarded to clients up to ``moment`` (a ``time.time()``, from any process on the machine)."""
+        with self._lock:
+            return sum(size for at, size in self.arrivals if at <= moment)
 
     def clear(self) -> None:
         """No faults, no shaping."""
@@ -172,6 +178,7 @@ class FaultProxy:
                 client.sendall(chunk)
                 with self._lock:
                     self.bytes_down += len(chunk)
+                    self.arrivals.append((time.time(), len(chunk)))
                 if cut[0] == 0:
                     break
                 if self.bandwidth:
