@@ -347,18 +347,19 @@ class TokenShardReader(RemoteReading):
         return sum((run[-1] - run[0]) * step + span + _REQUEST for run in self._runs(offsets, itemsize))
 
     def _reads_much(self, shard: Any, fetched: int) -> bool:
-        """Whether ``fetched`` more bytes by ranged reads would bring what this process took of a
-        remote shard of known size by ranges, since it last read it from the cache, to 1/_RANGED_SHARE
-        of the shard or more: then a download of it in flight is waited for instead. So a window's
-        reads of small records by key, each a request, take at most about that share of a shard on
-        top of its download (they took 1.8 D over three epochs before: issue 48), and a restore's
-        first records of a large shard still come by ranges at once."""
-        if self._shard_cache is None or not is_url(shard):
+        """Whether a download of a remote shard in flight should be waited for rather than read by
+        ranges: when this process read it by ranges already since it last read it from the cache,
+        and ``fetched`` more bytes would bring those reads to 1/_RANGED_SHARE of the shard or more.
+        So a window's reads of small records by key, each a request, take at most about that share
+        of a shard, plus one read, on top of its download (they took 1.8 D over three epochs before:
+        issue 48), and a restore's first read of each shard comes by ranges at once, however many
+        records it asks (a batch of 32 scattered 16-byte records is 32 requests)."""
+        if self._shard_cache is None or not is_url(shard) or str(shard) not in self._ranged:
             return False
         size = self._sizes.get(str(shard)) or self._shard_cache.known_size(str(shard))
         if not size:
             return False
-        return _RANGED_SHARE * (self._ranged.get(str(shard), 0) + fetched) >= size
+        return _RANGED_SHARE * (self._ranged[str(shard)] + fetched) >= size
 
     @staticmethod
     def _check_offsets(shard: Any, n: int, offsets: Sequence[int]) -> None:
