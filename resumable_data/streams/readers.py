@@ -34,7 +34,7 @@ _CHUNK = 32  # windows a reader makes at a time (see TokenShardReader._windows)
 # _RANGE bytes. The ranges of one read go out at once, so a second request costs no round trip, only
 # its headers (_REQUEST bytes, about): a gap is read through only where it costs less than they do.
 # (A gap of 64 KiB, before, made a window's every read by key fetch most of a shard again: issue 48.)
-_REQUEST = 1 << 10  # what a request costs beyond the bytes it reads (also in TokenShardReader._reads_much)
+_REQUEST = 1 << 10  # what a request costs beyond the bytes it reads (also TokenShardReader._ranged_bytes)
 _GAP = _REQUEST
 _RANGE = 8 << 20
 # A shard downloading in this process is read by ranges only until those reads have fetched, headers
@@ -318,7 +318,8 @@ class TokenShardReader(RemoteReading):
         open and one slice each, not one open each. Each window gets its own tensor storage, as
         from :meth:`__call__`. A remote shard not in the cache (if any) is read by ranged requests.
         """
-        fetched = self._ranged_bytes(offsets)
+        # Counted only for a remote shard read through the cache: local reads by key stay one slice each.
+        fetched = self._ranged_bytes(offsets) if self._shard_cache is not None and is_url(shard) else 0
         tokens = self._cached(shard, wait=False, join=self._reads_much(shard, fetched))
         if tokens is None and is_url(shard):
             url = str(shard)
